@@ -1,0 +1,82 @@
+"""The result of one tool call (DESIGN.md section 5, ADR-191)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shared.outcome import ToolOutcome
+
+_TRUNCATION_MARK = "\n…[truncated {dropped} chars]"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool call came to.
+
+    Build one with :meth:`ok`, :meth:`error` or :meth:`cancelled`. The two non-ok
+    constructors are fail-closed: a call that failed or was cut off has no claim to
+    artifacts or a write target. ``is_error`` is derived from ``outcome``, never
+    stored beside it.
+    """
+
+    outcome: ToolOutcome
+    content: str
+    """Text for the model and the timeline (a content channel, bounded)."""
+    structured: str | None = None
+    """The structured result as JSON text, when the tool returned one (a content channel, bounded)."""
+    artifacts: tuple[str, ...] = ()
+    """References (URIs) to what the call produced; empty unless ok."""
+    write_target: str | None = None
+    """Where the call wrote, when it did; None unless ok."""
+
+    def __post_init__(self) -> None:
+        if self.outcome is not ToolOutcome.OK and (self.artifacts or self.write_target is not None):
+            raise ValueError(f"a {self.outcome.value} tool result carries no artifacts and no write target")
+
+    @classmethod
+    def ok(
+        cls,
+        content: str,
+        *,
+        structured: str | None = None,
+        artifacts: tuple[str, ...] = (),
+        write_target: str | None = None,
+    ) -> ToolResult:
+        """A call that produced a result."""
+        return cls(ToolOutcome.OK, content, structured, artifacts, write_target)
+
+    @classmethod
+    def error(cls, message: str) -> ToolResult:
+        """A call that failed: the tool said so, the protocol broke, the server died or timed out."""
+        return cls(ToolOutcome.FAILED, message)
+
+    @classmethod
+    def cancelled(cls, message: str) -> ToolResult:
+        """A call cut off because its run was cancelled. Not a failure."""
+        return cls(ToolOutcome.CANCELLED, message)
+
+    @property
+    def is_error(self) -> bool:
+        """True for both non-ok outcomes; ``outcome`` says which."""
+        return self.outcome.is_error
+
+    def with_bounded_channels(self, max_chars: int) -> ToolResult:
+        """Bound the content channels to ``max_chars`` each; every other field is carried unchanged.
+
+        Transforms, never rebuilds (ADR-182): ``dataclasses.replace`` keeps the
+        outcome, artifacts and write target exactly as they were.
+        """
+        if max_chars < 1:
+            raise ValueError("max_chars must be at least 1")
+        return dataclasses.replace(
+            self,
+            content=_bound(self.content, max_chars),
+            structured=None if self.structured is None else _bound(self.structured, max_chars),
+        )
+
+
+def _bound(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars] + _TRUNCATION_MARK.format(dropped=len(text) - max_chars)
