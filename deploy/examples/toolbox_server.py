@@ -1,0 +1,118 @@
+"""A small MCP server for the demo, the tests and the benchmarks.
+
+Run it over streamable HTTP (served at ``/mcp``) or over stdio::
+
+    python deploy/examples/toolbox_server.py --transport http --port 8765
+    python deploy/examples/toolbox_server.py --transport stdio --events /tmp/toolbox.jsonl
+
+Every tool is ``async def``: a sync tool runs in a worker thread and cannot be
+interrupted (DESIGN.md section 8), which would defeat the point of the server.
+
+With ``--events FILE`` each tool call appends JSON lines to FILE, flushed at
+once, so another process can count calls and see that a handler observed its
+cancellation::
+
+    {"event": "started" | "finished" | "failed" | "cancelled", "tool": "slow",
+     "call": 3, "args": {"seconds": 30.0}, "t": 1767225600.123, "pid": 4242}
+
+``call`` numbers the calls this process has received, starting at 1; the events
+of one call share it. ``pid`` is the server's process id, so a test can kill the
+server in the middle of a call.
+
+On stdio, stdout is the protocol channel: nothing here prints, and the SDK logs
+to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+mcp = MCPServer("toolbox", log_level="WARNING")
+
+_call_numbers = itertools.count(1)
+_events_path: Path | None = None
+
+
+def _record(event: str, tool: str, call: int, args: dict[str, Any]) -> None:
+    if _events_path is None:
+        return
+    line = json.dumps(
+        {"event": event, "tool": tool, "call": call, "args": args, "t": time.time(), "pid": os.getpid()}
+    )
+    # One short append per event, opened and closed each time: the line is on disk
+    # before the handler goes on, which is what a watcher in another process needs.
+    with _events_path.open("a", encoding="utf-8") as events:
+        events.write(line + "\n")
+
+
+@contextmanager
+def _recorded(tool: str, **args: Any) -> Iterator[None]:
+    """Record "started", then "finished", "failed" or "cancelled"; exceptions pass through."""
+    call = next(_call_numbers)
+    _record("started", tool, call, args)
+    try:
+        yield
+    except anyio.get_cancelled_exc_class():
+        _record("cancelled", tool, call, args)
+        raise
+    except Exception:
+        _record("failed", tool, call, args)
+        raise
+    _record("finished", tool, call, args)
+
+
+@mcp.tool(name="get-sum", description="Add two integers.")
+async def get_sum(a: int, b: int) -> int:
+    with _recorded("get-sum", a=a, b=b):
+        return a + b
+
+
+@mcp.tool(description="Always fail with the given message (the result has isError set).")
+async def fail(message: str = "the tool failed on purpose") -> str:
+    with _recorded("fail", message=message):
+        raise ToolError(message)
+
+
+@mcp.tool(description="Wait the given number of seconds, then say so. Cancellable.")
+async def slow(seconds: float = 30) -> str:
+    with _recorded("slow", seconds=seconds):
+        await anyio.sleep(seconds)
+        return f"slept {seconds} s"
+
+
+@mcp.tool(description="Return the text unchanged.")
+async def echo(text: str) -> str:
+    with _recorded("echo", text=text):
+        return text
+
+
+def main() -> None:
+    """Parse the command line and serve until killed."""
+    global _events_path  # noqa: PLW0603 - set once, before the server starts
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--transport", choices=["http", "stdio"], default="http")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--events", type=Path, help="append one JSON line per tool event to this file")
+    options = parser.parse_args()
+    _events_path = options.events
+    if options.transport == "stdio":
+        mcp.run()
+    else:
+        mcp.run("streamable-http", host=options.host, port=options.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""structlog, configured once: JSON lines when not on a terminal, console rendering on one."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
+    """Configure structlog and the stdlib root logger (Dramatiq and pika log there). Idempotent.
+
+    Args:
+        level: the lowest level written.
+        json: force JSON lines (True) or console rendering (False); by default JSON unless stderr
+            is a terminal.
+    """
+    global _configured  # noqa: PLW0603 - configuration is process-wide by nature
+    if _configured:
+        return
+    _configured = True
+    as_json = (not sys.stderr.isatty()) if json is None else json
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+    )
+    shared_processors: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[
+            *shared_processors,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer,
+        ], foreign_pre_chain=shared_processors)
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # pika logs every connection step at INFO; its warnings are what matter to an operator.
+    logging.getLogger("pika").setLevel(logging.WARNING)

@@ -1,0 +1,95 @@
+"""Settings: one frozen dataclass, read once from the environment at the edge and passed in."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shared.errors import ConfigError
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How this process reaches its services and the bounds it works within."""
+
+    rabbitmq_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    """RabbitMQ for run messages and cancel messages. ``RUNBRAKE_RABBITMQ_URL``."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis, the authority for runs, steps and cancel keys. ``RUNBRAKE_REDIS_URL``."""
+    namespace: str = "runbrake"
+    """Prefix of every Redis key, queue and exchange. ``RUNBRAKE_NAMESPACE``."""
+    max_tool_result_chars: int = 16_000
+    """Bound on each content channel of a tool result, in characters. ``RUNBRAKE_MAX_TOOL_RESULT_CHARS``."""
+    cancel_poll_ms: int = 250
+    """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds.
+    ``RUNBRAKE_CANCEL_POLL_MS``."""
+    run_time_limit_s: int = 3600
+    """Wall-clock limit of one segment of a run, in seconds; hitting it fails the run with reason
+    ``time_limit``. ``RUNBRAKE_RUN_TIME_LIMIT_S``."""
+    lease_s: int = 60
+    """How long a worker's claim on a run is good for without renewal, in seconds. ``RUNBRAKE_LEASE_S``."""
+    metrics_port: int = 0
+    """Port of the worker's Prometheus endpoint (each process adds its index); 0 turns it off.
+    ``RUNBRAKE_METRICS_PORT``."""
+    redis_timeout_s: float = 2.0
+    """Socket timeout for Redis calls, in seconds. ``RUNBRAKE_REDIS_TIMEOUT_S``."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read ``RUNBRAKE_*`` variables; unset ones keep their defaults.
+
+        Raises:
+            ConfigError: naming the variable whose value cannot be used.
+        """
+        env = os.environ if environ is None else environ
+        defaults = cls()
+        namespace = env.get("RUNBRAKE_NAMESPACE", defaults.namespace)
+        if not _NAMESPACE.match(namespace):
+            raise ConfigError("RUNBRAKE_NAMESPACE", "use 1-64 letters, digits, '.', '_' or '-'")
+        rabbitmq_url = env.get("RUNBRAKE_RABBITMQ_URL", defaults.rabbitmq_url)
+        if not rabbitmq_url.startswith(("amqp://", "amqps://")):
+            raise ConfigError("RUNBRAKE_RABBITMQ_URL", "must be an amqp:// or amqps:// URL")
+        redis_url = env.get("RUNBRAKE_REDIS_URL", defaults.redis_url)
+        if not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("RUNBRAKE_REDIS_URL", "must be a redis://, rediss:// or unix:// URL")
+        return cls(
+            rabbitmq_url=rabbitmq_url,
+            redis_url=redis_url,
+            namespace=namespace,
+            max_tool_result_chars=_int(env, "RUNBRAKE_MAX_TOOL_RESULT_CHARS", defaults.max_tool_result_chars, 1),
+            cancel_poll_ms=_int(env, "RUNBRAKE_CANCEL_POLL_MS", defaults.cancel_poll_ms, 10),
+            run_time_limit_s=_int(env, "RUNBRAKE_RUN_TIME_LIMIT_S", defaults.run_time_limit_s, 1),
+            lease_s=_int(env, "RUNBRAKE_LEASE_S", defaults.lease_s, 5),
+            metrics_port=_int(env, "RUNBRAKE_METRICS_PORT", defaults.metrics_port, 0, 65535),
+            redis_timeout_s=_float(env, "RUNBRAKE_REDIS_TIMEOUT_S", defaults.redis_timeout_s),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int = 10**9) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(name, f"must be an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise ConfigError(name, f"must be from {low} to {high}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(name, f"must be a number, got {raw!r}") from None
+    if not 0 < value <= 3600:
+        raise ConfigError(name, f"must be in (0, 3600], got {value}")
+    return value

@@ -1,0 +1,65 @@
+"""Run status and termination reason (DESIGN.md section 3). Two fields, never merged."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+class RunStatus(StrEnum):
+    """Where a run is in its lifecycle. ``UNKNOWN`` stands for a stored value this version cannot read."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING_FOR_APPROVAL = "waiting_for_approval"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    UNKNOWN = "unknown"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Terminal is terminal: no transition leaves these."""
+        return self in _TERMINAL
+
+    @classmethod
+    def parse(cls, value: str | None, *, run_id: str = "") -> RunStatus:
+        """Read a stored status; an unrecognised one reads as ``UNKNOWN`` and is logged, never a crash."""
+        try:
+            return cls(value or "")
+        except ValueError:
+            log.warning("run_status_unknown", run_id=run_id, stored=value)
+            return cls.UNKNOWN
+
+
+_TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+NON_TERMINAL = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING_FOR_APPROVAL)
+
+
+class TerminationReason(StrEnum):
+    """Why a run reached its terminal status. ``NONE`` while it has not."""
+
+    NONE = ""
+    COMPLETED = "completed"
+    MAX_ROUNDS = "max_rounds"
+    PROVIDER_FAILED = "provider_failed"
+    TOOL_LOOP_ERROR = "tool_loop_error"
+    APPROVAL_DENIED = "approval_denied"
+    CANCELLED = "cancelled"
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    LEASE_LOST = "lease_lost"
+    TIME_LIMIT = "time_limit"
+    ENQUEUE_FAILED = "enqueue_failed"
+    UNKNOWN = "unknown"
+
+    @classmethod
+    def parse(cls, value: str | None, *, run_id: str = "") -> TerminationReason:
+        """Read a stored reason; an unrecognised one reads as ``UNKNOWN`` and is logged."""
+        try:
+            return cls(value or "")
+        except ValueError:
+            log.warning("termination_reason_unknown", run_id=run_id, stored=value)
+            return cls.UNKNOWN

@@ -1,0 +1,217 @@
+"""Model providers: what the tool loop calls to get the next model turn (DESIGN.md section 6).
+
+``ScriptedProvider`` plays a spec's deterministic turns; ``OpenAIProvider`` talks to any
+OpenAI-compatible chat-completions endpoint through the official ``openai`` SDK. Both are
+cancellable by an enclosing anyio cancel scope, and both report failures as
+:class:`~shared.errors.ProviderError`; cancellation is never turned into an error
+(STYLE.md rule 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import anyio
+from openai import AsyncOpenAI, OpenAIError, omit
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+)
+
+from shared.errors import ProviderError
+from shared.spec import ModelSpec, OpenAIModel, ScriptedModel
+from worker.conversation import TOOL_NAME_SEPARATOR, Message, ModelTurn, ToolCall, ToolInfo
+
+__all__ = ["ModelProvider", "OpenAIProvider", "ScriptedProvider", "provider_for"]
+
+DEFAULT_TIMEOUT_S = 120.0
+_PLACEHOLDER_API_KEY = "unused"
+# Closing the HTTP client runs shielded so a cancelled scope cannot leak the connection;
+# the bound keeps a wedged close from holding a cancel up indefinitely.
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class ModelProvider(Protocol):
+    """Something that answers a conversation with the next model turn."""
+
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int
+    ) -> ModelTurn:
+        """Ask the model for its next turn.
+
+        Args:
+            messages: the conversation so far.
+            tools: the tools the model may call in this turn.
+            round_index: the 0-based index of this model call within the whole run; it
+                continues across segments (e.g. after an approval resume).
+
+        Raises:
+            ProviderError: when the provider fails to produce a turn.
+        """
+        ...
+
+
+class ScriptedProvider:
+    """Plays the turns of a ``scripted`` model spec, one per round, statelessly."""
+
+    def __init__(self, spec: ScriptedModel) -> None:
+        self._spec = spec
+
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int
+    ) -> ModelTurn:
+        """Return ``turns[round_index]`` after its ``delay_ms``.
+
+        Raises:
+            ProviderError: for a turn with ``fail``, or when no turn exists for ``round_index``.
+        """
+        turns = self._spec.turns
+        if not 0 <= round_index < len(turns):
+            raise ProviderError(f"scripted model has no turn for round {round_index} ({len(turns)} turns)")
+        turn = turns[round_index]
+        if turn.delay_ms:
+            # Stands for model latency; anyio.sleep is a checkpoint, so a cancel scope interrupts it.
+            await anyio.sleep(turn.delay_ms / 1000)
+        if turn.fail is not None:
+            raise ProviderError(turn.fail)
+        calls = tuple(
+            ToolCall(id=f"call_{round_index}_{n}", server=c.server, tool=c.tool, arguments=dict(c.arguments))
+            for n, c in enumerate(turn.tool_calls)
+        )
+        return ModelTurn(content=turn.content, tool_calls=calls)
+
+
+class OpenAIProvider:
+    """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``.
+
+    Args:
+        spec: the ``openai`` model spec (endpoint, model name, API key variable).
+        timeout_s: the per-request HTTP timeout in seconds.
+    """
+
+    def __init__(self, spec: OpenAIModel, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self._spec = spec
+        self._timeout_s = timeout_s
+
+    async def complete(
+        self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int
+    ) -> ModelTurn:
+        """Send the conversation and tools; map the answer back to runbrake's values.
+
+        Raises:
+            ProviderError: when the API key variable is unset, on any ``openai`` error (status,
+                connection, timeout), or when the answer names an unknown tool or carries
+                arguments that are not a JSON object.
+        """
+        # A new client per call: a run's model calls are seconds apart, so pooling buys little,
+        # and nothing outlives the call that could leak when a worker thread is torn down.
+        client = AsyncOpenAI(
+            base_url=self._spec.base_url,
+            api_key=self._api_key(),
+            timeout=self._timeout_s,
+            # Retries are runbrake's decision (DESIGN.md section 8), not the SDK's.
+            max_retries=0,
+        )
+        try:
+            completion = await client.chat.completions.create(
+                model=self._spec.model,
+                messages=[_message_param(m) for m in messages],
+                tools=[_tool_param(t) for t in tools] if tools else omit,
+            )
+        except OpenAIError as exc:
+            # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
+            raise ProviderError(f"{self._spec.base_url} ({self._spec.model}): {exc}") from exc
+        finally:
+            with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+                await client.close()
+        return _turn(completion, {t.server for t in tools})
+
+    def _api_key(self) -> str:
+        name = self._spec.api_key_env
+        if name is None:
+            # The SDK refuses an empty key; a local endpoint without auth takes any.
+            return _PLACEHOLDER_API_KEY
+        value = os.environ.get(name)
+        if not value:
+            raise ProviderError(f"API key variable {name} is not set")
+        return value
+
+
+def provider_for(spec: ModelSpec) -> ModelProvider:
+    """The provider for a run spec's ``model``."""
+    if isinstance(spec, ScriptedModel):
+        return ScriptedProvider(spec)
+    return OpenAIProvider(spec)
+
+
+def _message_param(message: Message) -> ChatCompletionMessageParam:
+    content = message.content or ""
+    match message.role:
+        case "system":
+            return {"role": "system", "content": content}
+        case "user":
+            return {"role": "user", "content": content}
+        case "tool":
+            if message.tool_call_id is None:
+                raise ProviderError("a tool message needs the tool_call_id it answers")
+            return {"role": "tool", "content": content, "tool_call_id": message.tool_call_id}
+        case "assistant":
+            if not message.tool_calls:
+                return {"role": "assistant", "content": content}
+            calls: list[ChatCompletionMessageFunctionToolCallParam] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.model_name, "arguments": json.dumps(dict(call.arguments))},
+                }
+                for call in message.tool_calls
+            ]
+            # Chat completions accepts null content beside tool calls; "" would read as an empty reply.
+            return {"role": "assistant", "content": message.content, "tool_calls": calls}
+
+
+def _tool_param(tool: ToolInfo) -> ChatCompletionFunctionToolParam:
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.model_name,
+            "description": tool.description,
+            "parameters": dict(tool.input_schema),
+        },
+    }
+
+
+def _turn(completion: ChatCompletion, servers: set[str]) -> ModelTurn:
+    if not completion.choices:
+        raise ProviderError("the model answered without a choice")
+    message = completion.choices[0].message
+    calls = tuple(_tool_call(call, servers) for call in message.tool_calls or ())
+    return ModelTurn(content=message.content, tool_calls=calls)
+
+
+def _tool_call(call: object, servers: set[str]) -> ToolCall:
+    if not isinstance(call, ChatCompletionMessageFunctionToolCall):
+        raise ProviderError(f"the model answered with an unsupported tool call: {call!r}")
+    name = call.function.name
+    server, separator, tool = name.partition(TOOL_NAME_SEPARATOR)
+    if not separator or not tool:
+        raise ProviderError(f"the model called {name!r}, which is not a '<server>__<tool>' name")
+    if server not in servers:
+        raise ProviderError(f"the model called {name!r} on unknown server {server!r}")
+    return ToolCall(id=call.id, server=server, tool=tool, arguments=_arguments(name, call.function.arguments))
+
+
+def _arguments(name: str, raw: str) -> Mapping[str, Any]:
+    try:
+        arguments = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ProviderError(f"the model called {name!r} with arguments that are not JSON: {raw!r}") from exc
+    if not isinstance(arguments, dict):
+        raise ProviderError(f"the model called {name!r} with arguments that are not a JSON object: {raw!r}")
+    return arguments
