@@ -102,7 +102,7 @@ class ToolTransportError(RunbrakeError):
         return self._cancellation
 
 
-class CancelRequested(BaseException):  # noqa: N818 - a signal, not an error (see module docstring)
+class CancelRequested(BaseException):
     """Raised by the runtime's probe when the run's cancel key is set; caught only by the ladder."""
 
     def __init__(self, run_id: str) -> None:

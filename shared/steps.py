@@ -173,7 +173,7 @@ class RunStep:
         except ValueError:
             log.warning("step_kind_unknown", stored=data.get("kind"), sequence=data.get("sequence"))
             kind = StepKind.UNKNOWN
-        common = {
+        common: dict[str, Any] = {
             "round": int(data.get("round", 0)),
             "sequence": int(data.get("sequence", 0)),
             "duration_ms": int(data.get("duration_ms", 0)),
@@ -214,6 +214,6 @@ class RunStep:
 
 def _parse_outcome(value: object) -> ToolOutcome:
     try:
-        return ToolOutcome(value)
+        return ToolOutcome(str(value))
     except ValueError as exc:
         raise StepError(f"stored tool_outcome {value!r} is not one of ok, failed, cancelled") from exc

@@ -347,7 +347,7 @@ class RunStore:
         """Delete every key under this namespace (tests and the demo clean up with this)."""
         deleted = 0
         for key in self._redis.scan_iter(match=f"{self.namespace}:*", count=500):
-            deleted += int(cast(int, self._redis.delete(key)))
+            deleted += self._redis.delete(key)
         return deleted
 
     # -- internals ------------------------------------------------------------------------------
