@@ -1,0 +1,81 @@
+"""Fixtures for the real services: each test gets its own namespace and cleans up after itself.
+
+A service that cannot be reached fails the test under ``CI=true`` and skips it otherwise
+(DESIGN.md section 7). Nothing here stands in for Redis, RabbitMQ or MCP.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pika
+import pytest
+import redis
+
+from shared import RunStore, Settings
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _unavailable(what: str, exc: BaseException) -> None:
+    message = f"{what} is not reachable ({exc}); start it (see README: 'Services')"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def namespace(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh ``RUNBRAKE_NAMESPACE`` for this test, also set in the environment for subprocesses."""
+    ns = f"test-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("RUNBRAKE_NAMESPACE", ns)
+    return ns
+
+
+@pytest.fixture
+def settings(namespace: str) -> Settings:
+    return Settings.from_env()
+
+
+@pytest.fixture
+def store(settings: Settings) -> Iterator[RunStore]:
+    """The real Redis run store under this test's namespace; every key it wrote is deleted afterwards."""
+    run_store = RunStore.connect(settings)
+    try:
+        run_store.redis.ping()
+    except redis.RedisError as exc:
+        _unavailable(f"Redis at {settings.redis_url}", exc)
+    yield run_store
+    run_store.delete_namespace()
+    run_store.close()
+
+
+@pytest.fixture
+def rabbitmq(settings: Settings) -> Iterator[Settings]:
+    """The real RabbitMQ; the namespace's queues and exchanges are deleted afterwards."""
+    try:
+        connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    except pika.exceptions.AMQPError as exc:
+        _unavailable(f"RabbitMQ at {settings.rabbitmq_url}", exc)
+    connection.close()
+    yield settings
+    delete_broker_objects(settings)
+
+
+def delete_broker_objects(settings: Settings) -> None:
+    """Delete the run queues (with Dramatiq's delay and dead-letter twins) and the cancel exchange."""
+    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    try:
+        channel = connection.channel()
+        base = f"{settings.namespace}.runs"
+        for queue in (base, f"{base}.DQ", f"{base}.XQ", f"{settings.namespace}.noop", f"{settings.namespace}.noop.DQ",
+                      f"{settings.namespace}.noop.XQ"):
+            channel.queue_delete(queue=queue)
+        channel.exchange_delete(exchange=f"{settings.namespace}.cancel")
+    finally:
+        connection.close()
