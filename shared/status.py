@@ -52,6 +52,7 @@ class TerminationReason(StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"
     LEASE_LOST = "lease_lost"
     TIME_LIMIT = "time_limit"
+    WORKER_SHUTDOWN = "worker_shutdown"
     ENQUEUE_FAILED = "enqueue_failed"
     UNKNOWN = "unknown"
 

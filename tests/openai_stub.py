@@ -79,6 +79,7 @@ class OpenAIStub:
     def __init__(self) -> None:
         self._replies: deque[StubReply] = deque()
         self._requests: list[dict[str, Any]] = []
+        self._headers: list[dict[str, str]] = []
         self._arrived = threading.Condition()
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,8 +99,9 @@ class OpenAIStub:
                 access_log=False,
             )
         )
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="openai-stub", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="openai-stub", daemon=True
+        )
 
     @property
     def base_url(self) -> str:
@@ -112,6 +114,12 @@ class OpenAIStub:
         with self._arrived:
             return list(self._requests)
 
+    @property
+    def headers(self) -> list[dict[str, str]]:
+        """The headers of each request received, in the order of :attr:`requests` (a copy)."""
+        with self._arrived:
+            return list(self._headers)
+
     def reply(
         self,
         content: str | None = None,
@@ -122,7 +130,8 @@ class OpenAIStub:
         error_message: str = "stub error",
     ) -> None:
         """Queue the answer to the next request that finds the queue non-empty."""
-        self._replies.append(StubReply(content, tuple(tool_calls), delay_s, status, error_message))
+        with self._arrived:
+            self._replies.append(StubReply(content, tuple(tool_calls), delay_s, status, error_message))
 
     def wait_for_requests_blocking(self, count: int = 1, timeout: float = 10.0) -> None:
         """Block until ``count`` requests have arrived.
@@ -149,8 +158,8 @@ class OpenAIStub:
             raise RuntimeError("the OpenAI stub did not start")
 
     def stop(self) -> None:
-        """Release delayed replies, stop uvicorn and join its thread (bounded)."""
-        if self._loop is not None and self._closing is not None:
+        """Release delayed replies, stop uvicorn and join its thread (bounded); idempotent."""
+        if self._thread.is_alive() and self._loop is not None and self._closing is not None:
             self._loop.call_soon_threadsafe(self._closing.set)
         self._server.should_exit = True
         self._thread.join(_STOP_TIMEOUT_S)
@@ -174,6 +183,7 @@ class OpenAIStub:
         body = await request.json()
         with self._arrived:
             self._requests.append(body)
+            self._headers.append(dict(request.headers))
             self._arrived.notify_all()
             reply = self._replies.popleft() if self._replies else None
         if reply is None:
@@ -211,7 +221,8 @@ class OpenAIStub:
                 "type": "function",
                 "function": {
                     "name": call.name,
-                    "arguments": call.arguments if isinstance(call.arguments, str)
+                    "arguments": call.arguments
+                    if isinstance(call.arguments, str)
                     else json.dumps(dict(call.arguments)),
                 },
             }

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 import anyio
 from openai import AsyncOpenAI, OpenAIError, omit
 from openai.types.chat import (
-    ChatCompletion,
     ChatCompletionFunctionToolParam,
     ChatCompletionMessageFunctionToolCall,
     ChatCompletionMessageFunctionToolCallParam,
@@ -40,9 +39,7 @@ _CLOSE_TIMEOUT_S = 5.0
 class ModelProvider(Protocol):
     """Something that answers a conversation with the next model turn."""
 
-    async def complete(
-        self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int
-    ) -> ModelTurn:
+    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int) -> ModelTurn:
         """Ask the model for its next turn.
 
         Args:
@@ -63,9 +60,7 @@ class ScriptedProvider:
     def __init__(self, spec: ScriptedModel) -> None:
         self._spec = spec
 
-    async def complete(
-        self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int
-    ) -> ModelTurn:
+    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int) -> ModelTurn:
         """Return ``turns[round_index]`` after its ``delay_ms``.
 
         Raises:
@@ -99,9 +94,7 @@ class OpenAIProvider:
         self._spec = spec
         self._timeout_s = timeout_s
 
-    async def complete(
-        self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int
-    ) -> ModelTurn:
+    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int) -> ModelTurn:
         """Send the conversation and tools; map the answer back to runbrake's values.
 
         Raises:
@@ -187,31 +180,42 @@ def _tool_param(tool: ToolInfo) -> ChatCompletionFunctionToolParam:
     }
 
 
-def _turn(completion: ChatCompletion, servers: set[str]) -> ModelTurn:
-    if not completion.choices:
-        raise ProviderError("the model answered without a choice")
-    message = completion.choices[0].message
-    calls = tuple(_tool_call(call, servers) for call in message.tool_calls or ())
-    return ModelTurn(content=message.content, tool_calls=calls)
+def _turn(completion: object, servers: set[str]) -> ModelTurn:
+    # The SDK builds its response models without validation (so lenient compatible servers
+    # work), hence whatever the endpoint sent arrives here: check the few fields used.
+    choices = getattr(completion, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        raise ProviderError(f"the model answered without a choice: {completion!r:.200}")
+    message = getattr(choices[0], "message", None)
+    content = getattr(message, "content", None)
+    calls = getattr(message, "tool_calls", None) or []
+    if message is None or not isinstance(content, str | None) or not isinstance(calls, list):
+        raise ProviderError(f"the model answered with a malformed message: {message!r:.200}")
+    return ModelTurn(content=content, tool_calls=tuple(_tool_call(call, servers) for call in calls))
 
 
 def _tool_call(call: object, servers: set[str]) -> ToolCall:
+    # Only function calls: runbrake offers no custom tools, so anything else is a protocol error.
     if not isinstance(call, ChatCompletionMessageFunctionToolCall):
-        raise ProviderError(f"the model answered with an unsupported tool call: {call!r}")
-    name = call.function.name
+        raise ProviderError(f"the model answered with an unsupported tool call: {call!r:.200}")
+    # Unvalidated model (see _turn): the fields may be missing or of another type.
+    name, raw = getattr(call.function, "name", None), getattr(call.function, "arguments", None)
+    if not isinstance(call.id, str) or not isinstance(name, str) or not isinstance(raw, str | None):
+        raise ProviderError(f"the model answered with a malformed tool call: {call!r:.200}")
     server, separator, tool = name.partition(TOOL_NAME_SEPARATOR)
     if not separator or not tool:
         raise ProviderError(f"the model called {name!r}, which is not a '<server>__<tool>' name")
     if server not in servers:
         raise ProviderError(f"the model called {name!r} on unknown server {server!r}")
-    return ToolCall(id=call.id, server=server, tool=tool, arguments=_arguments(name, call.function.arguments))
+    return ToolCall(id=call.id, server=server, tool=tool, arguments=_arguments(name, raw or ""))
 
 
 def _arguments(name: str, raw: str) -> Mapping[str, Any]:
     try:
+        # Some compatible servers send "" for a call without arguments.
         arguments = json.loads(raw) if raw.strip() else {}
     except json.JSONDecodeError as exc:
-        raise ProviderError(f"the model called {name!r} with arguments that are not JSON: {raw!r}") from exc
+        raise ProviderError(f"the model called {name!r} with arguments that are not JSON: {raw!r:.200}") from exc
     if not isinstance(arguments, dict):
-        raise ProviderError(f"the model called {name!r} with arguments that are not a JSON object: {raw!r}")
+        raise ProviderError(f"the model called {name!r} with arguments that are not a JSON object: {raw!r:.200}")
     return arguments

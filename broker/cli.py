@@ -1,0 +1,264 @@
+"""The ``runbrake`` command (DESIGN.md section 6).
+
+Exit codes: 0 success, 1 refused by the run's state (unknown run, already finished,
+not waiting), 2 bad input (nothing written or sent), 3 a service (Redis, RabbitMQ)
+could not be reached.
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar, cast
+
+import click
+
+from broker.cancel import CancelPublisher, cancel_run
+from broker.producer import Producer
+from broker.rabbitmq import build_broker
+from broker.render import render_run, render_runs, run_json
+from shared.errors import ConfigError, PublishError, RunNotFound, SpecError, StoreError
+from shared.logging import configure_logging
+from shared.settings import Settings
+from shared.spec import RunSpec
+from shared.status import RunStatus, TerminationReason
+from shared.steps import RunStep, StepKind
+from shared.store import RunStore
+
+EXIT_REFUSED = 1
+EXIT_BAD_INPUT = 2
+EXIT_UNAVAILABLE = 3
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str, code: int) -> NoReturn:
+    click.echo(f"runbrake: error: {message}", err=True)
+    sys.exit(code)
+
+
+def user_errors(command: F) -> F:
+    """Turn runbrake's errors into a one-line message and the contract's exit code; no traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except SpecError as exc:
+            fail(f"invalid spec: {exc.field}: {exc.problem}", EXIT_BAD_INPUT)
+        except ConfigError as exc:
+            fail(f"invalid setting {exc}", EXIT_BAD_INPUT)
+        except RunNotFound as exc:
+            fail(str(exc), EXIT_REFUSED)
+        except (StoreError, PublishError) as exc:
+            fail(f"{exc} (is the service running? see README: Services)", EXIT_UNAVAILABLE)
+
+    return cast(F, wrapper)
+
+
+def settings_from_env() -> Settings:
+    return Settings.from_env()
+
+
+@contextmanager
+def open_store(settings: Settings) -> Iterator[RunStore]:
+    store = RunStore.connect(settings)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def whoami() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def emit_json(data: object) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="runbrake")
+def main() -> None:
+    """Run LLM agent runs on workers, and stop them for real.
+
+    Configuration comes from RUNBRAKE_REDIS_URL, RUNBRAKE_RABBITMQ_URL and
+    RUNBRAKE_NAMESPACE. Exit codes: 0 success, 1 refused by the run's state,
+    2 bad input (nothing written or sent), 3 a service could not be reached.
+    """
+    configure_logging("WARNING")
+
+
+@main.command()
+@click.argument("spec_file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--json", "as_json", is_flag=True, help="Print {run_id, status} as JSON.")
+@user_errors
+def enqueue(spec_file: str, as_json: bool) -> None:
+    """Validate SPEC_FILE (JSON, or - for stdin), persist the run and send it to the workers."""
+    try:
+        text = sys.stdin.read() if spec_file == "-" else Path(spec_file).read_text(encoding="utf-8")
+    except OSError as exc:
+        fail(f"cannot read {spec_file}: {exc.strerror}", EXIT_BAD_INPUT)
+    spec = RunSpec.from_json(text)
+    settings = settings_from_env()
+    broker = build_broker(settings)
+    with open_store(settings) as store:
+        try:
+            enqueued = Producer(store, broker).enqueue(spec)
+        finally:
+            broker.close()
+    if as_json:
+        emit_json({"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created})
+    elif enqueued.created:
+        click.echo(enqueued.run_id)
+    else:
+        click.echo(enqueued.run_id)
+        click.echo(f"(idempotency key matched an existing run; it is {enqueued.status.value})", err=True)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--reason", default="cancelled by operator", show_default=True, help="Why; stored with the cancel.")
+@click.option("--by", "requested_by", default=None, help="Who asks (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@user_errors
+def cancel(run_id: str, reason: str, requested_by: str | None, as_json: bool) -> None:
+    """Cancel RUN_ID: win the fence in Redis, then wake the worker that runs it."""
+    settings = settings_from_env()
+    publisher = CancelPublisher(settings)
+    with open_store(settings) as store:
+        try:
+            result = cancel_run(store, publisher, run_id, reason=reason, requested_by=requested_by or whoami())
+        finally:
+            publisher.close()
+    if as_json:
+        emit_json({
+            "run_id": run_id,
+            "cancelled": result.won,
+            "found": result.found.value if result.exists else None,
+            "message_confirmed": result.message_confirmed,
+            "message_error": result.message_error,
+        })
+    if not result.exists:
+        fail(f"no run with id {run_id!r}", EXIT_REFUSED) if not as_json else sys.exit(EXIT_REFUSED)
+    if not result.won:
+        if as_json:
+            sys.exit(EXIT_REFUSED)
+        fail(f"run {run_id} is already {result.found.value}; nothing to cancel", EXIT_REFUSED)
+    if not as_json:
+        click.echo(f"cancelled {run_id} (was {result.found.value})")
+        if result.message_confirmed:
+            click.echo("cancel message: confirmed by RabbitMQ")
+        else:
+            click.echo(
+                f"cancel message: NOT confirmed ({result.message_error}); the cancel stands, and workers find "
+                f"it within RUNBRAKE_CANCEL_POLL_MS ({settings.cancel_poll_ms} ms)",
+            )
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the run and its steps as one JSON object.")
+@click.option("--lang", type=click.Choice(["en", "de"]), default="en", show_default=True, help="Label language.")
+@user_errors
+def show(run_id: str, as_json: bool, lang: str) -> None:
+    """Show a run and its timeline, with an Outcome column."""
+    with open_store(settings_from_env()) as store:
+        record = store.get(run_id)
+    if as_json:
+        emit_json(run_json(record))
+    else:
+        click.echo(render_run(record, "de" if lang == "de" else "en"))
+
+
+@main.command()
+@click.option("--status", "status", type=click.Choice([s.value for s in RunStatus if s is not RunStatus.UNKNOWN]),
+              default=None, help="Only runs in this status.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@user_errors
+def runs(status: str | None, limit: int, as_json: bool) -> None:
+    """List recent runs, newest first."""
+    with open_store(settings_from_env()) as store:
+        records = store.recent(limit=limit, status=RunStatus(status) if status else None)
+    if as_json:
+        emit_json([{k: v for k, v in run_json(r).items() if k != "steps"} for r in records])
+    else:
+        click.echo(render_runs(records))
+
+
+@main.command()
+@click.argument("run_id")
+@user_errors
+def approve(run_id: str) -> None:
+    """Approve the tool call RUN_ID waits for; a worker resumes the run."""
+    settings = settings_from_env()
+    with open_store(settings) as store:
+        decision = store.approve(run_id)
+        if not decision.exists:
+            fail(f"no run with id {run_id!r}", EXIT_REFUSED)
+        if not decision.won:
+            fail(f"run {run_id} is {decision.found.value}, not waiting for approval", EXIT_REFUSED)
+        broker = build_broker(settings)
+        try:
+            Producer(store, broker).send(run_id, resume=True)
+        finally:
+            broker.close()
+    click.echo(f"approved {run_id}; a worker resumes it")
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("--reason", default="denied by operator", show_default=True)
+@user_errors
+def deny(run_id: str, reason: str) -> None:
+    """Deny the tool call RUN_ID waits for; the run ends failed (approval_denied)."""
+    with open_store(settings_from_env()) as store:
+        settled = store.settle(run_id, RunStatus.FAILED, TerminationReason.APPROVAL_DENIED, error=reason,
+                               required_status=RunStatus.WAITING_FOR_APPROVAL)
+        if not settled.exists:
+            fail(f"no run with id {run_id!r}", EXIT_REFUSED)
+        if not settled.won:
+            fail(f"run {run_id} is {settled.found.value}, not waiting for approval", EXIT_REFUSED)
+        pending = store.get(run_id).pending or {}
+        store.append_step(run_id, RunStep(
+            kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason,
+            detail={"decision": "denied", "requested_by": whoami(),
+                    "call": (pending.get("pending_calls") or [None])[0]},
+        ))
+    click.echo(f"denied {run_id}; the run failed (approval_denied)")
+
+
+@main.command()
+@click.option("--processes", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Worker processes, each with its own event loop and cancel listener.")
+@click.option("--threads", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Dramatiq worker threads per process: the runs one process executes at once.")
+@user_errors
+def worker(processes: int, threads: int) -> None:
+    """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C."""
+    from worker.supervisor import run_workers  # noqa: PLC0415 - the producer side never loads the worker
+
+    settings = settings_from_env()
+    with open_store(settings) as store:
+        store.ping()
+    sys.exit(run_workers(settings, processes=processes, threads=threads))
+
+
+@main.command()
+@user_errors
+def demo() -> None:
+    """The whole story on the local services, in under a minute."""
+    from broker.demo import run_demo  # noqa: PLC0415 - only the demo needs it
+
+    sys.exit(run_demo(settings_from_env()))

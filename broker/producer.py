@@ -1,0 +1,85 @@
+"""The producing side: validate a spec, persist the run, send a message that carries only its id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from dramatiq import Message
+
+from broker.rabbitmq import RUN_ACTOR, RunbrakeBroker, run_queue
+from shared.errors import PublishError
+from shared.spec import RunSpec
+from shared.status import RunStatus, TerminationReason
+from shared.store import RunStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """An enqueued run: its id, its status now, and whether this call created it."""
+
+    run_id: str
+    status: RunStatus
+    created: bool
+
+
+def run_message(namespace: str, run_id: str, *, resume: bool = False) -> Message[Any]:
+    """The Dramatiq message for a run: the id and whether it starts or resumes a run, nothing more."""
+    return Message(
+        queue_name=run_queue(namespace),
+        actor_name=RUN_ACTOR,
+        args=(run_id,),
+        kwargs={"resume": resume},
+        options={},
+    )
+
+
+class Producer:
+    """Enqueues runs and resume messages."""
+
+    def __init__(self, store: RunStore, broker: RunbrakeBroker) -> None:
+        self._store = store
+        self._broker = broker
+
+    def enqueue(self, spec: RunSpec) -> Enqueued:
+        """Persist the run (queued, with its request) and send its message.
+
+        Fail-closed: when the send fails, the run is settled failed (reason
+        ``enqueue_failed``) so it never waits for a message that does not exist, and
+        the caller gets the error. A repeated idempotency key returns the first run
+        and sends nothing.
+
+        Raises:
+            StoreError: when Redis cannot be reached (nothing was sent).
+            PublishError: when RabbitMQ did not confirm the message (the run is failed).
+        """
+        created = self._store.create(spec.raw, idempotency_key=spec.idempotency_key)
+        if not created.created:
+            status = self._store.status(created.run_id)
+            log.info("enqueue_deduplicated", run_id=created.run_id, status=status.value)
+            return Enqueued(created.run_id, status, created=False)
+        try:
+            self.send(created.run_id)
+        except PublishError as exc:
+            self._store.settle(
+                created.run_id, RunStatus.FAILED, TerminationReason.ENQUEUE_FAILED, error=str(exc)
+            )
+            raise
+        log.info("run_enqueued", run_id=created.run_id)
+        return Enqueued(created.run_id, RunStatus.QUEUED, created=True)
+
+    def send(self, run_id: str, *, resume: bool = False) -> None:
+        """Send the run's message and wait for RabbitMQ's confirm.
+
+        Raises:
+            PublishError: when RabbitMQ could not be reached or did not confirm.
+        """
+        message = run_message(self._store.namespace, run_id, resume=resume)
+        try:
+            self._broker.declare_queue(message.queue_name)
+            self._broker.enqueue(message)
+        except Exception as exc:  # noqa: BLE001 - dramatiq and pika raise many types; all mean "not sent"
+            raise PublishError(f"RabbitMQ did not take the message for run {run_id}: {exc}") from exc

@@ -1,0 +1,64 @@
+"""Dramatiq's RabbitMQ broker, configured for long agent runs (DESIGN.md section 8).
+
+- Publisher confirms on: ``enqueue`` returns only once RabbitMQ has the message.
+- Queue names under the namespace: ``<ns>.runs`` (plus Dramatiq's ``.DQ``/``.XQ`` twins).
+- RabbitMQ's consumer timeout: a run's message stays unacked while the run executes.
+  Where the server honours ``x-consumer-timeout`` (RabbitMQ 3.12+), the run queue
+  raises it to the run's time limit. On older servers the 30-minute default still
+  applies, and closes the channel; that costs nothing, because a run's durability
+  lives in Redis and not in the message: the redelivered message finds the run no
+  longer queued and is acked as a no-op, and the worker thread executing the run
+  goes on (its late ack fails harmlessly).
+- The middleware is chosen, not inherited: no ``Retries`` (runbrake decides retries,
+  and a cancelled run is never retried), ``TimeLimit`` set per actor, ``AsyncIO`` for
+  the async actor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, ShutdownNotifications, TimeLimit
+
+from shared.settings import Settings
+
+RUN_ACTOR = "execute_run"
+NOOP_ACTOR = "noop"
+
+
+def run_queue(namespace: str) -> str:
+    """The Dramatiq queue that carries run messages."""
+    return f"{namespace}.runs"
+
+
+def cancel_exchange(namespace: str) -> str:
+    """The fanout exchange that carries cancel messages to every worker."""
+    return f"{namespace}.cancel"
+
+
+class RunbrakeBroker(RabbitmqBroker):  # type: ignore[misc] - dramatiq ships no type information
+    """A RabbitMQ broker whose run queue tolerates long-held messages."""
+
+    def __init__(self, settings: Settings, *, middleware: list[Middleware] | None = None) -> None:
+        super().__init__(
+            url=settings.rabbitmq_url,
+            confirm_delivery=True,
+            middleware=middleware if middleware is not None else default_middleware(),
+        )
+        self._consumer_timeout_ms = (settings.run_time_limit_s + 300) * 1000
+
+    def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
+        arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)
+        arguments["x-consumer-timeout"] = self._consumer_timeout_ms
+        return arguments
+
+
+def default_middleware() -> list[Middleware]:
+    """AgeLimit and TimeLimit (used per actor), shutdown notices, and AsyncIO for the run actor."""
+    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), AsyncIO()]
+
+
+def build_broker(settings: Settings) -> RunbrakeBroker:
+    """The broker for this namespace. Connects lazily, on first use."""
+    return RunbrakeBroker(settings)

@@ -1,0 +1,21 @@
+"""``python -m worker --index I --threads M``: one worker process (started by ``runbrake worker``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.settings import Settings
+from worker.process import run_worker_process
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser.add_argument("--index", type=int, default=0, help="this process's index (metrics port offset)")
+    parser.add_argument("--threads", type=int, default=8, help="Dramatiq worker threads")
+    parser.add_argument("--noop", action="store_true", help="also consume the benchmark's no-op queue")
+    args = parser.parse_args()
+    run_worker_process(Settings.from_env(), threads=args.threads, index=args.index, include_noop=args.noop)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The Dramatiq actors of a worker process, declared against its broker and runtime at boot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+
+from broker.rabbitmq import NOOP_ACTOR, RUN_ACTOR, RunbrakeBroker, run_queue
+from shared.settings import Settings
+from worker.runtime import Runtime
+
+
+def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settings) -> Any:
+    """``execute_run(run_id, resume=False)``: claim and run one segment.
+
+    ``max_retries=0``: runbrake decides retries, and a cancelled run is never re-run.
+    Dramatiq's time limit sits above the runtime's own, so the runtime's fires first and
+    is recorded as ``time_limit``. ``notify_shutdown``: a stopping worker interrupts the
+    segment, which records ``worker_shutdown`` instead of leaving the run "running".
+    """
+
+    async def execute_run(run_id: str, resume: bool = False) -> None:
+        await runtime.execute(run_id, resume=resume)
+
+    return dramatiq.actor(
+        execute_run,
+        broker=broker,
+        actor_name=RUN_ACTOR,
+        queue_name=run_queue(settings.namespace),
+        max_retries=0,
+        time_limit=(settings.run_time_limit_s + 60) * 1000,
+        notify_shutdown=True,
+    )
+
+
+def declare_noop_actor(broker: RunbrakeBroker, settings: Settings) -> Any:
+    """A no-op actor on its own queue: the benchmark's ceiling for the broker itself."""
+
+    def noop() -> None:
+        return None
+
+    return dramatiq.actor(
+        noop, broker=broker, actor_name=NOOP_ACTOR, queue_name=f"{settings.namespace}.noop", max_retries=0
+    )

@@ -1,0 +1,131 @@
+"""The cancel listener and the backstop: how a cancel reaches the call in flight (DESIGN.md section 4, layer 3).
+
+One :class:`CancelListener` per worker process consumes the cancel fanout exchange
+through an exclusive, server-named queue (pika, on its own thread and connection:
+pika is not thread-safe). A message is only a wake-up; Redis is the authority, so the
+listener acts only when the run's cancel key is set. The :class:`Backstop` reads the
+cancel keys of all active runs in one MGET every poll interval, so a lost message
+delays a cancel by at most that interval.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pika
+import pika.exceptions
+import structlog
+
+from broker.rabbitmq import cancel_exchange
+from shared.settings import Settings
+from shared.store import RunStore
+from worker.registry import ActiveRuns
+
+log = structlog.get_logger(__name__)
+
+_MAX_BACKOFF_S = 10.0
+
+
+class CancelListener(threading.Thread):
+    """Consumes cancel messages and interrupts the runs this process executes. Reconnects with backoff."""
+
+    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
+        super().__init__(name="runbrake-cancel-listener", daemon=True)
+        self._settings = settings
+        self._store = store
+        self._registry = registry
+        self._stopping = threading.Event()
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: pika.adapters.blocking_connection.BlockingChannel | None = None
+        self.ready = threading.Event()
+        """Set while the listener's queue is bound and consuming."""
+
+    def run(self) -> None:
+        backoff = 0.2
+        exchange = cancel_exchange(self._settings.namespace)
+        while not self._stopping.is_set():
+            try:
+                self._connection = pika.BlockingConnection(pika.URLParameters(self._settings.rabbitmq_url))
+                channel = self._channel = self._connection.channel()
+                channel.exchange_declare(exchange=exchange, exchange_type="fanout", durable=True)
+                queue = channel.queue_declare(queue="", exclusive=True, auto_delete=True).method.queue
+                channel.queue_bind(queue=queue, exchange=exchange)
+                channel.basic_consume(queue=queue, on_message_callback=self._on_message, auto_ack=True)
+                log.info("cancel_listener_connected", exchange=exchange, queue=queue)
+                backoff = 0.2
+                self.ready.set()
+                channel.start_consuming()
+            except pika.exceptions.AMQPError as exc:
+                self.ready.clear()
+                if self._stopping.is_set():
+                    break
+                log.warning("cancel_listener_disconnected", error=repr(exc), retry_in_s=backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            finally:
+                self.ready.clear()
+                self._close()
+        log.info("cancel_listener_stopped")
+
+    def stop(self) -> None:
+        """Stop consuming and close the connection; safe from any thread."""
+        self._stopping.set()
+        connection = self._connection
+        if connection is not None and connection.is_open:
+            try:
+                # The only pika call that may cross threads.
+                connection.add_callback_threadsafe(self._stop_consuming)
+            except pika.exceptions.AMQPError:
+                pass
+
+    def _stop_consuming(self) -> None:
+        if self._channel is not None and self._channel.is_open:
+            self._channel.stop_consuming()
+
+    def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()
+            except pika.exceptions.AMQPError:
+                pass
+
+    def _on_message(self, _channel: object, _method: object, _properties: object, body: bytes) -> None:
+        try:
+            run_id = json.loads(body)["run_id"]
+            if not isinstance(run_id, str):
+                raise TypeError("run_id is not a string")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("cancel_message_malformed", error=str(exc), body=body[:200].decode(errors="replace"))
+            return
+        if run_id not in self._registry:
+            return
+        if not self._store.cancel_requested(run_id):
+            log.warning("cancel_message_without_fence", run_id=run_id)
+            return
+        if self._registry.interrupt(run_id):
+            log.info("cancel_message_delivered", run_id=run_id)
+
+
+class Backstop(threading.Thread):
+    """Every poll interval, one MGET over the active runs' cancel keys; interrupts the cancelled ones."""
+
+    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
+        super().__init__(name="runbrake-cancel-backstop", daemon=True)
+        self._interval_s = settings.cancel_poll_ms / 1000
+        self._store = store
+        self._registry = registry
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.wait(self._interval_s):
+            run_ids = self._registry.run_ids()
+            if not run_ids:
+                continue
+            for run_id in self._store.cancelled_among(run_ids):
+                if self._registry.interrupt(run_id):
+                    log.info("cancel_found_by_backstop", run_id=run_id)
+
+    def stop(self) -> None:
+        self._stopping.set()

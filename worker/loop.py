@@ -1,0 +1,209 @@
+"""The tool loop: model call → tool calls → next round, until a final answer or ``max_rounds``.
+
+The loop never touches Redis (ADR-103: the loop stays persistence-unaware). It reports
+every step through :class:`LoopHooks`; the runtime persists the step there and probes
+the cancel key, raising :class:`~shared.errors.CancelRequested` through the loop when
+the run was cancelled. Every call that can take long (a model call, a tool call) runs
+inside a scope the hooks hand out, so a cancel message can interrupt it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+import anyio
+
+from shared.errors import ProviderError
+from shared.steps import RunStep, StepKind
+from shared.tool_result import ToolResult
+from worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
+from worker.models import ModelProvider
+
+
+class LoopHooks(Protocol):
+    """What the runtime offers the loop: persistence and probing, and interruptible call scopes."""
+
+    async def record(self, step: RunStep) -> None:
+        """Persist a step, then probe the cancel key (raises CancelRequested when set)."""
+
+    async def checkpoint(self) -> None:
+        """Probe the cancel key before a model call (raises CancelRequested when set)."""
+
+    def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
+        """A fresh, unentered scope registered as the run's call in flight while the block runs."""
+
+
+class ToolRunner(Protocol):
+    """Executes one tool call on its MCP server; never raises for a tool's failure."""
+
+    @property
+    def tools(self) -> Sequence[ToolInfo]: ...
+
+    async def execute(self, call: ToolCall, *, interrupt: anyio.CancelScope) -> ToolResult: ...
+
+
+class LoopEndKind(StrEnum):
+    COMPLETED = "completed"
+    MAX_ROUNDS = "max_rounds"
+    SUSPENDED = "suspended"
+
+
+@dataclass
+class LoopState:
+    """Where a run's conversation stands; stored as the pending turn while a run waits for approval."""
+
+    messages: list[Message]
+    model_calls: int = 0
+    """Model calls made so far in the whole run (the next call's ``round_index``)."""
+    pending_calls: list[ToolCall] = field(default_factory=list)
+    """Tool calls of the current round not yet executed; the first waits for approval."""
+    approved_call_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "messages": [m.to_dict() for m in self.messages],
+            "model_calls": self.model_calls,
+            "pending_calls": [c.to_dict() for c in self.pending_calls],
+            "approved_call_id": self.approved_call_id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoopState:
+        return cls(
+            messages=[Message.from_dict(m) for m in data["messages"]],
+            model_calls=int(data["model_calls"]),
+            pending_calls=[ToolCall.from_dict(c) for c in data.get("pending_calls", [])],
+            approved_call_id=data.get("approved_call_id"),
+        )
+
+    @classmethod
+    def start(cls, user_input: str) -> LoopState:
+        return cls(messages=[Message(role="user", content=user_input)])
+
+
+@dataclass(frozen=True)
+class LoopEnd:
+    """How the loop stopped, when it was not by a cancel or an error."""
+
+    kind: LoopEndKind
+    content: str | None = None
+    state: LoopState | None = None
+
+
+class ToolLoop:
+    """Runs rounds of one model call plus the tool calls it asks for, in order."""
+
+    def __init__(
+        self,
+        provider: ModelProvider,
+        runner: ToolRunner,
+        hooks: LoopHooks,
+        *,
+        max_rounds: int,
+        approval_required: frozenset[str] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._provider = provider
+        self._runner = runner
+        self._hooks = hooks
+        self._max_rounds = max_rounds
+        self._approval_required = approval_required
+        self._clock = clock
+
+    async def run(self, state: LoopState) -> LoopEnd:
+        """Run until a final answer, ``max_rounds``, or a call that waits for approval.
+
+        Raises:
+            CancelRequested: from the hooks, at the first boundary after a cancel.
+            ProviderError: when the model fails (its step is recorded first).
+        """
+        if state.pending_calls:
+            suspended = await self._run_calls(state, state.pending_calls)
+            if suspended is not None:
+                return suspended
+        while True:
+            if state.model_calls >= self._max_rounds:
+                return LoopEnd(LoopEndKind.MAX_ROUNDS)
+            await self._hooks.checkpoint()
+            turn = await self._model_call(state)
+            state.model_calls += 1
+            state.messages.append(Message(role="assistant", content=turn.content, tool_calls=turn.tool_calls))
+            if not turn.tool_calls:
+                return LoopEnd(LoopEndKind.COMPLETED, content=turn.content)
+            suspended = await self._run_calls(state, list(turn.tool_calls))
+            if suspended is not None:
+                return suspended
+
+    async def _model_call(self, state: LoopState) -> ModelTurn:
+        round_number = state.model_calls + 1
+        started = self._clock()
+        turn: ModelTurn | None = None
+        error: ProviderError | None = None
+        with self._hooks.in_flight() as interrupt:
+            with interrupt:
+                try:
+                    turn = await self._provider.complete(
+                        state.messages, self._runner.tools, round_index=state.model_calls
+                    )
+                except ProviderError as exc:
+                    error = exc
+        duration_ms = _ms(self._clock() - started)
+        if turn is None and error is None:
+            # The scope swallowed the cancellation: the call was interrupted on purpose.
+            await self._hooks.record(
+                RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
+                        content="model call interrupted by a cancel")
+            )
+            # The probe above raises; reaching here means the cancel key could not be read.
+            raise ProviderError("model call was interrupted but the run's cancel could not be confirmed")
+        if error is not None:
+            await self._hooks.record(
+                RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, error=str(error))
+            )
+            raise error
+        assert turn is not None  # noqa: S101 - narrowed by the two branches above
+        await self._hooks.record(
+            RunStep(
+                kind=StepKind.MODEL,
+                round=round_number,
+                duration_ms=duration_ms,
+                content=turn.content or "",
+                detail={"tool_calls": [c.to_dict() for c in turn.tool_calls]},
+            )
+        )
+        return turn
+
+    async def _run_calls(self, state: LoopState, calls: list[ToolCall]) -> LoopEnd | None:
+        round_number = state.model_calls
+        for index, call in enumerate(calls):
+            if call.qualified_name in self._approval_required and call.id != state.approved_call_id:
+                state.pending_calls = calls[index:]
+                state.approved_call_id = None
+                return LoopEnd(LoopEndKind.SUSPENDED, state=state)
+            started = self._clock()
+            with self._hooks.in_flight() as interrupt:
+                result = await self._runner.execute(call, interrupt=interrupt)
+            await self._hooks.record(
+                RunStep.tool(
+                    round=round_number,
+                    server=call.server,
+                    name=call.tool,
+                    result=result,
+                    call_id=call.id,
+                    arguments=call.arguments,
+                    duration_ms=_ms(self._clock() - started),
+                )
+            )
+            state.messages.append(Message(role="tool", content=result.content, tool_call_id=call.id))
+        state.pending_calls = []
+        state.approved_call_id = None
+        return None
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))

@@ -1,0 +1,69 @@
+"""One worker process: Dramatiq worker threads, the event loop, the cancel listener and the backstop."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import structlog
+from dramatiq import Worker
+
+from broker.rabbitmq import build_broker, run_queue
+from shared.logging import configure_logging
+from shared.settings import Settings
+from shared.store import RunStore
+from worker import metrics
+from worker.actors import declare_noop_actor, declare_run_actor
+from worker.cancel_listener import Backstop, CancelListener
+from worker.registry import ActiveRuns
+from worker.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+SHUTDOWN_GRACE_MS = 10_000
+
+
+def run_worker_process(settings: Settings, *, threads: int, index: int = 0, include_noop: bool = False) -> None:
+    """Run until SIGTERM or SIGINT, then stop: stop consuming, interrupt the segments in flight
+    (each records ``worker_shutdown``), close the listener."""
+    configure_logging()
+    structlog.contextvars.bind_contextvars(worker=index)
+    store = RunStore.connect(settings)
+    store.ping()
+    registry = ActiveRuns()
+    runtime = Runtime(settings, store, registry)
+    broker = build_broker(settings)
+    declare_run_actor(broker, runtime, settings)
+    queues = {run_queue(settings.namespace)}
+    if include_noop:
+        declare_noop_actor(broker, settings)
+        queues.add(f"{settings.namespace}.noop")
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port + index)
+    listener = CancelListener(settings, store, registry)
+    backstop = Backstop(settings, store, registry)
+    listener.start()
+    backstop.start()
+    worker = Worker(broker, queues=queues, worker_threads=threads)
+    # A prefetched message is a run nobody executes yet: hold at most one per thread.
+    worker.queue_prefetch = threads
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("worker_stopping", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    worker.start()
+    listener.ready.wait(10)
+    log.info("worker_started", threads=threads, queues=sorted(queues), listener_ready=listener.ready.is_set())
+    stop.wait()
+    worker.stop(timeout=SHUTDOWN_GRACE_MS)
+    listener.stop()
+    backstop.stop()
+    listener.join(5)
+    broker.close()
+    store.close()
+    log.info("worker_stopped")

@@ -1,0 +1,108 @@
+"""The runs this worker process executes, and the call each has in flight (DESIGN.md section 4, layer 3).
+
+Two threads meet here: the event loop thread, which runs the runs, and the cancel
+listener's or backstop's thread, which asks for an interrupt. anyio/asyncio objects
+are not thread-safe, so :meth:`ActiveRuns.interrupt` never touches a scope itself: it
+hops onto the run's loop with ``call_soon_threadsafe`` and cancels the scope there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class RunHandle:
+    """One active run: its loop, the scope of its call in flight, and whether a cancel reached it.
+
+    Mutated on the loop thread only.
+    """
+
+    run_id: str
+    loop: asyncio.AbstractEventLoop
+    scope: anyio.CancelScope | None = None
+    cancel_seen: bool = False
+    """A verified cancel reached this run (anyio's *cancel requested*, not *interrupted*)."""
+    interrupted_at: float | None = None
+    """When a call in flight was actually cancelled (time.time())."""
+    on_interrupt: list[Callable[[RunHandle], None]] = field(default_factory=list)
+
+    @contextmanager
+    def in_flight(self) -> Iterator[anyio.CancelScope]:
+        """A fresh scope for the next call; cancelled at once when a cancel already reached the run."""
+        scope = anyio.CancelScope()
+        if self.cancel_seen:
+            scope.cancel()
+        self.scope = scope
+        try:
+            yield scope
+        finally:
+            self.scope = None
+
+    def _interrupt_on_loop(self) -> None:
+        self.cancel_seen = True
+        if self.scope is not None and not self.scope.cancel_called:
+            self.scope.cancel()
+            self.interrupted_at = time.time()
+            log.info("call_interrupted", run_id=self.run_id)
+            for callback in self.on_interrupt:
+                callback(self)
+
+
+class ActiveRuns:
+    """The registry: thread-safe to read and to interrupt from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, RunHandle] = {}
+
+    def register(self, run_id: str) -> RunHandle:
+        """Called on the loop thread when a run's segment starts."""
+        handle = RunHandle(run_id=run_id, loop=asyncio.get_running_loop())
+        with self._lock:
+            self._runs[run_id] = handle
+        return handle
+
+    def unregister(self, handle: RunHandle) -> None:
+        with self._lock:
+            if self._runs.get(handle.run_id) is handle:
+                del self._runs[handle.run_id]
+
+    def run_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._runs)
+
+    def __contains__(self, run_id: object) -> bool:
+        with self._lock:
+            return run_id in self._runs
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._runs)
+
+    def interrupt(self, run_id: str) -> bool:
+        """Ask the run's loop to cancel its call in flight (and any it starts later). From any thread.
+
+        Returns False when this process does not execute the run, or a cancel already reached it
+        (a scope started after that is cancelled on entry). The caller has checked the cancel key
+        first: this registry trusts it.
+        """
+        with self._lock:
+            handle = self._runs.get(run_id)
+        if handle is None or handle.cancel_seen:
+            return False
+        try:
+            handle.loop.call_soon_threadsafe(handle._interrupt_on_loop)  # noqa: SLF001 - the one hop onto the loop
+        except RuntimeError:  # the loop closed: the run is over anyway
+            return False
+        return True

@@ -1,0 +1,217 @@
+"""The runtime: claims a run, runs its segment through the ladder, and owns persistence.
+
+The loop reports each step through :class:`RunHooks`; the hook appends the step and
+probes the cancel key once (DESIGN.md section 4, layer 2). A set key raises
+:class:`CancelRequested`, which the ladder catches before anything else: the cancel
+already won the terminal transition, so the ladder settles nothing and returns
+``CANCELLED``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+
+import anyio
+import structlog
+
+from shared.errors import CancelRequested, ProviderError, RunbrakeError
+from shared.settings import Settings
+from shared.spec import RunSpec
+from shared.status import RunStatus, TerminationReason
+from shared.steps import RunStep, StepKind
+from shared.store import RunStore
+from shared.timeline import step_outcome
+from worker import metrics
+from worker.loop import LoopEnd, LoopEndKind, LoopState, ToolLoop
+from worker.models import provider_for
+from worker.registry import ActiveRuns, RunHandle
+from worker.toolbox import Toolbox
+
+log = structlog.get_logger(__name__)
+
+
+class RunOutcome(StrEnum):
+    """What one segment of a run came to, from this worker's point of view."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SUSPENDED = "suspended"
+    SKIPPED = "skipped"
+    """The message was a no-op: the run was not in a status this message may claim."""
+    LOST = "lost"
+    """The worker's own settle was refused: another writer (a cancel) ended the run first."""
+
+
+class RunHooks:
+    """The loop's hooks for one run: persist each step, then probe once; hand out call scopes."""
+
+    def __init__(self, store: RunStore, handle: RunHandle) -> None:
+        self._store = store
+        self._handle = handle
+
+    async def record(self, step: RunStep) -> None:
+        recorded = self._store.append_step(self._handle.run_id, step)
+        if step.kind is StepKind.TOOL and step.tool_server is not None:
+            metrics.TOOL_CALLS.labels(server=step.tool_server, outcome=step_outcome(step)).inc()
+        if step_outcome(step) == "cancelled":
+            self._observe_cancel_latency(recorded)
+        self._probe()
+
+    async def checkpoint(self) -> None:
+        self._probe()
+
+    @contextmanager
+    def in_flight(self) -> Iterator[anyio.CancelScope]:
+        with self._handle.in_flight() as scope:
+            yield scope
+
+    def _probe(self) -> None:
+        # One Redis read per boundary. A cancel the listener already verified needs none.
+        if self._handle.cancel_seen or self._store.cancel_requested(self._handle.run_id):
+            raise CancelRequested(self._handle.run_id)
+
+    def _observe_cancel_latency(self, step: RunStep) -> None:
+        try:
+            request = self._store.get(self._handle.run_id).cancel
+        except RunbrakeError:
+            return
+        if request is not None:
+            metrics.CANCEL_LATENCY.observe(max(0.0, step.recorded_at - request.requested_at))
+
+
+def new_owner() -> str:
+    """This worker's identity on a claim: host, process and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Runtime:
+    """Executes run segments in one worker process."""
+
+    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
+        self._settings = settings
+        self._store = store
+        self.registry = registry
+
+    async def execute(self, run_id: str, *, resume: bool = False) -> RunOutcome:
+        """Claim and run one segment of a run. Never raises for the run's own failures."""
+        with structlog.contextvars.bound_contextvars(run_id=run_id, segment="resume" if resume else "start"):
+            owner = new_owner()
+            claim = (
+                self._store.resume_claim(run_id, owner, lease_s=self._settings.lease_s)
+                if resume
+                else self._store.claim(run_id, owner, lease_s=self._settings.lease_s)
+            )
+            if not claim.won:
+                metrics.MESSAGES_SKIPPED.inc()
+                log.info("run_message_skipped", found=claim.found.value if claim.exists else "missing")
+                return RunOutcome.SKIPPED
+            log.info("run_claimed", owner=owner)
+            handle = self.registry.register(run_id)
+            try:
+                outcome = await self._ladder(run_id, owner, handle, resume=resume)
+            finally:
+                self.registry.unregister(handle)
+            log.info("run_segment_ended", outcome=outcome.value)
+            return outcome
+
+    async def _ladder(self, run_id: str, owner: str, handle: RunHandle, *, resume: bool) -> RunOutcome:
+        hooks = RunHooks(self._store, handle)
+        try:
+            record = self._store.get(run_id)
+            spec = RunSpec.parse(record.request)
+            state = self._initial_state(spec, record.pending, resume=resume)
+            if resume:
+                await hooks.record(
+                    RunStep(kind=StepKind.APPROVAL, round=state.model_calls, content="approved",
+                            detail={"decision": "approved", "call": state.pending_calls[0].to_dict()})
+                )
+            with anyio.fail_after(self._settings.run_time_limit_s):
+                end = await self._run_loop(spec, state, hooks)
+        except CancelRequested:
+            log.info("run_cancelled_at_boundary")
+            metrics.RUNS_FINISHED.labels(status=RunStatus.CANCELLED.value).inc()
+            return RunOutcome.CANCELLED
+        except ProviderError as exc:
+            log.warning("run_provider_failed", error=str(exc))
+            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.PROVIDER_FAILED, str(exc))
+        except TimeoutError:
+            log.warning("run_time_limit", limit_s=self._settings.run_time_limit_s)
+            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TIME_LIMIT,
+                                f"segment exceeded {self._settings.run_time_limit_s} s")
+        except Exception as exc:
+            log.exception("run_tool_loop_error")
+            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TOOL_LOOP_ERROR,
+                                f"{type(exc).__name__}: {exc}")
+        except BaseException:
+            # Dramatiq interrupted the segment (worker shutdown; its own time limit sits above ours):
+            # say so in the record before going, rather than leave the run "running" forever.
+            self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.WORKER_SHUTDOWN,
+                         "the worker stopped while the run was executing")
+            raise
+        if end.kind is LoopEndKind.SUSPENDED:
+            return self._suspend(run_id, owner, end)
+        if end.kind is LoopEndKind.MAX_ROUNDS:
+            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
+                                f"no final answer within {spec.max_rounds} rounds")
+        return self._settle(run_id, owner, RunStatus.COMPLETED, TerminationReason.COMPLETED, "")
+
+    async def _run_loop(self, spec: RunSpec, state: LoopState, hooks: RunHooks) -> LoopEnd:
+        async with Toolbox.open(
+            spec.mcp_servers, timeout_s=spec.tool_timeout_s, max_chars=self._settings.max_tool_result_chars
+        ) as toolbox:
+            loop = ToolLoop(
+                provider_for(spec.model), toolbox, hooks,
+                max_rounds=spec.max_rounds, approval_required=spec.approval_required,
+            )
+            # The loop's outcome (or its exception) is taken out of the toolbox's scope as a value:
+            # the MCP client's task groups would wrap an exception crossing them in an exception group.
+            outcome: LoopEnd | BaseException
+            try:
+                outcome = await loop.run(state)
+            except (CancelRequested, Exception) as exc:
+                outcome = exc
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    @staticmethod
+    def _initial_state(spec: RunSpec, pending: object, *, resume: bool) -> LoopState:
+        if not resume:
+            return LoopState.start(spec.input)
+        if not isinstance(pending, dict) or not pending.get("pending_calls"):
+            raise RunbrakeError("resumed run has no pending turn")
+        state = LoopState.from_dict(pending)
+        state.approved_call_id = state.pending_calls[0].id
+        return state
+
+    def _suspend(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
+        assert end.state is not None  # noqa: S101 - a suspended end always carries its state
+        transition = self._store.suspend(run_id, owner, end.state.to_dict())
+        if not transition.won:
+            return self._lost(transition.found)
+        call = end.state.pending_calls[0]
+        log.info("run_waiting_for_approval", tool=call.qualified_name)
+        return RunOutcome.SUSPENDED
+
+    def _settle(self, run_id: str, owner: str, status: RunStatus, reason: TerminationReason, error: str) -> RunOutcome:
+        transition = self._store.settle(run_id, status, reason, owner=owner, error=error)
+        if not transition.won:
+            return self._lost(transition.found)
+        metrics.RUNS_FINISHED.labels(status=status.value).inc()
+        log.info("run_settled", status=status.value, reason=reason.value)
+        return RunOutcome.COMPLETED if status is RunStatus.COMPLETED else RunOutcome.FAILED
+
+    @staticmethod
+    def _lost(found: RunStatus) -> RunOutcome:
+        # Terminal is terminal: a cancel (or another writer) ended the run first; the store logged it.
+        log.info("run_settle_lost", found=found.value)
+        if found is RunStatus.CANCELLED:
+            metrics.RUNS_FINISHED.labels(status=RunStatus.CANCELLED.value).inc()
+            return RunOutcome.CANCELLED
+        return RunOutcome.LOST
