@@ -9,9 +9,9 @@
   lives in Redis and not in the message: the redelivered message finds the run no
   longer queued and is acked as a no-op, and the worker thread executing the run
   goes on (its late ack fails harmlessly).
-- The middleware is chosen, not inherited: no ``Retries`` (runbrake decides retries,
-  and a cancelled run is never retried), ``TimeLimit`` set per actor, ``AsyncIO`` for
-  the async actor.
+- The middleware is chosen, not inherited: ``Retries`` with ``max_retries=0`` (runbrake
+  decides retries, and a cancelled run is never retried; Dramatiq's default is 20 with
+  backoff), ``TimeLimit`` set per actor, ``AsyncIO`` for the async actor.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
-from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, ShutdownNotifications, TimeLimit
+from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
 
 from shared.settings import Settings
 
@@ -37,7 +37,7 @@ def cancel_exchange(namespace: str) -> str:
     return f"{namespace}.cancel"
 
 
-class RunbrakeBroker(RabbitmqBroker):  # type: ignore[misc] - dramatiq ships no type information
+class RunbrakeBroker(RabbitmqBroker):
     """A RabbitMQ broker whose run queue tolerates long-held messages."""
 
     def __init__(self, settings: Settings, *, middleware: list[Middleware] | None = None) -> None:
@@ -49,14 +49,14 @@ class RunbrakeBroker(RabbitmqBroker):  # type: ignore[misc] - dramatiq ships no 
         self._consumer_timeout_ms = (settings.run_time_limit_s + 300) * 1000
 
     def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
-        arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)
+        arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)  # type: ignore[no-untyped-call]
         arguments["x-consumer-timeout"] = self._consumer_timeout_ms
         return arguments
 
 
 def default_middleware() -> list[Middleware]:
-    """AgeLimit and TimeLimit (used per actor), shutdown notices, and AsyncIO for the run actor."""
-    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), AsyncIO()]
+    """AgeLimit and TimeLimit (used per actor), shutdown notices, no retries, AsyncIO for the run actor."""
+    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), Retries(max_retries=0), AsyncIO()]
 
 
 def build_broker(settings: Settings) -> RunbrakeBroker:

@@ -24,14 +24,13 @@ def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settin
         await runtime.execute(run_id, resume=resume)
 
     return dramatiq.actor(
-        execute_run,
         broker=broker,
         actor_name=RUN_ACTOR,
         queue_name=run_queue(settings.namespace),
         max_retries=0,
         time_limit=(settings.run_time_limit_s + 60) * 1000,
         notify_shutdown=True,
-    )
+    )(execute_run)
 
 
 def declare_noop_actor(broker: RunbrakeBroker, settings: Settings) -> Any:
@@ -40,6 +39,6 @@ def declare_noop_actor(broker: RunbrakeBroker, settings: Settings) -> Any:
     def noop() -> None:
         return None
 
-    return dramatiq.actor(
-        noop, broker=broker, actor_name=NOOP_ACTOR, queue_name=f"{settings.namespace}.noop", max_retries=0
+    return dramatiq.actor(broker=broker, actor_name=NOOP_ACTOR, queue_name=f"{settings.namespace}.noop", max_retries=0)(
+        noop
     )

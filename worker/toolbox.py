@@ -12,7 +12,7 @@ from shared.errors import ToolTransportError
 from shared.spec import McpServerSpec
 from shared.tool_result import ToolResult
 from worker.conversation import ToolCall, ToolInfo
-from worker.mcp_tool import execute_tool
+from worker import mcp_tool
 from worker.mcp_transport import McpConnection
 
 log = structlog.get_logger(__name__)
@@ -56,10 +56,7 @@ class Toolbox:
     async def execute(self, call: ToolCall, *, interrupt: anyio.CancelScope) -> ToolResult:
         connection = self._connections.get(call.server)
         if connection is None:
-            problem = self._unavailable.get(call.server, "not a server of this run")
-            return ToolResult.error(f"MCP server {call.server!r} is unavailable: {problem}").with_bounded_channels(
-                self._max_chars
-            )
-        return await execute_tool(
+            return mcp_tool.not_connected(call, max_chars=self._max_chars)
+        return await mcp_tool.execute(
             connection, call, timeout_s=self._timeout_s, interrupt=interrupt, max_chars=self._max_chars
         )
