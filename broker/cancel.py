@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -55,10 +56,8 @@ class CancelPublisher:
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None and connection.is_open:
-            try:
+            with contextlib.suppress(pika.exceptions.AMQPError):
                 connection.close()
-            except pika.exceptions.AMQPError:
-                pass
 
     def _ensure_channel(self) -> pika.adapters.blocking_connection.BlockingChannel:
         if self._channel is not None and self._channel.is_open:

@@ -81,5 +81,5 @@ class Producer:
         try:
             self._broker.declare_queue(message.queue_name)
             self._broker.enqueue(message)
-        except Exception as exc:  # noqa: BLE001 - dramatiq and pika raise many types; all mean "not sent"
+        except Exception as exc:
             raise PublishError(f"RabbitMQ did not take the message for run {run_id}: {exc}") from exc

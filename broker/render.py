@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from shared.store import RunRecord
 from shared.steps import RunStep, StepKind
+from shared.store import RunRecord
 from shared.timeline import Lang, label, outcome_label, step_outcome
 
 _DETAIL_WIDTH = 60

@@ -10,6 +10,7 @@ delays a cancel by at most that interval.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -73,11 +74,9 @@ class CancelListener(threading.Thread):
         self._stopping.set()
         connection = self._connection
         if connection is not None and connection.is_open:
-            try:
-                # The only pika call that may cross threads.
+            # The only pika call that may cross threads.
+            with contextlib.suppress(pika.exceptions.AMQPError):
                 connection.add_callback_threadsafe(self._stop_consuming)
-            except pika.exceptions.AMQPError:
-                pass
 
     def _stop_consuming(self) -> None:
         if self._channel is not None and self._channel.is_open:
@@ -86,18 +85,13 @@ class CancelListener(threading.Thread):
     def _close(self) -> None:
         connection, self._connection = self._connection, None
         if connection is not None and connection.is_open:
-            try:
+            with contextlib.suppress(pika.exceptions.AMQPError):
                 connection.close()
-            except pika.exceptions.AMQPError:
-                pass
 
     def _on_message(self, _channel: object, _method: object, _properties: object, body: bytes) -> None:
-        try:
-            run_id = json.loads(body)["run_id"]
-            if not isinstance(run_id, str):
-                raise TypeError("run_id is not a string")
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("cancel_message_malformed", error=str(exc), body=body[:200].decode(errors="replace"))
+        run_id = _run_id_of(body)
+        if run_id is None:
+            log.warning("cancel_message_malformed", body=body[:200].decode(errors="replace"))
             return
         if run_id not in self._registry:
             return
@@ -106,6 +100,14 @@ class CancelListener(threading.Thread):
             return
         if self._registry.interrupt(run_id):
             log.info("cancel_message_delivered", run_id=run_id)
+
+
+def _run_id_of(body: bytes) -> str | None:
+    try:
+        run_id = json.loads(body)["run_id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 class Backstop(threading.Thread):

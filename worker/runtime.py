@@ -174,7 +174,7 @@ class Runtime:
             outcome: LoopEnd | BaseException
             try:
                 outcome = await loop.run(state)
-            except (CancelRequested, Exception) as exc:
+            except (CancelRequested, Exception) as exc:  # noqa: BLE001 - re-raised below, outside the scope
                 outcome = exc
         if isinstance(outcome, BaseException):
             raise outcome
@@ -191,7 +191,7 @@ class Runtime:
         return state
 
     def _suspend(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
-        assert end.state is not None  # noqa: S101 - a suspended end always carries its state
+        assert end.state is not None
         transition = self._store.suspend(run_id, owner, end.state.to_dict())
         if not transition.won:
             return self._lost(transition.found)

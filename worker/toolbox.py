@@ -11,8 +11,8 @@ import structlog
 from shared.errors import ToolTransportError
 from shared.spec import McpServerSpec
 from shared.tool_result import ToolResult
-from worker.conversation import ToolCall, ToolInfo
 from worker import mcp_tool
+from worker.conversation import ToolCall, ToolInfo
 from worker.mcp_transport import McpConnection
 
 log = structlog.get_logger(__name__)
