@@ -1,0 +1,214 @@
+"""``runbrake demo``: the whole story on the local Redis and RabbitMQ, in under a minute.
+
+Part 1 walks one run through its lifecycle on Redis alone: a cancel wins the fence
+and a late settle is refused. Part 2 starts the example MCP server and a worker and
+enqueues four runs: one completes, one has a failing tool (recorded failed; the run
+goes on), one is cancelled while queued (never executed), one is cancelled between
+rounds, and one is cancelled in the middle of a 30-second tool call (recorded
+cancelled, not failed). Everything runs under a namespace of its own, deleted at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+import pika
+import pika.exceptions
+
+from broker.cancel import CancelPublisher, cancel_run
+from broker.producer import Producer
+from broker.rabbitmq import build_broker, cancel_exchange, run_queue
+from broker.render import render_run
+from shared.settings import Settings
+from shared.spec import RunSpec
+from shared.status import RunStatus, TerminationReason
+from shared.steps import RunStep, StepKind
+from shared.store import RunRecord, RunStore
+from shared.tool_result import ToolResult
+
+TOOLBOX = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "toolbox_server.py"
+_WAIT_S = 20.0
+
+
+def run_demo(base: Settings) -> int:
+    """Run the demo; returns the exit code."""
+    settings = dataclasses.replace(base, namespace=f"{base.namespace}-demo-{uuid.uuid4().hex[:6]}")
+    store = RunStore.connect(settings)
+    store.ping()
+    try:
+        part_one(store)
+        return part_two(settings, store)
+    finally:
+        store.delete_namespace()
+        _delete_broker_objects(settings)
+        store.close()
+        click.echo(f"\ncleaned up namespace {settings.namespace}")
+
+
+def heading(text: str) -> None:
+    click.echo(f"\n=== {text} " + "=" * max(0, 70 - len(text)))
+
+
+def part_one(store: RunStore) -> None:
+    heading("Part 1: the run store on Redis")
+    created = store.create({"input": "lifecycle walk"})
+    run_id = created.run_id
+    click.echo(f"created {run_id}: {store.status(run_id).value}")
+    store.claim(run_id, "demo-worker", lease_s=60)
+    click.echo(f"claimed by demo-worker: {store.status(run_id).value}")
+    store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=1, detail={"tool_calls": [
+        {"id": "c1", "server": "calc", "tool": "slow", "arguments": {}}]}))
+    store.append_step(run_id, RunStep.tool(round=1, server="calc", name="get-sum", result=ToolResult.ok("5")))
+    store.append_step(run_id, RunStep.tool(round=1, server="calc", name="fail", result=ToolResult.error("boom")))
+    store.append_step(run_id, RunStep.tool(round=1, server="calc", name="slow",
+                                           result=ToolResult.cancelled("call to calc.slow was cancelled")))
+    cancel = store.cancel(run_id, reason="demo: operator pressed stop", requested_by="demo")
+    click.echo(f"cancel: won={cancel.won} (found {cancel.found.value})")
+    late = store.settle(run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner="demo-worker")
+    click.echo(f"late settle by the worker: won={late.won} (found {late.found.value}) - terminal is terminal")
+    again = store.cancel(run_id, reason="twice", requested_by="demo")
+    click.echo(f"second cancel: won={again.won} (found {again.found.value})")
+    record = store.get(run_id)
+    click.echo("")
+    click.echo(render_run(record, "en"))
+    click.echo("")
+    click.echo(render_run(record, "de"))
+
+
+def _spec(port: int, turns: list[dict[str, Any]], text: str) -> RunSpec:
+    return RunSpec.parse({
+        "input": text,
+        "model": {"provider": "scripted", "turns": turns},
+        "mcp_servers": {"calc": {"url": f"http://127.0.0.1:{port}/mcp"}},
+    })
+
+
+def _call(tool: str, **arguments: Any) -> dict[str, Any]:
+    return {"server": "calc", "tool": tool, "arguments": arguments}
+
+
+def part_two(settings: Settings, store: RunStore) -> int:
+    heading("Part 2: runs on a worker, tools on a real MCP server")
+    port = _free_port()
+    env = {**os.environ, "RUNBRAKE_NAMESPACE": settings.namespace}
+    broker = build_broker(settings)
+    producer = Producer(store, broker)
+    publisher = CancelPublisher(settings)
+    with ExitStack() as stack:
+        stack.callback(broker.close)
+        stack.callback(publisher.close)
+        stack.enter_context(_process("MCP server", [sys.executable, str(TOOLBOX), "--transport", "http",
+                                                    "--port", str(port)], env))
+        _wait(lambda: _port_open(port), "the MCP server to listen")
+
+        queued = producer.enqueue(_spec(port, [{"content": "never runs"}], "cancelled while queued")).run_id
+        result = cancel_run(store, publisher, queued, reason="demo: not needed any more", requested_by="demo")
+        click.echo(f"run C enqueued and cancelled while queued (fence won: {result.won}); no worker runs yet")
+
+        stack.enter_context(_process("worker", [sys.executable, "-m", "worker", "--threads", "4"], env))
+        completes = producer.enqueue(_spec(port, [
+            {"tool_calls": [_call("get-sum", a=2, b=3)]}, {"content": "2 + 3 is 5."}], "What is 2 + 3?")).run_id
+        fails = producer.enqueue(_spec(port, [
+            {"tool_calls": [_call("fail", message="upstream said no"), _call("get-sum", a=1, b=1)]},
+            {"content": "One tool failed; 1 + 1 is 2."}], "Try both tools")).run_id
+        between = producer.enqueue(_spec(port, [
+            {"tool_calls": [_call("get-sum", a=20, b=22)]},
+            {"delay_ms": 20_000, "content": "a slow model that never gets to answer"}], "Stop between rounds")).run_id
+        mid_tool = producer.enqueue(_spec(port, [
+            {"tool_calls": [_call("slow", seconds=30)]}, {"content": "never"}], "Stop a 30 s tool call")).run_id
+
+        records = {
+            "A: completes": _until(store, completes, lambda r: r.status.is_terminal),
+            "B: a tool fails, the run goes on": _until(store, fails, lambda r: r.status.is_terminal),
+        }
+        _until(store, between, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
+        cancel_run(store, publisher, between, reason="demo: stop after round 1", requested_by="demo")
+        _until(store, mid_tool, lambda r: any(s.kind is StepKind.MODEL for s in r.steps))
+        time.sleep(0.5)  # let the tool call get under way on the server: this is a demo, not a test
+        started = time.time()
+        cancel_run(store, publisher, mid_tool, reason="demo: stop the slow tool", requested_by="demo")
+        records["D: cancelled between rounds (the slow model call is cut off)"] = _until(
+            store, between, lambda r: len(r.steps) >= 3)
+        records["E: cancelled in the middle of a 30 s tool call"] = after = _until(
+            store, mid_tool, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
+        interrupted = next(s for s in after.steps if s.kind is StepKind.TOOL)
+        records["C: cancelled while queued (never executed)"] = store.get(queued)
+        for title, record in sorted(records.items()):
+            heading(title)
+            click.echo(render_run(store.get(record.run_id), "en"))
+        heading("E again, in German")
+        click.echo(render_run(store.get(mid_tool), "de"))
+        click.echo(f"\nthe 30 s tool call was recorded {interrupted.tool_outcome} "
+                   f"{(interrupted.recorded_at - started) * 1000:.0f} ms after the cancel")
+    return 0
+
+
+@contextmanager
+def _process(name: str, command: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        click.echo(f"stopped the {name}")
+
+
+def _until(store: RunStore, run_id: str, done: Callable[[RunRecord], bool]) -> RunRecord:
+    deadline = time.monotonic() + _WAIT_S
+    while time.monotonic() < deadline:
+        record = store.get(run_id)
+        if done(record):
+            return record
+        time.sleep(0.05)
+    raise click.ClickException(f"run {run_id} did not get there within {_WAIT_S:.0f} s; is the worker running?")
+
+
+def _wait(ready: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + _WAIT_S
+    while not ready():
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _delete_broker_objects(settings: Settings) -> None:
+    try:
+        connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    except pika.exceptions.AMQPError:
+        return
+    try:
+        channel = connection.channel()
+        for queue in (run_queue(settings.namespace), f"{run_queue(settings.namespace)}.DQ",
+                      f"{run_queue(settings.namespace)}.XQ"):
+            channel.queue_delete(queue=queue)
+        channel.exchange_delete(exchange=cancel_exchange(settings.namespace))
+    finally:
+        connection.close()
