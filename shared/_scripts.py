@@ -100,8 +100,9 @@ return {1, st}
 # KEYS: run, steps.  ARGV: step_body_json (an object without sequence/recorded_at), now
 # The sequence comes from one HINCRBY inside the script, so concurrent appends get unique,
 # increasing numbers in list order. The body is spliced as text: cjson would turn [] into {}.
+# HEXISTS, not EXISTS: EXISTS is the probe's one command, so INFO commandstats can count probes.
 APPEND_STEP = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return 0 end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
 local body = ARGV[1]
 local sep = ','

@@ -11,6 +11,7 @@ Keys, all under the namespace (``{run_id}`` is a hash tag):
     <ns>:run:{<id>}:cancel    string the cancel request as JSON; lives as long as the run, no TTL
     <ns>:runs                 zset   run ids by creation time
     <ns>:idem:<key>           string the run id an idempotency key created
+    <ns>:servers              hash   tool calls per "<server>|<outcome>", for per-server health
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ class RunStore:
     def _idempotency_key(self, key: str) -> str:
         return f"{self.namespace}:idem:{key}"
 
+    def _servers_key(self) -> str:
+        return f"{self.namespace}:servers"
+
     # -- transitions ----------------------------------------------------------------------------
 
     def create(self, request: Mapping[str, Any], *, idempotency_key: str | None = None) -> Created:
@@ -246,13 +250,36 @@ class RunStore:
         """
         recorded_at = time.time()
         body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
-        sequence = self._call(
-            self._append, [self.run_key(run_id), self.steps_key(run_id)],
-            [json.dumps(body, separators=(",", ":")), repr(recorded_at)],
-        )
+        keys = [self.run_key(run_id), self.steps_key(run_id)]
+        args = [json.dumps(body, separators=(",", ":")), repr(recorded_at)]
+        try:
+            # One round trip: the append, and the server's outcome counter for a tool step.
+            with self._redis.pipeline(transaction=False) as pipe:
+                self._append(keys=keys, args=args, client=pipe)
+                if step.tool_server is not None and step.tool_outcome is not None:
+                    pipe.hincrby(self._servers_key(), f"{step.tool_server}|{step.tool_outcome.value}", 1)
+                sequence = pipe.execute()[0]
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self._describe()}: {exc}") from exc
         if not sequence:
             raise RunNotFound(run_id)
         return step.with_sequence(int(sequence), recorded_at)
+
+    def server_outcomes(self) -> dict[str, dict[str, int]]:
+        """Tool calls per MCP server and outcome, counted as steps were recorded.
+
+        Raises:
+            StoreError: when Redis cannot be reached.
+        """
+        try:
+            raw = cast(dict[str, str], self._redis.hgetall(self._servers_key()))
+        except redis.RedisError as exc:
+            raise StoreError(f"could not read server counts: {exc}") from exc
+        counts: dict[str, dict[str, int]] = {}
+        for field_name, value in raw.items():
+            server, _, outcome = field_name.rpartition("|")
+            counts.setdefault(server, {})[outcome] = int(value)
+        return counts
 
     # -- reads ----------------------------------------------------------------------------------
 

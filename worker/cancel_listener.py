@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 
 import pika
@@ -47,7 +48,7 @@ class CancelListener(threading.Thread):
         exchange = cancel_exchange(self._settings.namespace)
         while not self._stopping.is_set():
             try:
-                self._connection = pika.BlockingConnection(pika.URLParameters(self._settings.rabbitmq_url))
+                self._connection = pika.BlockingConnection(self._parameters())
                 channel = self._channel = self._connection.channel()
                 channel.exchange_declare(exchange=exchange, exchange_type="fanout", durable=True)
                 queue = channel.queue_declare(queue="", exclusive=True, auto_delete=True).method.queue
@@ -68,6 +69,14 @@ class CancelListener(threading.Thread):
                 self.ready.clear()
                 self._close()
         log.info("cancel_listener_stopped")
+
+    def _parameters(self) -> pika.URLParameters:
+        parameters = pika.URLParameters(self._settings.rabbitmq_url)
+        # A name operators (and tests) can find in `rabbitmqctl list_connections client_properties`.
+        parameters.client_properties = {
+            "connection_name": f"runbrake-cancel-listener {self._settings.namespace} pid={os.getpid()}"
+        }
+        return parameters
 
     def stop(self) -> None:
         """Stop consuming and close the connection; safe from any thread."""
