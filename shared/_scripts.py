@@ -55,7 +55,8 @@ return {1, st}
 SUSPEND = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
-if st ~= 'running' or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {0, st} end
+if st ~= 'running' then return {0, st} end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {0, st, 'owner'} end
 redis.call('HSET', KEYS[1], 'status', 'waiting_for_approval', 'owner', '', 'lease_expires_at', '',
   'pending', ARGV[2], 'approval', '')
 return {1, st}

@@ -48,7 +48,7 @@ class Settings:
         env = os.environ if environ is None else environ
         defaults = cls()
         namespace = env.get("RUNBRAKE_NAMESPACE", defaults.namespace)
-        if not _NAMESPACE.match(namespace):
+        if not _NAMESPACE.fullmatch(namespace):
             raise ConfigError("RUNBRAKE_NAMESPACE", "use 1-64 letters, digits, '.', '_' or '-'")
         rabbitmq_url = env.get("RUNBRAKE_RABBITMQ_URL", defaults.rabbitmq_url)
         if not rabbitmq_url.startswith(("amqp://", "amqps://")):

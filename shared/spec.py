@@ -170,7 +170,7 @@ def _servers(value: object) -> dict[str, McpServerSpec]:
     parsed: dict[str, McpServerSpec] = {}
     for name, raw in servers.items():
         where = f"mcp_servers.{name}"
-        if not _SERVER_NAME.match(name) or "__" in name:
+        if not _SERVER_NAME.fullmatch(name) or "__" in name:
             raise SpecError(where, "server names use letters, digits, '-' and '_' (no '__'), at most 64")
         entry = _mapping(raw, where)
         unknown = sorted(set(entry) - {"url", "command", "args", "env"})

@@ -30,7 +30,7 @@ from shared import _scripts
 from shared.errors import RunNotFound, StoreError
 from shared.settings import Settings
 from shared.status import RunStatus, TerminationReason
-from shared.steps import RunStep
+from shared.steps import RunStep, StepKind
 
 log = structlog.get_logger(__name__)
 
@@ -300,7 +300,7 @@ class RunStore:
             raise StoreError(f"could not read run {run_id}: {exc}") from exc
         if not fields:
             raise RunNotFound(run_id)
-        steps = tuple(RunStep.from_dict(json.loads(raw)) for raw in raw_steps)
+        steps = tuple(_step(run_id, raw) for raw in raw_steps)
         return _record(run_id, fields, steps, _cancel_request(raw_cancel))
 
     def status(self, run_id: str) -> RunStatus:
@@ -402,6 +402,24 @@ class RunStore:
                 owner_mismatch=result.owner_mismatch,
             )
         return result
+
+
+def _step(run_id: str, raw: str) -> RunStep:
+    """A stored step; one that cannot be read shows as an ``unknown`` step saying so, never a crash."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        return _unreadable(run_id, 0, exc)
+    try:
+        return RunStep.from_dict(data)
+    except (ValueError, TypeError, AttributeError) as exc:  # StepError is a ValueError
+        sequence = data.get("sequence", 0) if isinstance(data, dict) else 0
+        return _unreadable(run_id, int(sequence) if isinstance(sequence, int) else 0, exc)
+
+
+def _unreadable(run_id: str, sequence: int, exc: Exception) -> RunStep:
+    log.warning("step_unreadable", run_id=run_id, sequence=sequence, error=str(exc))
+    return RunStep(kind=StepKind.UNKNOWN, round=0, sequence=sequence, content=f"unreadable step: {exc}")
 
 
 def _float_or_none(value: str | None) -> float | None:

@@ -62,7 +62,8 @@ class ToolResult:
         return self.outcome.is_error
 
     def with_bounded_channels(self, max_chars: int) -> ToolResult:
-        """Bound the content channels to ``max_chars`` each; every other field is carried unchanged.
+        """Bound each content channel to ``max_chars`` characters (a truncated one ends with a mark saying how
+        much was dropped); every other field is carried unchanged.
 
         Transforms, never rebuilds (ADR-182): ``dataclasses.replace`` keeps the
         outcome, artifacts and write target exactly as they were.
@@ -77,6 +78,13 @@ class ToolResult:
 
 
 def _bound(text: str, max_chars: int) -> str:
+    """At most ``max_chars`` characters, the truncation mark included (a hard bound)."""
     if len(text) <= max_chars:
         return text
-    return text[:max_chars] + _TRUNCATION_MARK.format(dropped=len(text) - max_chars)
+    keep = max_chars
+    mark = ""
+    # The mark's length depends on how much is dropped, which depends on the mark: settle it in two passes.
+    for _ in range(2):
+        mark = _TRUNCATION_MARK.format(dropped=len(text) - keep)
+        keep = max(0, max_chars - len(mark))
+    return (text[:keep] + mark)[:max_chars]

@@ -1,0 +1,161 @@
+"""Queued runs end to end: enqueue → RabbitMQ → a real worker process → tools on a real MCP server.
+
+Each test gets its own namespace; the toolbox server writes an events file, which is how
+a test counts calls on the server's side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from broker.producer import Producer
+from shared import RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome, step_outcome
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.mcp_helpers import toolbox_fixture, toolbox_http_fixture  # noqa: F401 - registers fixtures
+from tests.worker_helpers import (
+    WorkerProcess,
+    call,
+    has_step,
+    producer_fixture,  # noqa: F401 - registers the fixture
+    spec,
+    start_worker_fixture,  # noqa: F401
+    wait_for_run,
+    worker_fixture,  # noqa: F401
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_run_completes_with_the_right_outcome_on_every_tool_step(
+    toolbox: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    run = producer.enqueue(spec({"toolbox": toolbox.spec}, [
+        {"tool_calls": [call("get-sum", a=2, b=3), call("fail", message="nope"), call("echo", text="hi")]},
+        {"content": "It is 5."},
+    ]))
+
+    record = wait_for_run(store, run.run_id)
+
+    assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
+    tools = [s for s in record.steps if s.kind is StepKind.TOOL]
+    assert [(s.tool_name, s.tool_outcome, s.tool_is_error) for s in tools] == [
+        ("get-sum", ToolOutcome.OK, False), ("fail", ToolOutcome.FAILED, True), ("echo", ToolOutcome.OK, False),
+    ]
+    assert tools[0].content == "5"
+    assert [s.sequence for s in record.steps] == [1, 2, 3, 4, 5]
+    assert record.steps[-1].content == "It is 5."
+
+
+def test_the_probe_stops_a_run_at_the_next_boundary_and_keeps_the_boundary_step(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
+) -> None:
+    # No cancel message and a backstop that never fires in this test: only the probe can stop the run.
+    start_worker(RUNBRAKE_CANCEL_POLL_MS="600000")
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=0.5), call("get-sum", a=1, b=1)]},
+        {"tool_calls": [call("get-sum", a=2, b=2)]},
+        {"content": "never"},
+    ]))
+    wait_for_event(toolbox_http.events, "started", tool="slow")
+
+    assert store.cancel(run.run_id, reason="probe test", requested_by="test").won
+
+    record = wait_for_run(store, run.run_id, has_step("tool"))
+    wait_for_event(toolbox_http.events, "finished", tool="slow")
+    assert record.status is RunStatus.CANCELLED
+    # The slow call ran to its boundary and was recorded; nothing started after it.
+    assert [(s.kind, s.tool_name, step_outcome(s)) for s in record.steps] == [
+        (StepKind.MODEL, None, ""), (StepKind.TOOL, "slow", "ok"),
+    ]
+    assert matching_events(toolbox_http.events, "started", tool="get-sum") == []
+
+
+def test_a_cancelled_queued_run_is_never_claimed(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
+) -> None:
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("get-sum", a=1, b=2)]},
+                                                                   {"content": "x"}]))
+    assert store.cancel(run.run_id, reason="not needed", requested_by="test").won
+
+    worker = start_worker()
+    worker.wait_for_log("run_message_skipped", run_id=run.run_id)
+
+    record = store.get(run.run_id)
+    assert (record.status, record.started_at, record.steps) == (RunStatus.CANCELLED, None, ())
+    assert matching_events(toolbox_http.events, "started") == []
+
+
+def test_a_duplicate_message_is_acked_as_a_no_op(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("get-sum", a=1, b=2)]},
+                                                                   {"content": "3"}]))
+    before = wait_for_run(store, run.run_id)
+
+    producer.send(run.run_id)
+    skipped = worker.wait_for_log("run_message_skipped", run_id=run.run_id)
+
+    assert skipped[0]["found"] == "completed"
+    assert store.get(run.run_id) == before
+    assert len(matching_events(toolbox_http.events, "started", tool="get-sum")) == 1
+
+
+def test_the_probe_costs_exactly_one_redis_read_per_boundary(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    exists_before = _calls(store, "exists")
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("get-sum", a=1, b=2), call("echo", text="x")]},
+        {"tool_calls": [call("get-sum", a=3, b=4)]},
+        {"content": "done"},
+    ]))
+    record = wait_for_run(store, run.run_id)
+
+    model_calls = sum(1 for s in record.steps if s.kind is StepKind.MODEL)
+    # A boundary is each recorded step, and the moment before each model call.
+    assert record.status is RunStatus.COMPLETED
+    assert _calls(store, "exists") - exists_before == len(record.steps) + model_calls == 9
+
+
+def test_max_rounds_ends_the_run_failed_with_reason_max_rounds(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    loop_turn = {"tool_calls": [call("get-sum", a=1, b=1)]}
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [loop_turn, loop_turn, loop_turn], max_rounds=2))
+
+    record = wait_for_run(store, run.run_id)
+
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.MAX_ROUNDS)
+    assert sum(1 for s in record.steps if s.kind is StepKind.MODEL) == 2
+
+
+def test_a_provider_failure_is_recorded_and_fails_the_run(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"fail": "rate limited"}]))
+
+    record = wait_for_run(store, run.run_id)
+
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.PROVIDER_FAILED)
+    assert [(s.kind, s.error, step_outcome(s)) for s in record.steps] == [(StepKind.MODEL, "rate limited", "failed")]
+
+
+def test_a_server_that_cannot_be_reached_gives_failed_tool_steps_and_the_run_goes_on(
+    worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    dead = {"url": "http://127.0.0.1:9/mcp"}
+    run = producer.enqueue(spec({"dead": dead}, [{"tool_calls": [call("get-sum", server="dead", a=1, b=1)]},
+                                                 {"content": "the server was down"}]))
+
+    record = wait_for_run(store, run.run_id)
+
+    tool = next(s for s in record.steps if s.kind is StepKind.TOOL)
+    assert (tool.tool_outcome, tool.tool_is_error) == (ToolOutcome.FAILED, True)
+    assert record.status is RunStatus.COMPLETED
+
+
+def _calls(store: RunStore, command: str) -> int:
+    stats = store.redis.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))

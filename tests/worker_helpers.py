@@ -1,0 +1,158 @@
+"""A real worker process for integration tests, and bounded waits on what it does.
+
+The worker runs as ``python -m worker`` in the test's namespace and writes its structlog
+events as JSON lines to a file; :meth:`WorkerProcess.wait_for_log` waits on them (a
+"worker_started" line, a "run_message_skipped" line), bounded. Runs are watched in the
+store with :func:`wait_for_run`.
+
+    from tests.worker_helpers import worker_fixture  # noqa: F401 - registers the `worker` fixture
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.producer import Producer
+from broker.rabbitmq import build_broker
+from shared import RunRecord, RunSpec, RunStore, Settings
+
+STARTUP_TIMEOUT_S = 30.0
+_POLL_S = 0.02
+
+
+class WorkerProcess:
+    """One ``python -m worker`` process with its log file."""
+
+    def __init__(self, log_path: Path, env: Mapping[str, str], *, threads: int = 4, noop: bool = False) -> None:
+        self.log_path = log_path
+        command = [sys.executable, "-m", "worker", "--threads", str(threads)]
+        if noop:
+            command.append("--noop")
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.wait_for_log("worker_started", timeout=STARTUP_TIMEOUT_S)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every JSON log line so far (other lines, e.g. a traceback, are skipped)."""
+        entries = []
+        for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+            if line.startswith("{") and line.endswith("\n"):
+                try:
+                    entries.append(json.loads(line))
+                except ValueError:
+                    continue
+        return entries
+
+    def logged(self, event: str, **fields: Any) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
+
+    def wait_for_log(self, event: str, *, count: int = 1, timeout: float = 15.0, **fields: Any) -> list[dict[str, Any]]:
+        """Block until the worker logged ``event`` (with these fields) ``count`` times; fail after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.logged(event, **fields)
+            if len(found) >= count:
+                return found
+            if self.process.poll() is not None or time.monotonic() >= deadline:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                state = f"exited {self.process.returncode}" if self.process.poll() is not None else "running"
+                pytest.fail(f"worker ({state}) did not log {event} {fields} x{count} within {timeout:g} s:\n{tail}")
+            time.sleep(_POLL_S)  # polling the log file, bounded by the deadline
+
+    def stop(self) -> int:
+        """SIGTERM, then wait (kill after 20 s); returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+
+def worker_env(**overrides: str) -> dict[str, str]:
+    """The test process's environment (it carries RUNBRAKE_NAMESPACE) with overrides."""
+    return {**os.environ, **overrides}
+
+
+@pytest.fixture(name="start_worker")
+def start_worker_fixture(store: RunStore, rabbitmq: Settings, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """A factory: ``start_worker(threads=4, **env)`` starts a worker; all are stopped at teardown."""
+    started: list[WorkerProcess] = []
+
+    def start(*, threads: int = 4, noop: bool = False, **env: str) -> WorkerProcess:
+        worker = WorkerProcess(tmp_path / f"worker-{len(started)}.log", worker_env(**env), threads=threads, noop=noop)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture(name="worker")
+def worker_fixture(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    """One running worker in this test's namespace."""
+    return start_worker()
+
+
+@pytest.fixture(name="producer")
+def producer_fixture(store: RunStore, rabbitmq: Settings) -> Iterator[Producer]:
+    broker = build_broker(rabbitmq)
+    yield Producer(store, broker)
+    broker.close()
+
+
+def spec(servers: Mapping[str, Any], turns: list[dict[str, Any]], **extra: Any) -> RunSpec:
+    """A scripted run spec over these MCP server specs (name → McpServerSpec or raw dict)."""
+    raw_servers = {
+        name: value if isinstance(value, dict) else _server_dict(value) for name, value in servers.items()
+    }
+    return RunSpec.parse({"input": "test run", "model": {"provider": "scripted", "turns": turns},
+                          "mcp_servers": raw_servers, **extra})
+
+
+def _server_dict(server: Any) -> dict[str, Any]:
+    if server.url is not None:
+        return {"url": server.url}
+    return {"command": server.command, "args": list(server.args), "env": dict(server.env)}
+
+
+def call(tool: str, server: str = "toolbox", **arguments: Any) -> dict[str, Any]:
+    return {"server": server, "tool": tool, "arguments": arguments}
+
+
+def wait_for_run(
+    store: RunStore, run_id: str, done: Callable[[RunRecord], bool] = lambda r: r.status.is_terminal,
+    *, timeout: float = 20.0,
+) -> RunRecord:
+    """Block until the stored run satisfies ``done``; fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        record = store.get(run_id)
+        if done(record):
+            return record
+        if time.monotonic() >= deadline:
+            pytest.fail(f"run {run_id} did not get there within {timeout:g} s: {record.status.value}, "
+                        f"steps {[(s.kind.value, s.tool_name, s.tool_outcome) for s in record.steps]}")
+        time.sleep(_POLL_S)  # polling Redis, bounded by the deadline
+
+
+def has_step(kind: str, count: int = 1) -> Callable[[RunRecord], bool]:
+    return lambda record: sum(1 for s in record.steps if s.kind.value == kind) >= count
