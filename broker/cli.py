@@ -22,7 +22,7 @@ import click
 from broker.cancel import CancelPublisher, cancel_run
 from broker.producer import Producer
 from broker.rabbitmq import build_broker
-from broker.render import render_run, render_runs, run_json
+from broker.render import render_run, render_runs, render_servers, run_json, server_health
 from shared.errors import ConfigError, PublishError, RunNotFound, SpecError, StoreError
 from shared.logging import configure_logging
 from shared.settings import Settings
@@ -195,6 +195,20 @@ def runs(status: str | None, limit: int, as_json: bool) -> None:
         emit_json([{k: v for k, v in run_json(r).items() if k != "steps"} for r in records])
     else:
         click.echo(render_runs(records))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@user_errors
+def servers(as_json: bool) -> None:
+    """Per MCP server: ok, failed and cancelled tool calls, and a failure rate that does not count
+    cancellations (a server is flaky because of its failures, not because operators cancelled runs)."""
+    with open_store(settings_from_env()) as store:
+        health = server_health(store.server_outcomes())
+    if as_json:
+        emit_json(health)
+    else:
+        click.echo(render_servers(health))
 
 
 @main.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from shared.outcome import ToolOutcome
 from shared.steps import RunStep, StepKind
 from shared.store import RunRecord
 from shared.timeline import Lang, label, outcome_label, step_outcome
@@ -78,6 +79,25 @@ def render_runs(records: list[RunRecord]) -> str:
     headers = ["run_id", "status", "reason", "created"]
     rows = [[r.run_id, r.status.value, r.termination_reason.value, _when(r.created_at)] for r in records]
     return "\n".join(_table(headers, rows)) if rows else "(no runs)"
+
+
+def server_health(counts: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
+    """Per server: the counts by outcome, and ``failure_rate`` = failed / (ok + failed). Cancelled calls
+    are counted, shown, and left out of the rate; ``None`` when nothing completed or failed yet."""
+    health = []
+    for server in sorted(counts):
+        by_outcome = {outcome.value: counts[server].get(outcome.value, 0) for outcome in ToolOutcome}
+        decided = by_outcome["ok"] + by_outcome["failed"]
+        rate = by_outcome["failed"] / decided if decided else None
+        health.append({"server": server, **by_outcome, "failure_rate": rate})
+    return health
+
+
+def render_servers(health: list[dict[str, Any]]) -> str:
+    headers = ["server", "ok", "failed", "cancelled", "failure rate"]
+    rows = [[h["server"], str(h["ok"]), str(h["failed"]), str(h["cancelled"]),
+             "-" if h["failure_rate"] is None else f"{h['failure_rate']:.1%}"] for h in health]
+    return "\n".join(_table(headers, rows)) if rows else "(no tool calls recorded)"
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
