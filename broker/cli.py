@@ -149,21 +149,19 @@ def cancel(run_id: str, reason: str, requested_by: str | None, as_json: bool) ->
             "message_confirmed": result.message_confirmed,
             "message_error": result.message_error,
         })
+        sys.exit(0 if result.won else EXIT_REFUSED)
     if not result.exists:
-        fail(f"no run with id {run_id!r}", EXIT_REFUSED) if not as_json else sys.exit(EXIT_REFUSED)
+        fail(f"no run with id {run_id!r}", EXIT_REFUSED)
     if not result.won:
-        if as_json:
-            sys.exit(EXIT_REFUSED)
         fail(f"run {run_id} is already {result.found.value}; nothing to cancel", EXIT_REFUSED)
-    if not as_json:
-        click.echo(f"cancelled {run_id} (was {result.found.value})")
-        if result.message_confirmed:
-            click.echo("cancel message: confirmed by RabbitMQ")
-        else:
-            click.echo(
-                f"cancel message: NOT confirmed ({result.message_error}); the cancel stands, and workers find "
-                f"it within RUNBRAKE_CANCEL_POLL_MS ({settings.cancel_poll_ms} ms)",
-            )
+    click.echo(f"cancelled {run_id} (was {result.found.value})")
+    if result.message_confirmed:
+        click.echo("cancel message: confirmed by RabbitMQ")
+    else:
+        click.echo(
+            f"cancel message: NOT confirmed ({result.message_error}); the cancel stands, and workers find "
+            f"it within RUNBRAKE_CANCEL_POLL_MS ({settings.cancel_poll_ms} ms)",
+        )
 
 
 @main.command()

@@ -31,13 +31,10 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # The console renderer formats exceptions itself; JSON needs them turned into a string field.
+    exceptions: list[structlog.types.Processor] = [structlog.processors.format_exc_info] if as_json else []
     structlog.configure(
-        processors=[
-            *shared_processors,
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared_processors, structlog.processors.StackInfoRenderer(), *exceptions, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,

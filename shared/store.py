@@ -351,6 +351,15 @@ class RunStore:
             log.warning("cancel_probe_failed", run_id=run_id, error=str(exc))
             return False
 
+    def cancel_request(self, run_id: str) -> CancelRequest | None:
+        """The run's cancel request (one GET), or None. Fail-soft like the probe."""
+        try:
+            raw = cast(str | None, self._redis.get(self.cancel_key(run_id)))
+        except redis.RedisError as exc:
+            log.warning("cancel_read_failed", run_id=run_id, error=str(exc))
+            return None
+        return _cancel_request(raw)
+
     def cancelled_among(self, run_ids: Iterable[str]) -> set[str]:
         """Which of these runs have a cancel key, in one round trip (one MGET). Fail-soft like the probe."""
         ids = list(run_ids)

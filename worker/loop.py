@@ -144,14 +144,13 @@ class ToolLoop:
         started = self._clock()
         turn: ModelTurn | None = None
         error: ProviderError | None = None
-        with self._hooks.in_flight() as interrupt:
-            with interrupt:
-                try:
-                    turn = await self._provider.complete(
-                        state.messages, self._runner.tools, round_index=state.model_calls
-                    )
-                except ProviderError as exc:
-                    error = exc
+        with self._hooks.in_flight() as interrupt, interrupt:
+            try:
+                turn = await self._provider.complete(
+                    state.messages, self._runner.tools, round_index=state.model_calls
+                )
+            except ProviderError as exc:
+                error = exc
         duration_ms = _ms(self._clock() - started)
         if turn is None and error is None:
             # The scope swallowed the cancellation: the call was interrupted on purpose.
@@ -166,7 +165,7 @@ class ToolLoop:
                 RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, error=str(error))
             )
             raise error
-        assert turn is not None  # noqa: S101 - narrowed by the two branches above
+        assert turn is not None
         await self._hooks.record(
             RunStep(
                 kind=StepKind.MODEL,

@@ -102,7 +102,7 @@ class ActiveRuns:
         if handle is None or handle.cancel_seen:
             return False
         try:
-            handle.loop.call_soon_threadsafe(handle._interrupt_on_loop)  # noqa: SLF001 - the one hop onto the loop
+            handle.loop.call_soon_threadsafe(handle._interrupt_on_loop)
         except RuntimeError:  # the loop closed: the run is over anyway
             return False
         return True

@@ -77,10 +77,7 @@ class RunHooks:
             raise CancelRequested(self._handle.run_id)
 
     def _observe_cancel_latency(self, step: RunStep) -> None:
-        try:
-            request = self._store.get(self._handle.run_id).cancel
-        except RunbrakeError:
-            return
+        request = self._store.cancel_request(self._handle.run_id)
         if request is not None:
             metrics.CANCEL_LATENCY.observe(max(0.0, step.recorded_at - request.requested_at))
 

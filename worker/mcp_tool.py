@@ -1,0 +1,78 @@
+"""One tool call on an MCP server, as a :class:`~shared.tool_result.ToolResult` (DESIGN.md section 5).
+
+Never raises for what the call came to: a tool's own error, a dead server, a timeout
+and a cancel all become results. Which outcome a transport error maps to is read from
+``ToolTransportError.is_cancellation`` alone. Every result is bounded before it leaves.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+from mcp_types import CallToolResult, ContentBlock, EmbeddedResource, ResourceLink, TextContent, TextResourceContents
+
+from shared.errors import ToolTransportError
+from shared.tool_result import ToolResult
+from worker.conversation import ToolCall
+from worker.mcp_transport import McpConnection
+
+__all__ = ["execute", "not_connected"]
+
+
+async def execute(
+    connection: McpConnection,
+    call: ToolCall,
+    *,
+    timeout_s: float,
+    interrupt: anyio.CancelScope,
+    max_chars: int,
+) -> ToolResult:
+    """Run ``call`` on ``connection`` and say what it came to: ok, failed or cancelled.
+
+    Args:
+        connection: the open connection to ``call.server``.
+        call: the tool call the model asked for.
+        timeout_s: how long the call may take, in seconds.
+        interrupt: an unentered scope; cancelling it cuts the call off (outcome cancelled).
+        max_chars: the bound on each content channel of the result.
+
+    Raises:
+        ValueError: ``connection`` is not to ``call.server``.
+    """
+    if connection.server != call.server:
+        raise ValueError(f"call {call.id} is for server {call.server!r}, not {connection.server!r}")
+    try:
+        answer = await connection.call(call.tool, call.arguments, timeout_s=timeout_s, interrupt=interrupt)
+    except ToolTransportError as exc:
+        result = ToolResult.cancelled(str(exc)) if exc.is_cancellation else ToolResult.error(str(exc))
+    else:
+        result = _from_answer(answer)
+    return result.with_bounded_channels(max_chars)
+
+
+def not_connected(call: ToolCall, *, max_chars: int) -> ToolResult:
+    """The failed result of a call to a server that is not connected (unknown, or it did not start)."""
+    message = f"MCP server {call.server!r} is not connected; {call.tool} was not called"
+    return ToolResult.error(message).with_bounded_channels(max_chars)
+
+
+def _from_answer(answer: CallToolResult) -> ToolResult:
+    text = "\n".join(_describe(block) for block in answer.content)
+    if answer.is_error:
+        return ToolResult.error(text or "the tool reported an error without a message")
+    structured = None if answer.structured_content is None else json.dumps(answer.structured_content)
+    return ToolResult.ok(text, structured=structured)
+
+
+def _describe(block: ContentBlock) -> str:
+    """A text block's text; any other block in brackets, so the model knows something was there."""
+    if isinstance(block, TextContent):
+        return block.text
+    if isinstance(block, EmbeddedResource):
+        if isinstance(block.resource, TextResourceContents):
+            return block.resource.text
+        return f"[resource {block.resource.uri}]"
+    if isinstance(block, ResourceLink):
+        return f"[resource link {block.uri}]"
+    return f"[{block.mime_type}]"

@@ -1,0 +1,279 @@
+"""The MCP transport edge: one open client per server per segment, and interruptible calls.
+
+Every error the MCP SDK, httpx2 or the operating system raises is translated here into
+:class:`~shared.errors.ToolTransportError` (chained with ``from exc``); nothing outside
+this module sees a third-party exception. Only :meth:`McpConnection.call` decides that a
+call was *cancelled*, and it decides from the interrupt scope (``cancelled_caught``),
+never from a code or a message (DESIGN.md section 5, ADR-191 decision 6).
+
+Why each client lives in a task of its own: the SDK's client runs its transport in task
+groups entered with the client. Had the segment's own task entered it, a transport fault
+(an HTTP server dying mid-call raises ``httpx2.RemoteProtocolError`` in a background
+task) would cancel the whole segment body, not just the call, and every exception from
+the body would come out wrapped in an ``ExceptionGroup``. In a task of its own the
+fault ends only that task; the SDK then wakes the pending call with "connection closed",
+which this module reports as a failed call. The client is still entered and exited in
+one task, as the SDK requires (DESIGN.md section 8).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import anyio
+import httpx2
+import structlog
+from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
+from mcp.client.stdio import get_default_environment
+from mcp_types import CallToolResult
+from pydantic import ValidationError
+
+from shared.errors import ToolTransportError
+from shared.spec import McpServerSpec
+from worker.conversation import ToolInfo
+
+__all__ = ["McpConnection"]
+
+log = structlog.get_logger(__name__)
+
+_MAX_TOOL_PAGES: Final = 100
+"""A server whose ``tools/list`` cursor never ends cannot hang discovery."""
+
+_TRANSPORT_FAULTS: Final = (
+    MCPError,  # an error response, "connection closed", a request the SDK timed out
+    ValidationError,  # a result that does not conform to the negotiated protocol version
+    InputRequiredRoundsExceededError,  # the server kept asking for input
+    httpx2.HTTPError,  # connect, read, write and status errors of the HTTP transport
+    OSError,  # a command that cannot be started, a broken pipe, a refused connection
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    anyio.EndOfStream,
+)
+"""What a dead, broken or misbehaving server makes the SDK raise; anything else is a bug and propagates."""
+
+
+class McpConnection:
+    """One open MCP client for one server, for one segment of a run.
+
+    Open it with :meth:`open`; discover tools with :meth:`list_tools`; call them with
+    :meth:`call`. Calls are made from the caller's task; the client itself lives in a
+    task of its own (see the module docstring).
+    """
+
+    def __init__(self, spec: McpServerSpec) -> None:
+        self.spec = spec
+        self._client: Client | None = None
+        self._fault: Exception | None = None
+        self._ready = anyio.Event()
+        self._closing = anyio.Event()
+
+    @property
+    def server(self) -> str:
+        """The server's name in the run spec."""
+        return self.spec.name
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, spec: McpServerSpec, *, connect_timeout_s: float = 10.0) -> AsyncIterator[McpConnection]:
+        """Connect to the server described by ``spec``, and disconnect when the block ends.
+
+        Args:
+            spec: the server: streamable HTTP (``url``) or stdio (``command``, ``args``, ``env``).
+            connect_timeout_s: how long starting and reaching the server and the protocol
+                handshake may take, in seconds.
+
+        Raises:
+            ToolTransportError: the server could not be started or reached, or did not
+                complete the handshake within ``connect_timeout_s``. Names the server.
+        """
+        connection = cls(spec)
+        # Entered and exited by hand, with no exception passed to __aexit__, so that an
+        # exception (or a CancelRequested) raised by the block passes through unchanged
+        # instead of being wrapped in an ExceptionGroup by the task group. The client task
+        # never raises (it keeps its fault for the calls), so the task group has nothing
+        # of its own to report.
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        try:
+            task_group.start_soon(connection._serve, connect_timeout_s)
+            await connection._ready.wait()
+            if connection._client is None:
+                fault = connection._fault
+                raise ToolTransportError(
+                    f"could not connect to MCP server {spec.name!r} ({_where(spec)}): {_describe(fault)}",
+                    server=spec.name,
+                ) from fault
+            yield connection
+        finally:
+            connection._closing.set()
+            if connection._client is None:
+                # Still connecting (the block never ran: the caller was cancelled meanwhile),
+                # or already gone: there is no client to close gracefully, so do not wait for one.
+                task_group.cancel_scope.cancel()
+            await task_group.__aexit__(None, None, None)
+
+    async def _serve(self, connect_timeout_s: float) -> None:
+        """The client's task: enter the client, wait for the segment to end, exit the client."""
+        try:
+            # One scope around the client's whole life, its deadline lifted once connected:
+            # a scope entered around the handshake alone would have to be exited while the
+            # client's own task groups are still open, which anyio refuses.
+            with anyio.CancelScope(deadline=anyio.current_time() + connect_timeout_s) as connecting:
+                async with Client(_target(self.spec)) as client:
+                    connecting.deadline = math.inf
+                    self._client = client
+                    self._ready.set()
+                    await self._closing.wait()
+            if connecting.cancelled_caught:
+                self._fault = TimeoutError(f"no handshake within {connect_timeout_s:g} s")
+        except Exception as exc:  # noqa: BLE001 - this task must not raise (module docstring); calls re-raise it
+            self._fault = exc
+            if self._closing.is_set():
+                log.warning("mcp_disconnect_failed", server=self.server, error=_describe(exc))
+            elif self._ready.is_set():
+                log.warning("mcp_connection_lost", server=self.server, error=_describe(exc))
+        finally:
+            self._client = None
+            self._ready.set()
+
+    async def list_tools(self, *, timeout_s: float = 30.0) -> list[ToolInfo]:
+        """The tools the server offers, every page of them.
+
+        Raises:
+            ToolTransportError: the server failed, answered nonsense or took longer than ``timeout_s``.
+        """
+        client = self._live_client("tools/list")
+        tools: list[ToolInfo] = []
+        cursor: str | None = None
+        with anyio.move_on_after(timeout_s) as deadline:
+            try:
+                for _ in range(_MAX_TOOL_PAGES):
+                    page = await client.list_tools(cursor=cursor)
+                    tools.extend(
+                        ToolInfo(
+                            server=self.server,
+                            name=tool.name,
+                            description=tool.description or "",
+                            input_schema=tool.input_schema,
+                        )
+                        for tool in page.tools
+                    )
+                    cursor = page.next_cursor
+                    if cursor is None:
+                        return tools
+            except Exception as exc:
+                if not _is_transport_fault(exc):
+                    raise
+                raise self._error(exc, "listing tools failed") from exc
+        if deadline.cancelled_caught:
+            raise ToolTransportError(
+                f"MCP server {self.server!r}: listing tools timed out after {timeout_s:g} s", server=self.server
+            )
+        raise ToolTransportError(
+            f"MCP server {self.server!r}: tools/list still had more pages after {_MAX_TOOL_PAGES}",
+            server=self.server,
+        )
+
+    async def call(
+        self,
+        tool: str,
+        arguments: Mapping[str, Any],
+        *,
+        timeout_s: float,
+        interrupt: anyio.CancelScope,
+    ) -> CallToolResult:
+        """Call ``tool`` and return the server's result, ``is_error`` results included.
+
+        Args:
+            tool: the tool's name on the server.
+            arguments: the call's arguments (JSON-shaped).
+            timeout_s: how long the call may take, in seconds.
+            interrupt: an unentered scope the caller may cancel at any time, from the event
+                loop's thread, to cut the call off; cancelled before the call starts, the
+                request is never sent.
+
+        Raises:
+            ToolTransportError: ``is_cancellation`` is true when ``interrupt`` cut the call
+                off; otherwise the call timed out, the server died or the protocol broke.
+            Cancellation: a cancellation that does not come from ``interrupt`` (the task
+                itself is being cancelled) propagates unchanged.
+        """
+        client = self._live_client(f"call to {tool}", tool=tool)
+        result: CallToolResult | None = None
+        try:
+            # The interrupt scope is the outer one: when the deadline and the interrupt both
+            # fire, the interrupt catches the cancellation and the call counts as cancelled.
+            # Cancelling the scope makes the SDK tell the server: notifications/cancelled,
+            # or on 2026-07-28 HTTP, closing the request's stream (DESIGN.md section 8).
+            with interrupt, anyio.move_on_after(timeout_s):
+                result = await client.call_tool(tool, dict(arguments))
+        except Exception as exc:
+            if not _is_transport_fault(exc):
+                raise
+            raise self._error(exc, f"call to {tool} failed", tool=tool) from exc
+        if result is not None:
+            # The call completed: a cancel that came after the answer cut nothing off, so the
+            # answer is reported as it is, not as a cancellation.
+            return result
+        if interrupt.cancelled_caught:
+            raise ToolTransportError.for_cancelled_call(server=self.server, tool=tool)
+        # No result, no exception, not interrupted: only the deadline's scope swallows a
+        # cancellation here, an outer one propagates through both scopes.
+        raise ToolTransportError(
+            f"call to {self.server}.{tool} timed out after {timeout_s:g} s", server=self.server, tool=tool
+        )
+
+    def _live_client(self, what: str, *, tool: str = "") -> Client:
+        if self._client is not None:
+            return self._client
+        if self._fault is not None:
+            raise ToolTransportError(
+                f"MCP server {self.server!r}: {what}: connection lost: {_describe(self._fault)}",
+                server=self.server,
+                tool=tool,
+            ) from self._fault
+        raise ToolTransportError(
+            f"MCP server {self.server!r}: {what}: connection is closed", server=self.server, tool=tool
+        )
+
+    def _error(self, exc: Exception, what: str, *, tool: str = "") -> ToolTransportError:
+        return ToolTransportError(
+            f"MCP server {self.server!r}: {what}: {_describe(exc)}", server=self.server, tool=tool
+        )
+
+
+def _target(spec: McpServerSpec) -> str | StdioServerParameters:
+    if spec.url is not None:
+        return spec.url
+    if spec.command is None:
+        raise ToolTransportError(f"MCP server {spec.name!r} has neither a url nor a command", server=spec.name)
+    # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
+    # worker's whole environment with its credentials.
+    return StdioServerParameters(
+        command=spec.command, args=list(spec.args), env=get_default_environment() | dict(spec.env)
+    )
+
+
+def _where(spec: McpServerSpec) -> str:
+    return spec.url if spec.url is not None else f"stdio: {spec.command}"
+
+
+def _is_transport_fault(exc: BaseException) -> bool:
+    # The SDK's task groups report faults as ExceptionGroups: a group is a transport
+    # fault when every exception in it is one.
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_transport_fault(inner) for inner in exc.exceptions)
+    return isinstance(exc, _TRANSPORT_FAULTS)
+
+
+def _describe(exc: BaseException | None) -> str:
+    """``Type: message`` for each exception in ``exc``, ExceptionGroups flattened."""
+    if exc is None:
+        return "unknown error"
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(inner) for inner in exc.exceptions)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
