@@ -16,6 +16,9 @@ import redis
 
 from shared import RunStore, Settings
 
+# Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
+pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub"]
+
 
 @pytest.fixture
 def anyio_backend() -> str:

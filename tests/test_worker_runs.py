@@ -12,8 +12,7 @@ import pytest
 
 from broker.producer import Producer
 from shared import RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome, step_outcome
-from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
-from tests.mcp_helpers import toolbox_fixture, toolbox_http_fixture  # noqa: F401 - registers fixtures
+from tests.mcp_helpers import Toolbox, matching_events, toolbox_fixture, toolbox_http_fixture, wait_for_event  # noqa: F401 - registers fixtures
 from tests.worker_helpers import (
     WorkerProcess,
     call,

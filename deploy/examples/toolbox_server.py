@@ -51,8 +51,8 @@ def _record(event: str, tool: str, call: int, args: dict[str, Any]) -> None:
     line = json.dumps(
         {"event": event, "tool": tool, "call": call, "args": args, "t": time.time(), "pid": os.getpid()}
     )
-    # One short append per event, opened and closed each time: the line is on disk
-    # before the handler goes on, which is what a watcher in another process needs.
+    # One short append per event, opened and closed each time: the line is visible to
+    # other processes before the handler goes on, which is what a watcher needs.
     with _events_path.open("a", encoding="utf-8") as events:
         events.write(line + "\n")
 
@@ -102,9 +102,10 @@ def main() -> None:
     """Parse the command line and serve until killed."""
     global _events_path  # noqa: PLW0603 - set once, before the server starts
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--transport", choices=["http", "stdio"], default="http")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--transport", choices=["http", "stdio"], default="http",
+                        help="streamable HTTP at http://HOST:PORT/mcp, or stdio (default: http)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP only (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8765, help="HTTP only (default: 8765)")
     parser.add_argument("--events", type=Path, help="append one JSON line per tool event to this file")
     options = parser.parse_args()
     _events_path = options.events
