@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shared.errors import ConfigError
 
@@ -70,26 +71,24 @@ class Settings:
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int = 10**9) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(name, f"must be an integer, got {raw!r}") from None
-    if not low <= value <= high:
-        raise ConfigError(name, f"must be from {low} to {high}, got {value}")
-    return value
+    return _number(env, name, default, int, "an integer", low=low, high=high)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    return _number(env, name, default, float, "a number", low=0.001, high=3600.0)
+
+
+_N = TypeVar("_N", int, float)
+
+
+def _number(env: Mapping[str, str], name: str, default: _N, kind: type[_N], what: str, *, low: _N, high: _N) -> _N:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise ConfigError(name, f"must be a number, got {raw!r}") from None
-    if not 0 < value <= 3600:
-        raise ConfigError(name, f"must be in (0, 3600], got {value}")
+        raise ConfigError(name, f"must be {what}, got {raw!r}") from None
+    if not low <= value <= high:
+        raise ConfigError(name, f"must be from {low} to {high}, got {value}")
     return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TypeVar
 
 import structlog
 
@@ -28,11 +29,7 @@ class RunStatus(StrEnum):
     @classmethod
     def parse(cls, value: str | None, *, run_id: str = "") -> RunStatus:
         """Read a stored status; an unrecognised one reads as ``UNKNOWN`` and is logged, never a crash."""
-        try:
-            return cls(value or "")
-        except ValueError:
-            log.warning("run_status_unknown", run_id=run_id, stored=value)
-            return cls.UNKNOWN
+        return _parse_stored(cls, value, cls.UNKNOWN, run_id, "run_status_unknown")
 
 
 _TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
@@ -58,9 +55,16 @@ class TerminationReason(StrEnum):
 
     @classmethod
     def parse(cls, value: str | None, *, run_id: str = "") -> TerminationReason:
-        """Read a stored reason; an unrecognised one reads as ``UNKNOWN`` and is logged."""
-        try:
-            return cls(value or "")
-        except ValueError:
-            log.warning("termination_reason_unknown", run_id=run_id, stored=value)
-            return cls.UNKNOWN
+        """Read a stored reason; an unrecognised one reads as ``UNKNOWN`` and is logged, never a crash."""
+        return _parse_stored(cls, value, cls.UNKNOWN, run_id, "termination_reason_unknown")
+
+
+_E = TypeVar("_E", RunStatus, TerminationReason)
+
+
+def _parse_stored(enum: type[_E], value: str | None, unknown: _E, run_id: str, event: str) -> _E:
+    try:
+        return enum(value or "")
+    except ValueError:
+        log.warning(event, run_id=run_id, stored=value)
+        return unknown

@@ -150,20 +150,21 @@ def test_bounding_keeps_the_outcome_of_a_non_ok_result(build: Callable[[str], To
     assert len(bounded.content) < len(original.content)
 
 
-def test_bounding_keeps_the_first_max_chars_of_a_long_channel_and_says_how_much_was_dropped() -> None:
-    result = ToolResult.ok("a" * 30 + "b" * 70, structured="{" + "x" * 199)
+def test_bounding_keeps_a_long_channel_within_max_chars_mark_included_and_says_how_much_was_dropped() -> None:
+    result = ToolResult.ok("a" * 60 + "b" * 140, structured="{" + "x" * 399)
 
-    bounded = result.with_bounded_channels(30)
+    bounded = result.with_bounded_channels(60)
 
-    assert bounded.content.startswith("a" * 30)
+    assert bounded.content.startswith("a" * 20)
     assert "b" not in bounded.content
-    assert "70" in bounded.content[30:]
     assert bounded.structured is not None
-    assert bounded.structured.startswith("{" + "x" * 29)
-    assert "170" in bounded.structured[30:]
-    # The mark is short: a bounded channel stays near the limit, whatever the original size.
-    assert len(bounded.content) < 30 + 40
-    assert len(bounded.structured) < 30 + 40
+    assert bounded.structured.startswith("{" + "x" * 19)
+    # A hard bound: the truncation mark counts against the limit, and it says how much went.
+    assert len(bounded.content) == len(bounded.structured) == 60
+    dropped_content = 200 - bounded.content.index("\n…")
+    dropped_structured = 400 - bounded.structured.index("\n…")
+    assert f"truncated {dropped_content} chars" in bounded.content
+    assert f"truncated {dropped_structured} chars" in bounded.structured
 
 
 def test_bounding_leaves_channels_at_or_under_the_limit_untouched() -> None:
@@ -173,10 +174,11 @@ def test_bounding_leaves_channels_at_or_under_the_limit_untouched() -> None:
 
 
 def test_bounding_cuts_a_channel_one_character_over_the_limit() -> None:
-    bounded = ToolResult.ok("x" * 11).with_bounded_channels(10)
+    bounded = ToolResult.ok("x" * 41).with_bounded_channels(40)
 
-    assert bounded.content.startswith("x" * 10)
-    assert not bounded.content.startswith("x" * 11)
+    assert len(bounded.content) == 40
+    assert bounded.content != "x" * 40
+    assert "truncated" in bounded.content
 
 
 def test_bounding_leaves_an_absent_structured_channel_absent() -> None:
