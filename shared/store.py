@@ -274,7 +274,7 @@ class RunStore:
         try:
             raw = cast(dict[str, str], self._redis.hgetall(self._servers_key()))
         except redis.RedisError as exc:
-            raise StoreError(f"could not read server counts: {exc}") from exc
+            raise StoreError(f"could not read server counts from Redis at {self._describe()}: {exc}") from exc
         counts: dict[str, dict[str, int]] = {}
         for field_name, value in raw.items():
             server, _, outcome = field_name.rpartition("|")
@@ -297,7 +297,7 @@ class RunStore:
                 pipe.get(self.cancel_key(run_id))
                 fields, raw_steps, raw_cancel = pipe.execute()
         except redis.RedisError as exc:
-            raise StoreError(f"could not read run {run_id}: {exc}") from exc
+            raise StoreError(f"could not read run {run_id} from Redis at {self._describe()}: {exc}") from exc
         if not fields:
             raise RunNotFound(run_id)
         steps = tuple(_step(run_id, raw) for raw in raw_steps)
@@ -312,7 +312,7 @@ class RunStore:
         try:
             value = self._redis.hget(self.run_key(run_id), "status")
         except redis.RedisError as exc:
-            raise StoreError(f"could not read run {run_id}: {exc}") from exc
+            raise StoreError(f"could not read run {run_id} from Redis at {self._describe()}: {exc}") from exc
         if value is None:
             raise RunNotFound(run_id)
         return RunStatus.parse(cast(str, value), run_id=run_id)
@@ -327,7 +327,7 @@ class RunStore:
                     pipe.get(self.cancel_key(run_id))
                 results = pipe.execute()
         except redis.RedisError as exc:
-            raise StoreError(f"could not list runs: {exc}") from exc
+            raise StoreError(f"could not list runs from Redis at {self._describe()}: {exc}") from exc
         records = []
         for run_id, fields, raw_cancel in zip(ids, results[::2], results[1::2], strict=True):
             if not fields:
