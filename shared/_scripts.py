@@ -28,18 +28,19 @@ redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 return {1, ARGV[1]}
 """
 
-# KEYS: run.  ARGV: owner, now, lease_expires_at
+# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id
 CLAIM = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= 'queued' then return {0, st} end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'started_at', ARGV[2],
   'lease_expires_at', ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
 return {1, st}
 """
 
-# KEYS: run.  ARGV: owner, now, lease_expires_at
+# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id
 RESUME_CLAIM = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -47,11 +48,12 @@ if st ~= 'waiting_for_approval' then return {0, st} end
 if redis.call('HGET', KEYS[1], 'approval') ~= 'approved' then return {0, st} end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'lease_expires_at', ARGV[3],
   'approval', 'consumed')
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
 return {1, st}
 """
 
-# KEYS: run.  ARGV: owner, pending_json
+# KEYS: run, leases.  ARGV: owner, pending_json, run_id
 SUSPEND = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -59,6 +61,7 @@ if st ~= 'running' then return {0, st} end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {0, st, 'owner'} end
 redis.call('HSET', KEYS[1], 'status', 'waiting_for_approval', 'owner', '', 'lease_expires_at', '',
   'pending', ARGV[2], 'approval', '')
+redis.call('ZREM', KEYS[2], ARGV[3])
 return {1, st}
 """
 
@@ -75,7 +78,8 @@ redis.call('HSET', KEYS[1], 'approval', 'approved')
 return {1, st}
 """
 
-# KEYS: run.  ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any)
+# KEYS: run, leases.
+# ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id
 SETTLE = _TERMINAL_CHECK + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -84,10 +88,11 @@ if ARGV[6] ~= '' and st ~= ARGV[6] then return {0, st} end
 if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then return {0, st, 'owner'} end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'termination_reason', ARGV[2], 'finished_at', ARGV[4],
   'error', ARGV[5], 'lease_expires_at', '')
+redis.call('ZREM', KEYS[2], ARGV[7])
 return {1, st}
 """
 
-# KEYS: run, cancel.  ARGV: cancel_json, now
+# KEYS: run, cancel, leases.  ARGV: cancel_json, now, run_id
 CANCEL = _TERMINAL_CHECK + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -95,6 +100,7 @@ if is_terminal(st) then return {0, st} end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'termination_reason', 'cancelled',
   'finished_at', ARGV[2], 'lease_expires_at', '')
 redis.call('SET', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[3])
 return {1, st}
 """
 
@@ -112,10 +118,32 @@ redis.call('RPUSH', KEYS[2], '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[
 return seq
 """
 
-# KEYS: run.  ARGV: owner, lease_expires_at
+# KEYS: run, leases.  ARGV: owner, lease_expires_at, run_id
 RENEW_LEASE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'lease_expires_at', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 return 1
+"""
+
+# KEYS: run, leases.  ARGV: now, run_id
+# running with an expired lease → failed (lease_lost). A run no longer running leaves the lease set;
+# one whose lease was renewed meanwhile is put back at its new expiry.
+REAP = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st ~= 'running' then
+  redis.call('ZREM', KEYS[2], ARGV[2])
+  return {0, st or ''}
+end
+local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_expires_at') or '')
+if lease and lease > tonumber(ARGV[1]) then
+  redis.call('ZADD', KEYS[2], lease, ARGV[2])
+  return {0, st}
+end
+local owner = redis.call('HGET', KEYS[1], 'owner') or ''
+redis.call('HSET', KEYS[1], 'status', 'failed', 'termination_reason', 'lease_lost', 'finished_at', ARGV[1],
+  'error', 'the worker executing the run (' .. owner .. ') stopped renewing its lease', 'lease_expires_at', '')
+redis.call('ZREM', KEYS[2], ARGV[2])
+return {1, st}
 """

@@ -12,6 +12,7 @@ Keys, all under the namespace (``{run_id}`` is a hash tag):
     <ns>:runs                 zset   run ids by creation time
     <ns>:idem:<key>           string the run id an idempotency key created
     <ns>:servers              hash   tool calls per "<server>|<outcome>", for per-server health
+    <ns>:leases               zset   running run ids by lease expiry, for the reaper
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class RunStore:
         self._cancel = register(_scripts.CANCEL)
         self._append = register(_scripts.APPEND_STEP)
         self._renew = register(_scripts.RENEW_LEASE)
+        self._reap = register(_scripts.REAP)
 
     @classmethod
     def connect(cls, settings: Settings) -> RunStore:
@@ -161,6 +163,9 @@ class RunStore:
     def _servers_key(self) -> str:
         return f"{self.namespace}:servers"
 
+    def _leases_key(self) -> str:
+        return f"{self.namespace}:leases"
+
     # -- transitions ----------------------------------------------------------------------------
 
     def create(self, request: Mapping[str, Any], *, idempotency_key: str | None = None) -> Created:
@@ -187,21 +192,23 @@ class RunStore:
         """queued → running, stamping owner, started_at and the lease."""
         now = time.time()
         return self._transition(
-            "claim", run_id, self._claim, [self.run_key(run_id)], [owner, repr(now), repr(now + lease_s)]
+            "claim", run_id, self._claim, [self.run_key(run_id), self._leases_key()],
+            [owner, repr(now), repr(now + lease_s), run_id],
         )
 
     def resume_claim(self, run_id: str, owner: str, *, lease_s: float) -> Transition:
         """waiting_for_approval (approved) → running, stamping the new owner and lease."""
         now = time.time()
         return self._transition(
-            "resume_claim", run_id, self._resume_claim, [self.run_key(run_id)],
-            [owner, repr(now), repr(now + lease_s)],
+            "resume_claim", run_id, self._resume_claim, [self.run_key(run_id), self._leases_key()],
+            [owner, repr(now), repr(now + lease_s), run_id],
         )
 
     def suspend(self, run_id: str, owner: str, pending: Mapping[str, Any]) -> Transition:
         """running → waiting_for_approval (owner-guarded), storing the pending turn."""
         return self._transition(
-            "suspend", run_id, self._suspend, [self.run_key(run_id)], [owner, json.dumps(pending)]
+            "suspend", run_id, self._suspend, [self.run_key(run_id), self._leases_key()],
+            [owner, json.dumps(pending), run_id],
         )
 
     def approve(self, run_id: str) -> Transition:
@@ -223,23 +230,61 @@ class RunStore:
         if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
             raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
         return self._transition(
-            f"settle_{status.value}", run_id, self._settle, [self.run_key(run_id)],
+            f"settle_{status.value}", run_id, self._settle, [self.run_key(run_id), self._leases_key()],
             [status.value, reason.value, owner or "", repr(time.time()), error[:2000],
-             "" if required_status is None else required_status.value],
+             "" if required_status is None else required_status.value, run_id],
         )
 
     def cancel(self, run_id: str, *, reason: str, requested_by: str) -> Transition:
         """non-terminal → cancelled, writing the cancel key in the same script (the fence)."""
         request = CancelRequest(reason=reason, requested_by=requested_by, requested_at=time.time())
         return self._transition(
-            "cancel", run_id, self._cancel, [self.run_key(run_id), self.cancel_key(run_id)],
-            [json.dumps(request.to_dict()), repr(request.requested_at)],
+            "cancel", run_id, self._cancel, [self.run_key(run_id), self.cancel_key(run_id), self._leases_key()],
+            [json.dumps(request.to_dict()), repr(request.requested_at), run_id],
         )
 
-    def renew_lease(self, run_id: str, owner: str, *, lease_s: float) -> bool:
-        """Extend the lease of a running run this owner holds. False when it no longer does."""
-        renewed = self._call(self._renew, [self.run_key(run_id)], [owner, repr(time.time() + lease_s)])
-        return bool(renewed)
+    def renew_leases(self, owners: Mapping[str, str], *, lease_s: float) -> set[str]:
+        """Extend the leases of these running runs (run id → owner) in one round trip.
+
+        Returns the runs whose lease was not renewed (no longer running, or owned by another).
+
+        Raises:
+            StoreError: when Redis cannot be reached.
+        """
+        if not owners:
+            return set()
+        expires = repr(time.time() + lease_s)
+        try:
+            with self._redis.pipeline(transaction=False) as pipe:
+                for run_id, owner in owners.items():
+                    self._renew(keys=[self.run_key(run_id), self._leases_key()], args=[owner, expires, run_id],
+                                client=pipe)
+                renewed = pipe.execute()
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self._describe()}: {exc}") from exc
+        return {run_id for run_id, ok in zip(owners, renewed, strict=True) if not ok}
+
+    def reap_expired(self, *, limit: int = 100) -> list[str]:
+        """Fail (``lease_lost``) the running runs whose lease expired: their worker died without a word.
+
+        Any worker may call this; each run is decided by one guarded script, so concurrent
+        reapers never both win. Returns the runs this call failed.
+
+        Raises:
+            StoreError: when Redis cannot be reached.
+        """
+        now = time.time()
+        try:
+            due = cast(list[str], self._redis.zrangebyscore(self._leases_key(), "-inf", now, start=0, num=limit))
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self._describe()}: {exc}") from exc
+        reaped = []
+        for run_id in due:
+            if self._transition("reap", run_id, self._reap, [self.run_key(run_id), self._leases_key()],
+                                [repr(now), run_id]).won:
+                log.warning("run_lease_lost", run_id=run_id)
+                reaped.append(run_id)
+        return reaped
 
     def append_step(self, run_id: str, step: RunStep) -> RunStep:
         """Record a step; the store assigns its sequence (strictly increasing per run).

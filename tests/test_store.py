@@ -82,6 +82,7 @@ def snapshot(store: RunStore, run_id: str) -> dict[str, Any]:
         "cancel": r.get(store.cancel_key(run_id)),
         "cancel_ttl": r.ttl(store.cancel_key(run_id)),
         "indexed": r.zscore(f"{store.namespace}:runs", run_id),
+        "lease": r.zscore(f"{store.namespace}:leases", run_id),
         "record": store.get(run_id) if r.exists(store.run_key(run_id)) else None,
     }
 
@@ -847,11 +848,12 @@ def test_the_owner_renews_its_lease_on_a_running_run(store: RunStore) -> None:
     old = store.get(run_id).lease_expires_at
     assert old is not None
 
-    assert store.renew_lease(run_id, OWNER, lease_s=600) is True
+    assert store.renew_leases({run_id: OWNER}, lease_s=600) == set()
 
     new = store.get(run_id).lease_expires_at
     assert new is not None
     assert new > old
+    assert store.redis.zscore(f"{store.namespace}:leases", run_id) == pytest.approx(new)
 
 
 @pytest.mark.parametrize(("status", "owner"), [(RUNNING, OTHER), (CANCELLED, OWNER), (COMPLETED, OWNER)])
@@ -861,8 +863,86 @@ def test_a_lease_is_not_renewed_for_another_owner_or_a_finished_run(
     run_id = run_in(store, status)
     before = snapshot(store, run_id)
 
-    assert store.renew_lease(run_id, owner, lease_s=600) is False
+    assert store.renew_leases({run_id: owner}, lease_s=600) == {run_id}
     assert snapshot(store, run_id) == before
+
+
+def test_many_leases_are_renewed_in_one_call_and_the_lost_ones_are_named(store: RunStore) -> None:
+    mine = [run_in(store, RUNNING) for _ in range(3)]
+    finished = run_in(store, COMPLETED)
+
+    lost = store.renew_leases({**dict.fromkeys(mine, OWNER), finished: OWNER}, lease_s=600)
+
+    assert lost == {finished}
+
+
+def expire_lease(store: RunStore, run_id: str) -> None:
+    """Age a run's lease as if its worker had stopped renewing it a while ago."""
+    past = time.time() - 5
+    store.redis.hset(store.run_key(run_id), "lease_expires_at", repr(past))
+    store.redis.zadd(f"{store.namespace}:leases", {run_id: past})
+
+
+def test_a_running_run_whose_lease_expired_is_reaped_as_failed_lease_lost(store: RunStore) -> None:
+    run_id = run_in(store, RUNNING)
+    expire_lease(store, run_id)
+
+    with capture_logs() as logs:
+        assert store.reap_expired() == [run_id]
+
+    record = store.get(run_id)
+    assert (record.status, record.termination_reason) == (FAILED, TerminationReason.LEASE_LOST)
+    assert OWNER in record.error
+    assert store.redis.zscore(f"{store.namespace}:leases", run_id) is None
+    assert [e["run_id"] for e in logs if e["event"] == "run_lease_lost"] == [run_id]
+    # Terminal is terminal: the worker's late settle is refused.
+    assert not store.settle(run_id, COMPLETED, TerminationReason.COMPLETED, owner=OWNER)
+
+
+def test_a_live_lease_is_not_reaped(store: RunStore) -> None:
+    run_id = run_in(store, RUNNING)
+    before = snapshot(store, run_id)
+
+    assert store.reap_expired() == []
+    assert snapshot(store, run_id) == before
+
+
+def test_a_lease_renewed_after_it_was_due_is_not_reaped(store: RunStore) -> None:
+    run_id = run_in(store, RUNNING)
+    expire_lease(store, run_id)
+    store.redis.zadd(f"{store.namespace}:leases", {run_id: time.time() - 5})
+    store.redis.hset(store.run_key(run_id), "lease_expires_at", repr(time.time() + 600))
+
+    assert store.reap_expired() == []
+    assert store.status(run_id) is RUNNING
+
+
+@pytest.mark.parametrize("status", [QUEUED, WAITING, COMPLETED, FAILED, CANCELLED])
+def test_only_running_runs_hold_a_lease(store: RunStore, status: RunStatus) -> None:
+    run_id = run_in(store, status)
+
+    assert store.redis.zscore(f"{store.namespace}:leases", run_id) is None
+    assert store.reap_expired() == []
+    assert store.status(run_id) is status
+
+
+def test_concurrent_reapers_fail_an_expired_run_once(store: RunStore, settings: Settings) -> None:
+    run_id = run_in(store, RUNNING)
+    expire_lease(store, run_id)
+    reapers = [RunStore.connect(settings) for _ in range(8)]
+    barrier = threading.Barrier(len(reapers))
+
+    def reap(reaper: RunStore) -> list[str]:
+        barrier.wait()
+        return reaper.reap_expired()
+
+    with ThreadPoolExecutor(len(reapers)) as pool:
+        results = list(pool.map(reap, reapers))
+    for reaper in reapers:
+        reaper.close()
+
+    assert sorted(len(r) for r in results) == [0] * 7 + [1]
+    assert store.get(run_id).termination_reason is TerminationReason.LEASE_LOST
 
 
 # -- an unreachable Redis -----------------------------------------------------------------------
@@ -908,7 +988,8 @@ UNREACHABLE_CALLS: dict[str, Callable[[RunStore], object]] = {
     "approve": lambda s: s.approve("r"),
     "settle": lambda s: s.settle("r", COMPLETED, TerminationReason.COMPLETED),
     "cancel": lambda s: s.cancel("r", reason="x", requested_by="ops"),
-    "renew_lease": lambda s: s.renew_lease("r", OWNER, lease_s=60),
+    "renew_leases": lambda s: s.renew_leases({"r": OWNER}, lease_s=60),
+    "reap_expired": lambda s: s.reap_expired(),
     "append_step": lambda s: s.append_step("r", model_step()),
     "get": lambda s: s.get("r"),
     "status": lambda s: s.status("r"),

@@ -14,12 +14,14 @@ import contextlib
 import json
 import os
 import threading
+import time
 
 import pika
 import pika.exceptions
 import structlog
 
 from broker.rabbitmq import cancel_exchange
+from shared.errors import StoreError
 from shared.settings import Settings
 from shared.store import RunStore
 from worker.registry import ActiveRuns
@@ -120,23 +122,42 @@ def _run_id_of(body: bytes) -> str | None:
 
 
 class Backstop(threading.Thread):
-    """Every poll interval, one MGET over the active runs' cancel keys; interrupts the cancelled ones."""
+    """Every poll interval, one MGET over the active runs' cancel keys; interrupts the cancelled ones.
+
+    Every third of a lease it also renews the leases of this process's runs (one round trip)
+    and reaps runs whose lease expired (their worker died without a word: ``lease_lost``).
+    """
 
     def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
         super().__init__(name="runbrake-cancel-backstop", daemon=True)
         self._interval_s = settings.cancel_poll_ms / 1000
+        self._lease_s = settings.lease_s
         self._store = store
         self._registry = registry
         self._stopping = threading.Event()
 
     def run(self) -> None:
+        next_lease_work = 0.0
         while not self._stopping.wait(self._interval_s):
             run_ids = self._registry.run_ids()
-            if not run_ids:
-                continue
-            for run_id in self._store.cancelled_among(run_ids):
-                if self._registry.interrupt(run_id):
-                    log.info("cancel_found_by_backstop", run_id=run_id)
+            if run_ids:
+                for run_id in self._store.cancelled_among(run_ids):
+                    if self._registry.interrupt(run_id):
+                        log.info("cancel_found_by_backstop", run_id=run_id)
+            if time.monotonic() >= next_lease_work:
+                next_lease_work = time.monotonic() + self._lease_s / 3
+                self._tend_leases()
+
+    def _tend_leases(self) -> None:
+        try:
+            lost = self._store.renew_leases(self._registry.owners(), lease_s=self._lease_s)
+            self._store.reap_expired()
+        except StoreError as exc:
+            log.warning("lease_upkeep_failed", error=str(exc))
+            return
+        for run_id in lost:
+            if run_id in self._registry:
+                log.warning("lease_not_renewed", run_id=run_id)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 import structlog
@@ -29,13 +29,14 @@ class RunHandle:
     """
 
     run_id: str
+    owner: str
+    """The identity this worker claimed the run with (its lease is renewed under it)."""
     loop: asyncio.AbstractEventLoop
     scope: anyio.CancelScope | None = None
     cancel_seen: bool = False
     """A verified cancel reached this run (anyio's *cancel requested*, not *interrupted*)."""
     interrupted_at: float | None = None
     """When a call in flight was actually cancelled (time.time())."""
-    on_interrupt: list[Callable[[RunHandle], None]] = field(default_factory=list)
 
     @contextmanager
     def in_flight(self) -> Iterator[anyio.CancelScope]:
@@ -55,8 +56,6 @@ class RunHandle:
             self.scope.cancel()
             self.interrupted_at = time.time()
             log.info("call_interrupted", run_id=self.run_id)
-            for callback in self.on_interrupt:
-                callback(self)
 
 
 class ActiveRuns:
@@ -66,9 +65,9 @@ class ActiveRuns:
         self._lock = threading.Lock()
         self._runs: dict[str, RunHandle] = {}
 
-    def register(self, run_id: str) -> RunHandle:
+    def register(self, run_id: str, owner: str) -> RunHandle:
         """Called on the loop thread when a run's segment starts."""
-        handle = RunHandle(run_id=run_id, loop=asyncio.get_running_loop())
+        handle = RunHandle(run_id=run_id, owner=owner, loop=asyncio.get_running_loop())
         with self._lock:
             self._runs[run_id] = handle
         return handle
@@ -81,6 +80,11 @@ class ActiveRuns:
     def run_ids(self) -> list[str]:
         with self._lock:
             return list(self._runs)
+
+    def owners(self) -> dict[str, str]:
+        """Run id → the owner it was claimed under, for lease renewal."""
+        with self._lock:
+            return {run_id: handle.owner for run_id, handle in self._runs.items()}
 
     def __contains__(self, run_id: object) -> bool:
         with self._lock:

@@ -109,7 +109,7 @@ class Runtime:
                 log.info("run_message_skipped", found=claim.found.value if claim.exists else "missing")
                 return RunOutcome.SKIPPED
             log.info("run_claimed", owner=owner)
-            handle = self.registry.register(run_id)
+            handle = self.registry.register(run_id, owner)
             try:
                 outcome = await self._ladder(run_id, owner, handle, resume=resume)
             finally:

@@ -1,0 +1,52 @@
+"""Leases: a worker that dies without a word does not leave its run "running" forever."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import pytest
+
+from broker.producer import Producer
+from shared import RunStatus, RunStore, TerminationReason, ToolOutcome
+from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+
+pytestmark = pytest.mark.integration
+
+SHORT_LEASE = {"RUNBRAKE_LEASE_S": "5"}
+
+
+def test_the_run_of_a_killed_worker_is_failed_lease_lost_by_another_worker(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
+) -> None:
+    doomed = start_worker(**SHORT_LEASE)
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=60)]},
+                                                                   {"content": "never"}]))
+    wait_for_event(toolbox_http.events, "started", tool="slow")
+    owner = store.get(run.run_id).owner
+
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait()
+    start_worker(**SHORT_LEASE)
+
+    record = wait_for_run(store, run.run_id, timeout=30)
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.LEASE_LOST)
+    assert owner in record.error
+
+
+def test_a_run_longer_than_its_lease_completes_because_its_worker_renews_the_lease(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
+) -> None:
+    # Two workers with short leases: whichever does not hold the run reaps every ~1.7 s.
+    start_worker(**SHORT_LEASE)
+    start_worker(**SHORT_LEASE)
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=8)]},
+                                                                   {"content": "done"}]))
+
+    record = wait_for_run(store, run.run_id, timeout=40)
+
+    assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
+    tool = next(s for s in record.steps if s.tool_outcome is not None)
+    assert tool.tool_outcome is ToolOutcome.OK
+    assert tool.duration_ms > 5_000  # the call outlived the lease it was claimed with
