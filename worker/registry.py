@@ -34,7 +34,9 @@ class RunHandle:
     loop: asyncio.AbstractEventLoop
     scope: anyio.CancelScope | None = None
     cancel_seen: bool = False
-    """A verified cancel reached this run (anyio's *cancel requested*, not *interrupted*)."""
+    """A verified cancel reached this run on the loop (anyio's *cancel requested*, not *interrupted*)."""
+    interrupt_requested: bool = False
+    """An interrupt was asked for (set under the registry's lock, so only one asker acts)."""
     interrupted_at: float | None = None
     """When a call in flight was actually cancelled (time.time())."""
 
@@ -103,8 +105,9 @@ class ActiveRuns:
         """
         with self._lock:
             handle = self._runs.get(run_id)
-        if handle is None or handle.cancel_seen:
-            return False
+            if handle is None or handle.interrupt_requested:
+                return False
+            handle.interrupt_requested = True
         try:
             handle.loop.call_soon_threadsafe(handle._interrupt_on_loop)
         except RuntimeError:  # the loop closed: the run is over anyway
