@@ -104,10 +104,11 @@ redis.call('ZREM', KEYS[3], ARGV[3])
 return {1, st}
 """
 
-# KEYS: run, steps.  ARGV: step_body_json (an object without sequence/recorded_at), now
+# KEYS: run, steps, servers.  ARGV: step_body_json (an object without sequence/recorded_at), now,
+#   server_outcome_field ('' when the step is not a tool step with an outcome)
 # The sequence comes from one HINCRBY inside the script, so concurrent appends get unique,
 # increasing numbers in list order. The body is spliced as text: cjson would turn [] into {}.
-# HEXISTS, not EXISTS: EXISTS is the probe's one command, so INFO commandstats can count probes.
+# HEXISTS, not EXISTS: EXISTS is the probe's one command, so a count of EXISTS counts probes.
 APPEND_STEP = """
 if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return 0 end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
@@ -115,6 +116,7 @@ local body = ARGV[1]
 local sep = ','
 if body == '{}' then sep = '' end
 redis.call('RPUSH', KEYS[2], '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[2] .. sep .. string.sub(body, 2))
+if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
 return seq
 """
 

@@ -295,17 +295,16 @@ class RunStore:
         """
         recorded_at = time.time()
         body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
-        keys = [self.run_key(run_id), self.steps_key(run_id)]
-        args = [json.dumps(body, separators=(",", ":")), repr(recorded_at)]
-        try:
-            # One round trip: the append, and the server's outcome counter for a tool step.
-            with self._redis.pipeline(transaction=False) as pipe:
-                self._append(keys=keys, args=args, client=pipe)
-                if step.tool_server is not None and step.tool_outcome is not None:
-                    pipe.hincrby(self._servers_key(), f"{step.tool_server}|{step.tool_outcome.value}", 1)
-                sequence = pipe.execute()[0]
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis at {self._describe()}: {exc}") from exc
+        counter = (
+            f"{step.tool_server}|{step.tool_outcome.value}"
+            if step.tool_server is not None and step.tool_outcome is not None
+            else ""
+        )
+        # One script, one round trip: the append and the server's outcome counter.
+        sequence = self._call(
+            self._append, [self.run_key(run_id), self.steps_key(run_id), self._servers_key()],
+            [json.dumps(body, separators=(",", ":")), repr(recorded_at), counter],
+        )
         if not sequence:
             raise RunNotFound(run_id)
         return step.with_sequence(int(sequence), recorded_at)

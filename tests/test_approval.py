@@ -20,16 +20,12 @@ from shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, 
 from tests.mcp_helpers import (
     Toolbox,
     matching_events,
-    toolbox_http_fixture,  # noqa: F401 - registers the fixture
 )
 from tests.worker_helpers import (
     WorkerProcess,
     call,
-    producer_fixture,  # noqa: F401 - registers the fixture
     spec,
-    start_worker_fixture,  # noqa: F401
     wait_for_run,
-    worker_fixture,  # noqa: F401
 )
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -32,19 +31,9 @@ from tests.mcp_helpers import (
     free_port,
     http_toolbox,
     matching_events,
-    toolbox_fixture,  # noqa: F401 - registers the fixture
-    toolbox_http_fixture,  # noqa: F401
     wait_for_event,
 )
-from tests.worker_helpers import (
-    WorkerProcess,
-    call,
-    producer_fixture,  # noqa: F401 - registers the fixture
-    spec,
-    start_worker_fixture,  # noqa: F401
-    wait_for_run,
-    worker_fixture,  # noqa: F401
-)
+from tests.worker_helpers import WorkerProcess, call, redis_monitor, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -146,7 +135,7 @@ def test_a_cancel_during_a_slow_model_call_interrupts_it_and_no_tool_call_starts
     turns = [{"delay_ms": 30000, "tool_calls": [call("slow", seconds=30)]}, {"content": "never reached"}]
     # The model call starts right after the probe before it: the first read of the run's cancel key.
     # Redis's MONITOR shows that read, so the cancel lands while the model call is in flight.
-    with _redis_monitor(Settings.from_env()) as monitor:
+    with redis_monitor(Settings.from_env()) as monitor:
         run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, turns))
         _wait_for_command(monitor, "EXISTS", store.cancel_key(run.run_id))
 
@@ -309,18 +298,6 @@ def test_server_health_counts_cancelled_calls_apart_from_failures(
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _redis_monitor(settings: Settings) -> Iterator[redis.client.Monitor]:
-    """Redis's MONITOR on a connection of its own: every command the server executes, in order."""
-    # A read that waits longer than the whole bound fails the test (see _wait_for_command).
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=WAIT_S)
-    try:
-        with client.monitor() as monitor:
-            yield monitor
-    finally:
-        client.close()
 
 
 def _wait_for_command(monitor: redis.client.Monitor, *command: str, timeout: float = WAIT_S) -> None:

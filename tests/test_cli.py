@@ -26,9 +26,7 @@ from shared import RunStatus, RunStep, RunStore, Settings, StepKind, Termination
 from tests.mcp_helpers import free_port
 from tests.worker_helpers import (
     WorkerProcess,
-    producer_fixture,  # noqa: F401 - registers the fixture
     spec,
-    start_worker_fixture,  # noqa: F401 - registers the fixture
 )
 
 _CONSOLE_SCRIPT = Path(sys.executable).parent / "runbrake"

@@ -27,7 +27,6 @@ from tests.mcp_helpers import (
     Toolbox,
     free_port,
     matching_events,
-    toolbox_fixture,  # noqa: F401 - registers the `toolbox` fixture
     wait_for_event_async,
 )
 from worker.conversation import ToolCall

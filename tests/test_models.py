@@ -14,7 +14,7 @@ import pytest
 
 from shared.errors import ProviderError
 from shared.spec import OpenAIModel, ScriptedModel, ScriptedToolCall, ScriptedTurn
-from tests.openai_stub import OpenAIStub, StubToolCall, openai_stub_fixture  # noqa: F401 - registers the fixture
+from tests.openai_stub import OpenAIStub, StubToolCall
 from worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
 from worker.models import OpenAIProvider, ScriptedProvider, provider_for
 

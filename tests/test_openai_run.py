@@ -12,19 +12,14 @@ from shared import RunSpec, RunStatus, RunStore, StepKind, TerminationReason, To
 from tests.mcp_helpers import (
     Toolbox,
     matching_events,
-    toolbox_http_fixture,  # noqa: F401 - registers the fixture
 )
 from tests.openai_stub import (
     OpenAIStub,
     StubToolCall,
-    openai_stub_fixture,  # noqa: F401 - registers the fixture
 )
 from tests.worker_helpers import (
     WorkerProcess,
-    producer_fixture,  # noqa: F401 - registers the fixture
-    start_worker_fixture,  # noqa: F401
     wait_for_run,
-    worker_fixture,  # noqa: F401
 )
 
 pytestmark = pytest.mark.integration

@@ -6,22 +6,22 @@ a test counts calls on the server's side.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
 
 from broker.producer import Producer
-from shared import RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome, step_outcome
-from tests.mcp_helpers import Toolbox, matching_events, toolbox_fixture, toolbox_http_fixture, wait_for_event  # noqa: F401 - registers fixtures
+from shared import RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome, step_outcome
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import (
     WorkerProcess,
     call,
+    commands_until_marker,
     has_step,
-    producer_fixture,  # noqa: F401 - registers the fixture
+    redis_monitor,
     spec,
-    start_worker_fixture,  # noqa: F401
     wait_for_run,
-    worker_fixture,  # noqa: F401
 )
 
 pytestmark = pytest.mark.integration
@@ -102,20 +102,31 @@ def test_a_duplicate_message_is_acked_as_a_no_op(
 
 
 def test_the_probe_costs_exactly_one_redis_read_per_boundary(
-    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, settings: Settings
 ) -> None:
-    exists_before = _calls(store, "exists")
-    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-        {"tool_calls": [call("get-sum", a=1, b=2), call("echo", text="x")]},
-        {"tool_calls": [call("get-sum", a=3, b=4)]},
-        {"content": "done"},
-    ]))
-    record = wait_for_run(store, run.run_id)
+    with redis_monitor(settings) as monitor:
+        run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+            {"tool_calls": [call("get-sum", a=1, b=2), call("echo", text="x")]},
+            {"tool_calls": [call("get-sum", a=3, b=4)]},
+            {"content": "done"},
+        ]))
+        # Wait on the worker's log, not on Redis: polling the run would read its cancel key too.
+        worker.wait_for_log("run_segment_ended", run_id=run.run_id)
+        seen = commands_until_marker(monitor, store)
 
+    record = store.get(run.run_id)
+    cancel_key = store.cancel_key(run.run_id)
+    reads = Counter(
+        e["command"].split()[0].upper() for e in seen if e["client_type"] != "lua" and cancel_key in e["command"]
+    )
     model_calls = sum(1 for s in record.steps if s.kind is StepKind.MODEL)
-    # A boundary is each recorded step, and the moment before each model call.
     assert record.status is RunStatus.COMPLETED
-    assert _calls(store, "exists") - exists_before == len(record.steps) + model_calls == 9
+    # A boundary is each recorded step, and the moment before each model call: one EXISTS each.
+    assert reads["EXISTS"] == len(record.steps) + model_calls == 9
+    # The only other reads: loading the run once at the segment's start, and the backstop's
+    # poll, which reads all of the process's active runs in one MGET (not one read per run).
+    assert reads["GET"] == 1
+    assert set(reads) <= {"EXISTS", "GET", "MGET"}
 
 
 def test_max_rounds_ends_the_run_failed_with_reason_max_rounds(
@@ -153,8 +164,3 @@ def test_a_server_that_cannot_be_reached_gives_failed_tool_steps_and_the_run_goe
     tool = next(s for s in record.steps if s.kind is StepKind.TOOL)
     assert (tool.tool_outcome, tool.tool_is_error) == (ToolOutcome.FAILED, True)
     assert record.status is RunStatus.COMPLETED
-
-
-def _calls(store: RunStore, command: str) -> int:
-    stats = store.redis.info("commandstats")
-    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))

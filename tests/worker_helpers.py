@@ -16,11 +16,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from broker.producer import Producer
 from broker.rabbitmq import build_broker
@@ -156,3 +159,30 @@ def wait_for_run(
 
 def has_step(kind: str, count: int = 1) -> Callable[[RunRecord], bool]:
     return lambda record: sum(1 for s in record.steps if s.kind.value == kind) >= count
+
+
+@contextmanager
+def redis_monitor(settings: Settings, *, timeout: float = 15.0) -> Iterator[redis.client.Monitor]:
+    """Redis's MONITOR on a connection of its own: every command the server executes, in order.
+
+    Deterministic where ``INFO commandstats`` is not: other clients of the same Redis can be told apart.
+    A read that waits longer than ``timeout`` raises ``redis.TimeoutError``.
+    """
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=timeout)
+    try:
+        with client.monitor() as monitor:
+            yield monitor
+    finally:
+        client.close()
+
+
+def commands_until_marker(monitor: redis.client.Monitor, store: RunStore) -> list[dict[str, Any]]:
+    """Every command MONITOR saw from now back to when it started, up to an ECHO marker sent here."""
+    marker = f"end-of-window-{uuid.uuid4().hex}"
+    store.redis.echo(marker)
+    seen = []
+    for entry in monitor.listen():
+        if marker in entry["command"]:
+            return seen
+        seen.append(entry)
+    return seen

@@ -18,16 +18,20 @@ one task, as the SDK requires (DESIGN.md section 8).
 
 from __future__ import annotations
 
+import functools
 import math
+import ssl
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Final
 
 import anyio
 import httpx2
 import structlog
 from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
+from mcp.client import Transport
 from mcp.client.stdio import get_default_environment
+from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 from pydantic import ValidationError
 
@@ -122,7 +126,8 @@ class McpConnection:
             # a scope entered around the handshake alone would have to be exited while the
             # client's own task groups are still open, which anyio refuses.
             with anyio.CancelScope(deadline=anyio.current_time() + connect_timeout_s) as connecting:
-                async with Client(_target(self.spec)) as client:
+                async with AsyncExitStack() as stack:
+                    client = await stack.enter_async_context(Client(await _target(self.spec, stack)))
                     connecting.deadline = math.inf
                     self._client = client
                     self._ready.set()
@@ -245,9 +250,15 @@ class McpConnection:
         )
 
 
-def _target(spec: McpServerSpec) -> str | StdioServerParameters:
+async def _target(spec: McpServerSpec, stack: AsyncExitStack) -> Transport | StdioServerParameters:
     if spec.url is not None:
-        return spec.url
+        # The SDK's default HTTP client builds a new SSL context per connection: ~50 ms of CPU on
+        # the event loop every segment, stalling every run on it (bench/throughput.py profile).
+        # One context per process, and a client per connection that this task closes.
+        http = await stack.enter_async_context(
+            httpx2.AsyncClient(verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0))
+        )
+        return streamable_http_client(spec.url, http_client=http)
     if spec.command is None:
         raise ToolTransportError(f"MCP server {spec.name!r} has neither a url nor a command", server=spec.name)
     # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
@@ -255,6 +266,11 @@ def _target(spec: McpServerSpec) -> str | StdioServerParameters:
     return StdioServerParameters(
         command=spec.command, args=list(spec.args), env=get_default_environment() | dict(spec.env)
     )
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def _where(spec: McpServerSpec) -> str:

@@ -1,0 +1,474 @@
+"""What both benchmarks share: a namespace of their own, a toolbox MCP server and a worker as
+subprocesses, bounded waits on their files, percentiles, and the results file.
+
+A benchmark runs inside :class:`Bench`::
+
+    with Bench("throughput") as bench:
+        server = bench.start_toolbox()
+        worker = bench.start_worker(threads=8, noop=True)
+        ...
+        bench.write_results({...})
+
+Leaving the block stops every process it started (SIGTERM, then SIGKILL after a grace
+period), deletes the namespace's Redis keys and its queues and cancel exchange, and removes
+the scratch directory (unless ``keep`` is set). Everything is on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pika
+import pika.exceptions
+
+from shared.settings import Settings
+from shared.spec import RunSpec
+from shared.store import RunStore
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+TOOLBOX_SERVER = REPO / "deploy" / "examples" / "toolbox_server.py"
+SERVER_NAME = "toolbox"
+STARTUP_TIMEOUT_S = 30.0
+STOP_GRACE_S = 20.0
+
+
+class BenchError(RuntimeError):
+    """Raised when a benchmark cannot go on: a process died, a bounded wait ran out."""
+
+
+# -- files written by other processes ------------------------------------------------------------
+
+
+class JsonLines:
+    """Reads a JSON-lines file another process appends to, incrementally; a partly written
+    last line is left for the next read, lines that are not JSON objects are skipped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        self.entries: list[dict[str, Any]] = []
+
+    def read_new(self) -> list[dict[str, Any]]:
+        """The entries appended since the last call (also kept in :attr:`entries`)."""
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        new = []
+        for line in lines:
+            if not line.startswith(b"{"):
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                new.append(entry)
+        self.entries.extend(new)
+        return new
+
+
+def wait_until(
+    condition: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.005,
+    alive: Sequence[ManagedProcess] = (),
+) -> Any:
+    """Poll ``condition`` until it returns something truthy (returned); BenchError after ``timeout`` s
+    or as soon as one of the ``alive`` processes has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        for process in alive:
+            if process.popen.poll() is not None:
+                raise BenchError(f"{process.name} exited ({process.popen.returncode}) while waiting for {what}; "
+                                 f"see {process.log_path}")
+        if time.monotonic() >= deadline:
+            raise BenchError(f"gave up after {timeout:g} s waiting for {what}")
+        time.sleep(interval)  # polling another process's output, bounded by the deadline
+
+
+def log_time(entry: Mapping[str, Any]) -> float:
+    """The epoch seconds of a worker log line (structlog's ISO UTC ``timestamp``)."""
+    return datetime.fromisoformat(str(entry["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ManagedProcess:
+    """A subprocess this benchmark started, with the file its output goes to."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        """Send ``signum``, wait, SIGKILL after the grace period; the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signum)
+            try:
+                self.popen.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait()
+
+
+@dataclass
+class ToolboxServer:
+    """The example MCP server over streamable HTTP, with its events file."""
+
+    process: ManagedProcess
+    url: str
+    events: JsonLines
+
+    def server_spec(self) -> dict[str, str]:
+        return {"url": self.url}
+
+
+@dataclass
+class Worker:
+    """One ``python -m worker`` process whose structlog JSON lines go to a file."""
+
+    process: ManagedProcess
+    log: JsonLines = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = JsonLines(self.process.log_path)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def peak_rss_kib(self) -> int | None:
+        """VmHWM (the peak resident set size) of the worker process, in KiB."""
+        return _proc_status_kib(self.pid, "VmHWM")
+
+    def rss_kib(self) -> int | None:
+        return _proc_status_kib(self.pid, "VmRSS")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time a process has used so far, in seconds (its threads included)."""
+    return cpu_seconds_of(Path(f"/proc/{pid}/stat"))
+
+
+def cpu_seconds_of(stat: Path) -> float | None:
+    """utime + stime of a /proc/…/stat file, in seconds."""
+    try:
+        fields = stat.read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    # fields[0] is the state (field 3 of proc(5)); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds used so far by each thread of a process, by thread id."""
+    used = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        seconds = cpu_seconds_of(task / "stat")
+        if seconds is not None:
+            used[int(task.name)] = seconds
+    return used
+
+
+def pids_named(command: str) -> list[int]:
+    """The pids of running processes whose command name (``/proc/<pid>/comm``) is ``command``; read only."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == command:
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def background_load(seconds: float = 1.0) -> dict[str, float]:
+    """How busy the machine is before the benchmark starts: busy share over ``seconds``, load averages."""
+    busy_before, total_before = machine_busy_seconds()
+    time.sleep(seconds)  # measuring an interval
+    busy, total = machine_busy_seconds()
+    load1, load5, _ = os.getloadavg()
+    return {"busy_pct": round(100 * (busy - busy_before) / max(total - total_before, 1e-9), 1),
+            "loadavg_1m": round(load1, 2), "loadavg_5m": round(load5, 2)}
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, summed over cores, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    total = sum(values[:8])  # user … steal; guest time is already inside user
+    tick = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / tick, total / tick
+
+
+def _proc_status_kib(pid: int, key: str) -> int | None:
+    return _read_kib(f"/proc/{pid}/status", key)
+
+
+def _read_kib(path: str, key: str) -> int | None:
+    """A ``Key:   1234 kB`` line of a /proc file, in KiB."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    return None
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+# -- the benchmark's frame -----------------------------------------------------------------------
+
+
+class Bench:
+    """A benchmark run: its own namespace, its processes, its cleanup."""
+
+    def __init__(self, name: str, *, env: Mapping[str, str] | None = None, keep: bool = False) -> None:
+        self.name = name
+        self.namespace = f"bench-{secrets.token_hex(6)}"
+        self.env = {**os.environ, **(env or {}), "RUNBRAKE_NAMESPACE": self.namespace}
+        self.settings = Settings.from_env(self.env)
+        self.store = RunStore.connect(self.settings)
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"runbrake-{name}-"))
+        self.keep = keep
+        self._processes: list[ManagedProcess] = []
+        self._closers: list[Callable[[], object]] = []
+
+    def __enter__(self) -> Bench:
+        try:
+            self.store.ping()
+            _check_rabbitmq(self.settings)
+        except BaseException:
+            self.store.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def on_close(self, closer: Callable[[], object]) -> None:
+        """Run ``closer`` when the benchmark ends, before the processes are stopped."""
+        self._closers.append(closer)
+
+    def close(self) -> None:
+        """Stop what was started and delete what was written; every step runs even when one fails."""
+        try:
+            for closer in reversed(self._closers):
+                try:
+                    closer()
+                except Exception as exc:
+                    print(f"cleanup step failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._closers.clear()
+        finally:
+            try:
+                for process in reversed(self._processes):
+                    process.stop()
+                self._processes.clear()
+            finally:
+                try:
+                    self.store.delete_namespace()
+                finally:
+                    self.store.close()
+                    delete_broker_objects(self.settings)
+                    if self.keep:
+                        print(f"logs kept in {self.workdir}")
+                    else:
+                        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- processes --
+
+    def _spawn(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+        with log_path.open("wb") as log:
+            return subprocess.Popen(
+                command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def start_toolbox(self) -> ToolboxServer:
+        """The example toolbox server over HTTP on a free loopback port, writing an events file."""
+        events = self.workdir / "toolbox-events.jsonl"
+        log_path = self.workdir / "toolbox.log"
+        for _ in range(3):  # another process may take the free port between probe and bind
+            port = free_port()
+            popen = self._spawn(
+                [sys.executable, str(TOOLBOX_SERVER), "--transport", "http", "--host", "127.0.0.1",
+                 "--port", str(port), "--events", str(events)],
+                log_path,
+            )
+            process = ManagedProcess("toolbox server", popen, log_path)
+            self._processes.append(process)
+            try:
+                wait_until(lambda port=port: _listening(port), timeout=STARTUP_TIMEOUT_S,
+                           what=f"the toolbox server on 127.0.0.1:{port}", interval=0.05, alive=[process])
+            except BenchError:
+                process.stop()
+                self._processes.remove(process)
+                continue
+            return ToolboxServer(process, f"http://127.0.0.1:{port}/mcp", JsonLines(events))
+        raise BenchError(f"the toolbox server did not start; see {log_path}")
+
+    def start_worker(self, *, threads: int, noop: bool = False) -> Worker:
+        """``python -m worker --threads N [--noop]`` in this namespace; returns once it logged worker_started."""
+        log_path = self.workdir / f"worker-{len(self._processes)}.log"
+        command = [sys.executable, "-m", "worker", "--threads", str(threads)]
+        if noop:
+            command.append("--noop")
+        popen = self._spawn(command, log_path)
+        process = ManagedProcess("worker", popen, log_path)
+        self._processes.append(process)
+        worker = Worker(process)
+        wait_until(lambda: any(e.get("event") == "worker_started" for e in worker.log.read_new()),
+                   timeout=STARTUP_TIMEOUT_S, what="the worker's worker_started line", interval=0.05, alive=[process])
+        return worker
+
+    # -- results --
+
+    def write_results(self, results: Mapping[str, Any]) -> Path:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        path = RESULTS_DIR / f"{self.name}.json"
+        path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+def _check_rabbitmq(settings: Settings) -> None:
+    try:
+        pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url)).close()
+    except pika.exceptions.AMQPError as exc:
+        raise BenchError(f"RabbitMQ at {settings.rabbitmq_url} is not reachable: {exc!r}") from exc
+
+
+def delete_broker_objects(settings: Settings) -> None:
+    """Delete the namespace's run and no-op queues (with Dramatiq's .DQ/.XQ twins) and its cancel exchange."""
+    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    try:
+        channel = connection.channel()
+        for base in (f"{settings.namespace}.runs", f"{settings.namespace}.noop"):
+            for queue in (base, f"{base}.DQ", f"{base}.XQ"):
+                channel.queue_delete(queue=queue)
+        channel.exchange_delete(exchange=f"{settings.namespace}.cancel")
+    finally:
+        connection.close()
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+def quick_run_spec(server: ToolboxServer, index: int) -> RunSpec:
+    """Three rounds with two quick MCP tool calls: get-sum, then echo, then the final answer."""
+    return RunSpec.parse({
+        "input": f"quick run {index}",
+        "model": {"provider": "scripted", "turns": [
+            {"tool_calls": [{"server": SERVER_NAME, "tool": "get-sum", "arguments": {"a": index, "b": 1}}]},
+            {"tool_calls": [{"server": SERVER_NAME, "tool": "echo", "arguments": {"text": f"run {index}"}}]},
+            {"content": "done"},
+        ]},
+        "mcp_servers": {SERVER_NAME: server.server_spec()},
+    })
+
+
+# -- numbers -------------------------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float:
+    """The nearest-rank percentile of already sorted values."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def summary_ms(values_s: Iterable[float]) -> dict[str, float | int]:
+    """n, p50, p95, p99, max and mean of durations given in seconds, in milliseconds."""
+    values = sorted(v * 1000 for v in values_s)
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "p50": round(percentile(values, 50), 2),
+        "p95": round(percentile(values, 95), 2),
+        "p99": round(percentile(values, 99), 2),
+        "max": round(values[-1], 2),
+        "mean": round(sum(values) / len(values), 2),
+    }
+
+
+def machine() -> dict[str, Any]:
+    """Where and when the numbers were taken."""
+    mem_total = _read_kib("/proc/meminfo", "MemTotal")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "nproc": os.cpu_count(),
+        "mem_total_gib": round(mem_total / 1024 / 1024, 1) if mem_total else None,
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "git_commit": commit + ("-dirty" if dirty else ""),
+        "background": background_load(),
+    }
+
+
+def print_machine(info: Mapping[str, Any]) -> None:
+    print(f"machine: {info['nproc']} cores, {info['mem_total_gib']} GiB, {info['machine']}, "
+          f"Linux {info['kernel']}, Python {info['python']}; commit {info['git_commit']}; {info['date_utc']}")
+    load = info.get("background")
+    if load:
+        print(f"background load before start: {load['busy_pct']} % busy over 1 s, "
+              f"load average {load['loadavg_1m']} (1 min)")
