@@ -29,8 +29,8 @@ demo: setup services
 	$(VENV)/bin/runbrake demo
 
 bench: setup services
-	$(PY) bench/throughput.py
-	$(PY) bench/cancel_latency.py
+	$(PY) -m bench.throughput
+	$(PY) -m bench.cancel_latency
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
