@@ -33,6 +33,9 @@ elif [ "$rhost" = "127.0.0.1" ] && command -v redis-server >/dev/null; then
     redis-server --daemonize yes --bind 127.0.0.1 -::1 --port "$rport" --save "" --appendonly no \
         --dir /var/lib/redis --logfile /var/log/redis/ci.log
     wait_for redis "$rhost" "$rport" 20 || { echo "redis: started but not answering; see /var/log/redis/ci.log" >&2; missing=1; }
+elif [ "$rhost" != "127.0.0.1" ]; then
+    echo "redis: nothing answers at $rhost:$rport (RUNBRAKE_REDIS_URL); start it there, or unset the variable to use a local one" >&2
+    missing=1
 else
     echo "redis: nothing answers at $rhost:$rport and redis-server is not installed here." >&2
     echo "       install it (apt-get install redis-server) and start it:" >&2
@@ -49,6 +52,9 @@ elif [ "$ahost" = "127.0.0.1" ] && command -v rabbitmq-server >/dev/null; then
     rabbitmq-server -detached
     timeout 120 rabbitmqctl await_startup >/dev/null 2>&1 || timeout 60 bash -c 'until rabbitmq-diagnostics -q ping >/dev/null 2>&1; do sleep 1; done'
     wait_for rabbitmq "$ahost" "$aport" 30 || { echo "rabbitmq: started but not answering on $aport" >&2; missing=1; }
+elif [ "$ahost" != "127.0.0.1" ]; then
+    echo "rabbitmq: nothing answers at $ahost:$aport (RUNBRAKE_RABBITMQ_URL); start it there, or unset the variable to use a local one" >&2
+    missing=1
 else
     echo "rabbitmq: nothing answers at $ahost:$aport and rabbitmq-server is not installed here." >&2
     echo "          install it (apt-get install rabbitmq-server) and start it: rabbitmq-server -detached" >&2
