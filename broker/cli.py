@@ -89,14 +89,16 @@ def emit_json(data: object) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="runbrake")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Run LLM agent runs on workers, and stop them for real.
 
     Configuration comes from RUNBRAKE_REDIS_URL, RUNBRAKE_RABBITMQ_URL and
     RUNBRAKE_NAMESPACE. Exit codes: 0 success, 1 refused by the run's state,
     2 bad input (nothing written or sent), 3 a service could not be reached.
     """
-    configure_logging("WARNING")
+    # A worker reports what it does; the one-shot commands speak only up when something is wrong.
+    configure_logging("INFO" if ctx.invoked_subcommand == "worker" else "WARNING")
 
 
 @main.command()
