@@ -6,6 +6,7 @@ a test counts calls on the server's side.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from broker.producer import Producer
-from shared import RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome, step_outcome
-from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from broker.rabbitmq import build_broker
+from shared import PublishError, RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome, step_outcome
+from tests.mcp_helpers import Toolbox, free_port, matching_events, wait_for_event
 from tests.worker_helpers import (
     WorkerProcess,
     call,
@@ -207,3 +209,17 @@ def _wait_for_lines(
         if time.monotonic() >= deadline or (process is not None and process.poll() is not None):
             pytest.fail(f"{count} x {needle} not in {path} within {timeout:g} s:\n{path.read_text()[-3000:]}")
         time.sleep(0.02)  # polling the log file, bounded by the deadline
+
+
+def test_enqueue_is_fail_closed_when_rabbitmq_does_not_take_the_message(store: RunStore, settings: Settings) -> None:
+    dead_port = free_port()
+    broker = build_broker(dataclasses.replace(settings, rabbitmq_url=f"amqp://guest:guest@127.0.0.1:{dead_port}/"))
+    run_spec = spec({"toolbox": {"url": "http://127.0.0.1:9/mcp"}}, [{"content": "never"}])
+
+    with pytest.raises(PublishError, match="RabbitMQ did not take the message"):
+        Producer(store, broker).enqueue(run_spec)
+
+    # The run exists, and says why it will never run, instead of waiting for a message that was never sent.
+    [record] = store.recent()
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.ENQUEUE_FAILED)
+    assert "RabbitMQ" in record.error
