@@ -9,9 +9,10 @@
   lives in Redis and not in the message: the redelivered message finds the run no
   longer queued and is acked as a no-op, and the worker thread executing the run
   goes on (its late ack fails harmlessly).
-- The middleware is chosen, not inherited: ``Retries`` with ``max_retries=0`` (runbrake
-  decides retries, and a cancelled run is never retried; Dramatiq's default is 20 with
-  backoff), ``TimeLimit`` set per actor, ``AsyncIO`` for the async actor.
+- The middleware is chosen, not inherited: ``Retries`` with ``max_retries=0`` by default
+  (Dramatiq's default is 20 with backoff); the run actor retries only store outages
+  (``worker/actors.py``), and a cancelled run is never retried. ``TimeLimit`` set per
+  actor, ``AsyncIO`` for the async actor.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from typing import Any
 import dramatiq
 
 from broker.rabbitmq import NOOP_ACTOR, RUN_ACTOR, RunbrakeBroker, run_queue
+from shared.errors import StoreError
 from shared.settings import Settings
 from worker.runtime import Runtime
 
@@ -14,7 +15,9 @@ from worker.runtime import Runtime
 def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settings) -> Any:
     """``execute_run(run_id, resume=False)``: claim and run one segment.
 
-    ``max_retries=0``: runbrake decides retries, and a cancelled run is never re-run.
+    Retries only when Redis could not be reached (:func:`retry_store_outages`): the
+    claim is guarded, so a retried message either claims a run nobody claimed yet or
+    is a no-op. Nothing else is retried, and a cancelled run is never re-run.
     Dramatiq's time limit sits above the runtime's own, so the runtime's fires first and
     is recorded as ``time_limit``. ``notify_shutdown``: a stopping worker interrupts the
     segment, which records ``worker_shutdown`` instead of leaving the run "running".
@@ -27,10 +30,25 @@ def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settin
         broker=broker,
         actor_name=RUN_ACTOR,
         queue_name=run_queue(settings.namespace),
-        max_retries=0,
+        retry_when=retry_store_outages,
+        min_backoff=1_000,
+        max_backoff=60_000,
         time_limit=(settings.run_time_limit_s + 60) * 1000,
         notify_shutdown=True,
     )(execute_run)
+
+
+STORE_OUTAGE_RETRIES = 30
+"""With backoff from 1 s doubling to 60 s, about 25 minutes of Redis outage before a message gives up."""
+
+
+def retry_store_outages(retries: int, exception: BaseException) -> bool:
+    """Dramatiq's ``retry_when``: retry a run message only when the run store could not be reached.
+
+    Without it, a Redis blip at the moment of the claim would dead-letter the message and leave
+    the run ``queued`` forever.
+    """
+    return isinstance(exception, StoreError) and retries < STORE_OUTAGE_RETRIES
 
 
 def declare_noop_actor(broker: RunbrakeBroker, settings: Settings) -> Any:

@@ -20,6 +20,7 @@ import anyio
 import structlog
 
 from shared.errors import CancelRequested, ProviderError, RunbrakeError
+from shared.outcome import ToolOutcome
 from shared.settings import Settings
 from shared.spec import RunSpec
 from shared.status import RunStatus, TerminationReason
@@ -57,9 +58,10 @@ class RunHooks:
 
     async def record(self, step: RunStep) -> None:
         recorded = self._store.append_step(self._handle.run_id, step)
+        outcome = step_outcome(step)
         if step.kind is StepKind.TOOL and step.tool_server is not None:
-            metrics.TOOL_CALLS.labels(server=step.tool_server, outcome=step_outcome(step)).inc()
-        if step_outcome(step) == "cancelled":
+            metrics.TOOL_CALLS.labels(server=step.tool_server, outcome=outcome).inc()
+        if outcome == ToolOutcome.CANCELLED.value:
             self._observe_cancel_latency(recorded)
         self._probe()
 

@@ -1,0 +1,40 @@
+"""The run actor's wiring (Dramatiq's StubBroker is fine here: no run is executed)."""
+
+from __future__ import annotations
+
+import pytest
+from dramatiq.brokers.stub import StubBroker
+
+from broker.rabbitmq import RUN_ACTOR, default_middleware, run_queue
+from shared import RunStore, Settings, StoreError
+from worker.actors import STORE_OUTAGE_RETRIES, declare_run_actor, retry_store_outages
+from worker.registry import ActiveRuns
+from worker.runtime import Runtime
+
+
+def test_only_a_store_outage_is_retried_and_only_so_often() -> None:
+    assert retry_store_outages(0, StoreError("Redis at 127.0.0.1:6379: connection refused"))
+    assert retry_store_outages(STORE_OUTAGE_RETRIES - 1, StoreError("still down"))
+    assert not retry_store_outages(STORE_OUTAGE_RETRIES, StoreError("still down"))
+    assert not retry_store_outages(0, ValueError("a bug"))
+    assert not retry_store_outages(0, RuntimeError("anything else"))
+
+
+def test_the_run_actor_is_declared_on_the_namespaced_queue_with_explicit_limits() -> None:
+    settings = Settings(namespace="wiring", run_time_limit_s=120)
+    broker = StubBroker(middleware=default_middleware())
+    runtime = Runtime(settings, RunStore.connect(settings), ActiveRuns())
+
+    actor = declare_run_actor(broker, runtime, settings)
+
+    assert (actor.actor_name, actor.queue_name) == (RUN_ACTOR, run_queue("wiring")) == ("execute_run", "wiring.runs")
+    assert actor.options["retry_when"] is retry_store_outages
+    # Dramatiq's own limit sits above the runtime's, so the runtime's fires first (reason time_limit).
+    assert actor.options["time_limit"] == (120 + 60) * 1000
+    assert actor.options["notify_shutdown"] is True
+    broker.close()
+
+
+@pytest.mark.parametrize("middleware", ["Retries", "AsyncIO", "TimeLimit"])
+def test_the_broker_carries_the_middleware_the_run_actor_needs(middleware: str) -> None:
+    assert middleware in {type(m).__name__ for m in default_middleware()}
