@@ -24,10 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import anyio
 import pytest
 
 from shared.spec import McpServerSpec
+from tests.polling import poll_until, poll_until_async
 
 TOOLBOX_SERVER = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "toolbox_server.py"
 SERVER_NAME = "toolbox"
@@ -140,28 +140,24 @@ def wait_for_event(
 
     For benchmarks and threads; inside an event loop use :func:`wait_for_event_async`.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        found = matching_events(events, event, tool=tool)
-        if len(found) >= count:
-            return found
-        if time.monotonic() >= deadline:
-            pytest.fail(_timed_out(events, event, tool, count, timeout))
-        time.sleep(_POLL_INTERVAL_S)  # polling, bounded by the deadline
+    return poll_until(
+        lambda: _at_least(matching_events(events, event, tool=tool), count),
+        timeout=timeout, failure=lambda: _timed_out(events, event, tool, count, timeout),
+    )
 
 
 async def wait_for_event_async(
     events: Path, event: str, *, tool: str | None = None, count: int = 1, timeout: float = 10.0
 ) -> list[dict[str, Any]]:
     """:func:`wait_for_event` without blocking the event loop (the call being watched runs on it)."""
-    deadline = anyio.current_time() + timeout
-    while True:
-        found = matching_events(events, event, tool=tool)
-        if len(found) >= count:
-            return found
-        if anyio.current_time() >= deadline:
-            pytest.fail(_timed_out(events, event, tool, count, timeout))
-        await anyio.sleep(_POLL_INTERVAL_S)  # polling, bounded by the deadline
+    return await poll_until_async(
+        lambda: _at_least(matching_events(events, event, tool=tool), count),
+        timeout=timeout, failure=lambda: _timed_out(events, event, tool, count, timeout),
+    )
+
+
+def _at_least(found: list[dict[str, Any]], count: int) -> list[dict[str, Any]] | None:
+    return found if len(found) >= count else None
 
 
 # Each fixture is registered under its ``name=`` and defined under another, so a test

@@ -33,6 +33,7 @@ from tests.mcp_helpers import (
     matching_events,
     wait_for_event,
 )
+from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, call, redis_monitor, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -322,13 +323,11 @@ def _rabbitmqctl(*args: str) -> str:
 
 def _listener_connection(name: str, timeout: float = WAIT_S) -> str:
     """The Erlang pid of the RabbitMQ connection whose client calls itself ``name``."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def named() -> list[str]:
         listing = _rabbitmqctl("list_connections", "-q", "--no-table-headers", "pid", "client_properties")
-        pids = [line.split("\t", 1)[0] for line in listing.splitlines() if f'"{name}"' in line]
-        if pids:
-            assert len(pids) == 1, f"more than one connection is named {name!r}: {pids}"
-            return pids[0]
-        if time.monotonic() >= deadline:
-            pytest.fail(f"no RabbitMQ connection named {name!r} within {timeout:g} s:\n{listing}")
-        time.sleep(0.1)  # polling rabbitmqctl, bounded by the deadline
+        return [line.split("\t", 1)[0] for line in listing.splitlines() if f'"{name}"' in line]
+
+    pids = poll_until(named, timeout=timeout, interval=0.1,
+                      failure=lambda: f"no RabbitMQ connection named {name!r} within {timeout:g} s")
+    assert len(pids) == 1, f"more than one connection is named {name!r}: {pids}"
+    return pids[0]

@@ -7,11 +7,7 @@ a test counts calls on the server's side.
 from __future__ import annotations
 
 import dataclasses
-import json
-import signal
-import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +26,7 @@ from tests.worker_helpers import (
     redis_monitor,
     spec,
     wait_for_run,
+    worker_env,
 )
 
 pytestmark = pytest.mark.integration
@@ -178,37 +175,19 @@ def test_a_server_that_cannot_be_reached_gives_failed_tool_steps_and_the_run_goe
 def test_runbrake_worker_runs_runs_logs_what_it_does_and_stops_cleanly_on_sigterm(
     processes: int, toolbox_http: Toolbox, producer: Producer, store: RunStore, tmp_path: Path
 ) -> None:
-    log_path = tmp_path / "supervisor.log"
-    with log_path.open("wb") as log:
-        supervisor = subprocess.Popen(
-            [str(Path(sys.executable).parent / "runbrake"), "worker", "--processes", str(processes), "--threads", "2"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
+    command = [str(Path(sys.executable).parent / "runbrake"), "worker", "--processes", str(processes),
+               "--threads", "2"]
+    supervisor = WorkerProcess(tmp_path / "supervisor.log", worker_env(), command=command, started=processes)
     try:
-        lines = _wait_for_lines(log_path, '"event": "worker_started"', count=processes, process=supervisor)
-        assert {json.loads(line)["worker"] for line in lines} == set(range(processes))
+        assert {e["worker"] for e in supervisor.logged("worker_started")} == set(range(processes))
         runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
             {"tool_calls": [call("get-sum", a=i, b=1)]}, {"content": "done"}])) for i in range(4)]
         records = [wait_for_run(store, run.run_id) for run in runs]
         assert {r.status for r in records} == {RunStatus.COMPLETED}
     finally:
-        supervisor.send_signal(signal.SIGTERM)
-        code = supervisor.wait(timeout=30)
+        code = supervisor.stop()
     assert code == 0
-    assert len(_wait_for_lines(log_path, '"event": "worker_stopped"', count=processes, process=None)) == processes
-
-
-def _wait_for_lines(
-    path: Path, needle: str, *, count: int, process: subprocess.Popen[bytes] | None, timeout: float = 30.0
-) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if needle in line]
-        if len(lines) >= count:
-            return lines
-        if time.monotonic() >= deadline or (process is not None and process.poll() is not None):
-            pytest.fail(f"{count} x {needle} not in {path} within {timeout:g} s:\n{path.read_text()[-3000:]}")
-        time.sleep(0.02)  # polling the log file, bounded by the deadline
+    assert {e["worker"] for e in supervisor.logged("worker_stopped")} == set(range(processes))
 
 
 def test_enqueue_is_fail_closed_when_rabbitmq_does_not_take_the_message(store: RunStore, settings: Settings) -> None:

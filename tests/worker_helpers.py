@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -28,24 +27,30 @@ import redis
 from broker.producer import Producer
 from broker.rabbitmq import build_broker
 from shared import RunRecord, RunSpec, RunStore, Settings
+from tests.polling import poll_until
 
 STARTUP_TIMEOUT_S = 30.0
-_POLL_S = 0.02
 
 
 class WorkerProcess:
     """One ``python -m worker`` process with its log file."""
 
-    def __init__(self, log_path: Path, env: Mapping[str, str], *, threads: int = 4, noop: bool = False) -> None:
+    def __init__(
+        self, log_path: Path, env: Mapping[str, str], *, threads: int = 4, noop: bool = False,
+        command: list[str] | None = None, started: int = 1,
+    ) -> None:
+        """Start ``python -m worker`` (or ``command``, e.g. ``runbrake worker``) and wait until ``started``
+        worker processes logged ``worker_started``."""
         self.log_path = log_path
-        command = [sys.executable, "-m", "worker", "--threads", str(threads)]
-        if noop:
-            command.append("--noop")
+        if command is None:
+            command = [sys.executable, "-m", "worker", "--threads", str(threads)]
+            if noop:
+                command.append("--noop")
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
-        self.wait_for_log("worker_started", timeout=STARTUP_TIMEOUT_S)
+        self.wait_for_log("worker_started", count=started, timeout=STARTUP_TIMEOUT_S)
 
     @property
     def pid(self) -> int:
@@ -66,17 +71,19 @@ class WorkerProcess:
         return [e for e in self.events() if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
 
     def wait_for_log(self, event: str, *, count: int = 1, timeout: float = 15.0, **fields: Any) -> list[dict[str, Any]]:
-        """Block until the worker logged ``event`` (with these fields) ``count`` times; fail after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.logged(event, **fields)
-            if len(found) >= count:
-                return found
-            if self.process.poll() is not None or time.monotonic() >= deadline:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                state = f"exited {self.process.returncode}" if self.process.poll() is not None else "running"
-                pytest.fail(f"worker ({state}) did not log {event} {fields} x{count} within {timeout:g} s:\n{tail}")
-            time.sleep(_POLL_S)  # polling the log file, bounded by the deadline
+        """Block until the worker logged ``event`` (with these fields) ``count`` times; fail after ``timeout`` s
+        (at once when the worker has exited and never logged it)."""
+
+        def failure() -> str:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            state = f"exited {self.process.returncode}" if self.process.poll() is not None else "running"
+            return f"worker ({state}) did not log {event} {fields} x{count} within {timeout:g} s:\n{tail}"
+
+        def found() -> list[dict[str, Any]] | None:
+            entries = self.logged(event, **fields)
+            return entries if len(entries) >= count else None
+
+        return poll_until(found, timeout=timeout, failure=failure, give_up=lambda: self.process.poll() is not None)
 
     def stop(self) -> int:
         """SIGTERM, then wait (kill after 20 s); returns the exit code."""
@@ -146,15 +153,16 @@ def wait_for_run(
     *, timeout: float = 20.0,
 ) -> RunRecord:
     """Block until the stored run satisfies ``done``; fail the test after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def reached() -> RunRecord | None:
         record = store.get(run_id)
-        if done(record):
-            return record
-        if time.monotonic() >= deadline:
-            pytest.fail(f"run {run_id} did not get there within {timeout:g} s: {record.status.value}, "
-                        f"steps {[(s.kind.value, s.tool_name, s.tool_outcome) for s in record.steps]}")
-        time.sleep(_POLL_S)  # polling Redis, bounded by the deadline
+        return record if done(record) else None
+
+    def failure() -> str:
+        record = store.get(run_id)
+        steps = [(s.kind.value, s.tool_name, s.tool_outcome) for s in record.steps]
+        return f"run {run_id} did not get there within {timeout:g} s: {record.status.value}, steps {steps}"
+
+    return poll_until(reached, timeout=timeout, failure=failure)
 
 
 def has_step(kind: str, count: int = 1) -> Callable[[RunRecord], bool]:
