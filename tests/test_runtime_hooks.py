@@ -1,0 +1,39 @@
+"""The runtime's step hook: the probe that decides whether a run stops at a boundary."""
+
+from __future__ import annotations
+
+import pytest
+from structlog.testing import capture_logs
+
+from shared import CancelRequested, RunStore, Settings
+from tests.mcp_helpers import free_port
+from worker.registry import ActiveRuns
+from worker.runtime import RunHooks
+
+
+@pytest.fixture
+def unreachable_store() -> RunStore:
+    return RunStore.connect(Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=0.5))
+
+
+@pytest.mark.anyio
+async def test_the_probe_fabricates_no_cancel_when_redis_is_unreachable(unreachable_store: RunStore) -> None:
+    handle = ActiveRuns().register("run-1", "owner-1")
+    hooks = RunHooks(unreachable_store, handle)
+
+    with capture_logs() as logs:
+        await hooks.checkpoint()  # does not raise: a store hiccup is not a cancel
+
+    assert [e["run_id"] for e in logs if e["event"] == "cancel_probe_failed"] == ["run-1"]
+
+
+@pytest.mark.anyio
+async def test_a_cancel_the_listener_verified_stops_the_run_without_asking_redis(unreachable_store: RunStore) -> None:
+    handle = ActiveRuns().register("run-1", "owner-1")
+    handle.cancel_seen = True
+    hooks = RunHooks(unreachable_store, handle)
+
+    with capture_logs() as logs, pytest.raises(CancelRequested):
+        await hooks.checkpoint()
+
+    assert [e for e in logs if e["event"] == "cancel_probe_failed"] == []
