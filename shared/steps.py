@@ -111,12 +111,10 @@ class RunStep:
         detail: Mapping[str, Any],
         duration_ms: int,
         recorded_at: float,
-        sequence: int = 0,
     ) -> RunStep:
         return cls(
             kind=StepKind.TOOL,
             round=round,
-            sequence=sequence,
             duration_ms=duration_ms,
             recorded_at=recorded_at,
             content=content,

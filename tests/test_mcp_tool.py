@@ -261,6 +261,7 @@ def test_a_call_to_a_server_that_is_not_connected_is_failed() -> None:
 
     assert result.outcome is ToolOutcome.FAILED
     assert "'gone'" in result.content
+    assert not_connected(call, max_chars=1_000, reason="connection refused").content.endswith(": connection refused")
 
 
 async def test_results_larger_than_max_chars_are_bounded_and_keep_their_outcome(toolbox: Toolbox) -> None:

@@ -168,6 +168,8 @@ def test_a_server_that_cannot_be_reached_gives_failed_tool_steps_and_the_run_goe
 
     tool = next(s for s in record.steps if s.kind is StepKind.TOOL)
     assert (tool.tool_outcome, tool.tool_is_error) == (ToolOutcome.FAILED, True)
+    # The step says why: the connection error is carried into it, not only into the worker's log.
+    assert "could not connect to MCP server 'dead'" in tool.content
     assert record.status is RunStatus.COMPLETED
 
 

@@ -51,9 +51,12 @@ async def execute(
     return result.with_bounded_channels(max_chars)
 
 
-def not_connected(call: ToolCall, *, max_chars: int) -> ToolResult:
-    """The failed result of a call to a server that is not connected (unknown, or it did not start)."""
+def not_connected(call: ToolCall, *, max_chars: int, reason: str | None = None) -> ToolResult:
+    """The failed result of a call to a server that is not connected (unknown, or it did not start);
+    ``reason`` says why, when it is known."""
     message = f"MCP server {call.server!r} is not connected; {call.tool} was not called"
+    if reason:
+        message = f"{message}: {reason}"
     return ToolResult.error(message).with_bounded_channels(max_chars)
 
 

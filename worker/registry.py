@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,8 +36,6 @@ class RunHandle:
     """A verified cancel reached this run on the loop (anyio's *cancel requested*, not *interrupted*)."""
     interrupt_requested: bool = False
     """An interrupt was asked for (set under the registry's lock, so only one asker acts)."""
-    interrupted_at: float | None = None
-    """When a call in flight was actually cancelled (time.time())."""
 
     @contextmanager
     def in_flight(self) -> Iterator[anyio.CancelScope]:
@@ -56,7 +53,6 @@ class RunHandle:
         self.cancel_seen = True
         if self.scope is not None and not self.scope.cancel_called:
             self.scope.cancel()
-            self.interrupted_at = time.time()
             log.info("call_interrupted", run_id=self.run_id)
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from enum import StrEnum
 
 import anyio
@@ -68,10 +67,8 @@ class RunHooks:
     async def checkpoint(self) -> None:
         self._probe()
 
-    @contextmanager
-    def in_flight(self) -> Iterator[anyio.CancelScope]:
-        with self._handle.in_flight() as scope:
-            yield scope
+    def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
+        return self._handle.in_flight()
 
     def _probe(self) -> None:
         # One Redis read per boundary. A cancel the listener already verified needs none.
@@ -168,16 +165,9 @@ class Runtime:
                 provider_for(spec.model), toolbox, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
             )
-            # The loop's outcome (or its exception) is taken out of the toolbox's scope as a value:
-            # the MCP client's task groups would wrap an exception crossing them in an exception group.
-            outcome: LoopEnd | BaseException
-            try:
-                outcome = await loop.run(state)
-            except (CancelRequested, Exception) as exc:  # noqa: BLE001 - re-raised below, outside the scope
-                outcome = exc
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+            # An exception (CancelRequested too) leaves the toolbox unwrapped: each MCP client lives in
+            # a task of its own, so no task group of the SDK's lies between the loop and the ladder.
+            return await loop.run(state)
 
     @staticmethod
     def _initial_state(spec: RunSpec, pending: object, *, resume: bool) -> LoopState:

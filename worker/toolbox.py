@@ -56,7 +56,7 @@ class Toolbox:
     async def execute(self, call: ToolCall, *, interrupt: anyio.CancelScope) -> ToolResult:
         connection = self._connections.get(call.server)
         if connection is None:
-            return mcp_tool.not_connected(call, max_chars=self._max_chars)
+            return mcp_tool.not_connected(call, max_chars=self._max_chars, reason=self._unavailable.get(call.server))
         return await mcp_tool.execute(
             connection, call, timeout_s=self._timeout_s, interrupt=interrupt, max_chars=self._max_chars
         )
