@@ -38,13 +38,13 @@ from typing import Any
 import pika
 import pika.exceptions
 
-from shared.settings import Settings
-from shared.spec import RunSpec
-from shared.store import RunStore
+from runbrake.shared.settings import Settings
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.store import RunStore
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
-TOOLBOX_SERVER = REPO / "deploy" / "examples" / "toolbox_server.py"
+TOOLBOX_SERVER = ("-m", "runbrake.broker.toolbox_server")
 SERVER_NAME = "toolbox"
 STARTUP_TIMEOUT_S = 30.0
 STOP_GRACE_S = 20.0
@@ -157,7 +157,7 @@ class ToolboxServer:
 
 @dataclass
 class Worker:
-    """One ``python -m worker`` process whose structlog JSON lines go to a file."""
+    """One ``python -m runbrake.worker`` process whose structlog JSON lines go to a file."""
 
     process: ManagedProcess
     log: JsonLines = field(init=False)
@@ -342,7 +342,7 @@ class Bench:
         for _ in range(3):  # another process may take the free port between probe and bind
             port = free_port()
             popen = self._spawn(
-                [sys.executable, str(TOOLBOX_SERVER), "--transport", "http", "--host", "127.0.0.1",
+                [sys.executable, *TOOLBOX_SERVER, "--transport", "http", "--host", "127.0.0.1",
                  "--port", str(port), "--events", str(events)],
                 log_path,
             )
@@ -359,9 +359,9 @@ class Bench:
         raise BenchError(f"the toolbox server did not start; see {log_path}")
 
     def start_worker(self, *, threads: int, noop: bool = False) -> Worker:
-        """``python -m worker --threads N [--noop]`` in this namespace; returns once it logged worker_started."""
+        """``python -m runbrake.worker --threads N [--noop]`` here; returns once it logged worker_started."""
         log_path = self.workdir / f"worker-{len(self._processes)}.log"
-        command = [sys.executable, "-m", "worker", "--threads", str(threads)]
+        command = [sys.executable, "-m", "runbrake.worker", "--threads", str(threads)]
         if noop:
             command.append("--noop")
         popen = self._spawn(command, log_path)

@@ -8,7 +8,7 @@ Run from the repository root::
 What it does, in its own namespace (``bench-<hex>``), on loopback only:
 
 1. starts the example toolbox MCP server over HTTP (writing its events file) and one worker process
-   (``python -m worker --threads 8``, ``RUNBRAKE_CANCEL_POLL_MS=250``, its JSON log to a file);
+   (``python -m runbrake.worker --threads 8``, ``RUNBRAKE_CANCEL_POLL_MS=250``, its JSON log to a file);
 2. per phase, in batches of ``--concurrency`` runs: enqueues runs whose first turn calls
    ``slow(seconds=30 + a unique fraction)`` (the fraction tells the server's events apart), waits
    until the server has written "started" for every one of them (the calls are in flight), then
@@ -52,13 +52,13 @@ from bench._harness import (
     summary_ms,
     wait_until,
 )
-from broker.cancel import CancelPublisher, cancel_run
-from broker.producer import Producer
-from broker.rabbitmq import build_broker
-from shared.logging import configure_logging
-from shared.spec import RunSpec
-from shared.status import RunStatus
-from shared.steps import RunStep, StepKind
+from runbrake.broker.cancel import CancelPublisher, cancel_run
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import build_broker
+from runbrake.shared.logging import configure_logging
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.status import RunStatus
+from runbrake.shared.steps import RunStep, StepKind
 
 SLOW_SECONDS = 30.0
 STEP_TIMEOUT_S = 10.0

@@ -9,7 +9,7 @@ What it does, in its own namespace (``bench-<hex>``), on loopback only:
 1. starts the example toolbox MCP server over HTTP;
 2. **no-op ceiling**: sends N messages for the ``noop`` actor through ``broker.enqueue`` (publisher
    confirms, built as :meth:`broker.producer.Producer.send` builds a run's), *then* starts one worker
-   (``python -m worker --threads 8 --noop``) and samples the ``<ns>.noop`` queue's ready count (passive
+   (``python -m runbrake.worker --threads 8 --noop``) and samples the ``<ns>.noop`` queue's ready count (passive
    ``queue_declare``, every 5 ms) while it drains the backlog. The rate is taken between 90 % and 10 % of
    the backlog (steady state). Why a backlog: sending with confirms (~500 msg/s per sending thread here)
    is slower than the worker consumes, so "send, then wait until consumed" times the sender; that figure
@@ -61,10 +61,10 @@ from bench._harness import (
     thread_cpu_seconds,
     wait_until,
 )
-from broker.producer import Producer
-from broker.rabbitmq import NOOP_ACTOR, RunbrakeBroker, build_broker
-from shared.logging import configure_logging
-from shared.status import RunStatus
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import NOOP_ACTOR, RunbrakeBroker, build_broker
+from runbrake.shared.logging import configure_logging
+from runbrake.shared.status import RunStatus
 
 AIM_RATIO = 0.2
 AIM_RSS_MB = 200

@@ -10,10 +10,10 @@ import pika
 import pika.exceptions
 import structlog
 
-from broker.rabbitmq import cancel_exchange
-from shared.settings import Settings
-from shared.status import RunStatus
-from shared.store import RunStore
+from runbrake.broker.rabbitmq import cancel_exchange
+from runbrake.shared.settings import Settings
+from runbrake.shared.status import RunStatus
+from runbrake.shared.store import RunStore
 
 log = structlog.get_logger(__name__)
 

@@ -19,17 +19,17 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import click
 
-from broker.cancel import CancelPublisher, cancel_run
-from broker.producer import Producer
-from broker.rabbitmq import build_broker
-from broker.render import render_run, render_runs, render_servers, run_json, server_health
-from shared.errors import ConfigError, PublishError, RunNotFound, SpecError, StoreError
-from shared.logging import configure_logging
-from shared.settings import Settings
-from shared.spec import RunSpec
-from shared.status import RunStatus, TerminationReason
-from shared.steps import RunStep, StepKind
-from shared.store import RunStore
+from runbrake.broker.cancel import CancelPublisher, cancel_run
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import build_broker
+from runbrake.broker.render import render_run, render_runs, render_servers, run_json, server_health
+from runbrake.shared.errors import ConfigError, PublishError, RunNotFound, SpecError, StoreError
+from runbrake.shared.logging import configure_logging
+from runbrake.shared.settings import Settings
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.store import RunStore
 
 EXIT_REFUSED = 1
 EXIT_BAD_INPUT = 2
@@ -261,7 +261,7 @@ def deny(run_id: str, reason: str) -> None:
 @user_errors
 def worker(processes: int, threads: int) -> None:
     """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C."""
-    from worker.supervisor import run_workers  # noqa: PLC0415 - the producer side never loads the worker
+    from runbrake.worker.supervisor import run_workers  # noqa: PLC0415 - the producer side never loads the worker
 
     settings = settings_from_env()
     with open_store(settings) as store:
@@ -273,6 +273,6 @@ def worker(processes: int, threads: int) -> None:
 @user_errors
 def demo() -> None:
     """The whole story on the local services, in under a minute."""
-    from broker.demo import run_demo  # noqa: PLC0415 - only the demo needs it
+    from runbrake.broker.demo import run_demo  # noqa: PLC0415 - only the demo needs it
 
     sys.exit(run_demo(settings_from_env()))

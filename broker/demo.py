@@ -16,29 +16,30 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import click
 import pika
 import pika.exceptions
 
-from broker.cancel import CancelPublisher, cancel_run
-from broker.producer import Producer
-from broker.rabbitmq import build_broker, cancel_exchange, run_queue
-from broker.render import render_run
-from shared.settings import Settings
-from shared.spec import RunSpec
-from shared.status import RunStatus, TerminationReason
-from shared.steps import RunStep, StepKind
-from shared.store import RunRecord, RunStore
-from shared.tool_result import ToolResult
+from runbrake.broker.cancel import CancelPublisher, cancel_run
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import build_broker, cancel_exchange, run_queue
+from runbrake.broker.render import render_run
+from runbrake.shared.settings import Settings
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.store import RunRecord, RunStore
+from runbrake.shared.tool_result import ToolResult
 
-TOOLBOX = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "toolbox_server.py"
+TOOLBOX = "runbrake.broker.toolbox_server"
+"""The example MCP server, a module of this package, so the demo runs from a plain install."""
 _WAIT_S = 20.0
 
 
@@ -109,15 +110,16 @@ def part_two(settings: Settings, store: RunStore) -> int:
     with ExitStack() as stack:
         stack.callback(broker.close)
         stack.callback(publisher.close)
-        stack.enter_context(_process("MCP server", [sys.executable, str(TOOLBOX), "--transport", "http",
-                                                    "--port", str(port)], env))
-        _wait(lambda: _port_open(port), "the MCP server to listen")
+        server = stack.enter_context(_process("MCP server", [sys.executable, "-m", TOOLBOX, "--transport", "http",
+                                                             "--port", str(port)], env))
+        _wait(lambda: _port_open(port), "the MCP server to listen", server)
 
         queued = producer.enqueue(_spec(port, [{"content": "never runs"}], "cancelled while queued")).run_id
         result = cancel_run(store, publisher, queued, reason="demo: not needed any more", requested_by="demo")
         click.echo(f"run C enqueued and cancelled while queued (fence won: {result.won}); no worker runs yet")
 
-        stack.enter_context(_process("worker", [sys.executable, "-m", "worker", "--threads", "4"], env))
+        worker = stack.enter_context(
+            _process("worker", [sys.executable, "-m", "runbrake.worker", "--threads", "4"], env))
         completes = producer.enqueue(_spec(port, [
             {"tool_calls": [_call("get-sum", a=2, b=3)]}, {"content": "2 + 3 is 5."}], "What is 2 + 3?")).run_id
         fails = producer.enqueue(_spec(port, [
@@ -130,19 +132,19 @@ def part_two(settings: Settings, store: RunStore) -> int:
             {"tool_calls": [_call("slow", seconds=30)]}, {"content": "never"}], "Stop a 30 s tool call")).run_id
 
         records = {
-            "A: completes": _until(store, completes, lambda r: r.status.is_terminal),
-            "B: a tool fails, the run goes on": _until(store, fails, lambda r: r.status.is_terminal),
+            "A: completes": _until(store, worker, completes, lambda r: r.status.is_terminal),
+            "B: a tool fails, the run goes on": _until(store, worker, fails, lambda r: r.status.is_terminal),
         }
-        _until(store, between, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
+        _until(store, worker, between, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
         cancel_run(store, publisher, between, reason="demo: stop after round 1", requested_by="demo")
-        _until(store, mid_tool, lambda r: any(s.kind is StepKind.MODEL for s in r.steps))
+        _until(store, worker, mid_tool, lambda r: any(s.kind is StepKind.MODEL for s in r.steps))
         time.sleep(0.5)  # let the tool call get under way on the server: this is a demo, not a test
         started = time.time()
         cancel_run(store, publisher, mid_tool, reason="demo: stop the slow tool", requested_by="demo")
         records["D: cancelled between rounds (the slow model call is cut off)"] = _until(
-            store, between, lambda r: len(r.steps) >= 3)
+            store, worker, between, lambda r: len(r.steps) >= 3)
         records["E: cancelled in the middle of a 30 s tool call"] = after = _until(
-            store, mid_tool, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
+            store, worker, mid_tool, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
         interrupted = next(s for s in after.steps if s.kind is StepKind.TOOL)
         records["C: cancelled while queued (never executed)"] = store.get(queued)
         for title, record in sorted(records.items()):
@@ -155,36 +157,68 @@ def part_two(settings: Settings, store: RunStore) -> int:
     return 0
 
 
+@dataclasses.dataclass
+class _Child:
+    """A process the demo started, with its output in a temporary file (read back when it dies)."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    output: IO[bytes]
+
+    def died(self) -> str | None:
+        """None while it runs; otherwise why it stopped: the exit code and the end of its output."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        self.output.seek(0)
+        tail = self.output.read().decode(errors="replace").strip().splitlines()[-15:]
+        return f"the {self.name} exited with code {code}" + (":\n  " + "\n  ".join(tail) if tail else "")
+
+
 @contextmanager
-def _process(name: str, command: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
+def _process(name: str, command: list[str], env: dict[str, str]) -> Iterator[_Child]:
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        click.echo(f"stopped the {name}")
+            yield _Child(name, process, output)
+        finally:
+            _stop(name, process)
 
 
-def _until(store: RunStore, run_id: str, done: Callable[[RunRecord], bool]) -> RunRecord:
+def _stop(name: str, process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    click.echo(f"stopped the {name}")
+
+
+def _until(store: RunStore, worker: _Child, run_id: str, done: Callable[[RunRecord], bool]) -> RunRecord:
+    """The run's record once ``done`` holds; fail at once, saying why, when the worker dies first."""
     deadline = time.monotonic() + _WAIT_S
     while time.monotonic() < deadline:
         record = store.get(run_id)
         if done(record):
             return record
+        death = worker.died()
+        if death is not None:
+            raise click.ClickException(death)
         time.sleep(0.05)
     raise click.ClickException(f"run {run_id} did not get there within {_WAIT_S:.0f} s; is the worker running?")
 
 
-def _wait(ready: Callable[[], bool], what: str) -> None:
+def _wait(ready: Callable[[], bool], what: str, child: _Child) -> None:
+    """Wait for ``ready``; fail at once, saying why, when ``child`` dies first."""
     deadline = time.monotonic() + _WAIT_S
     while not ready():
+        death = child.died()
+        if death is not None:
+            raise click.ClickException(f"{death}\n(waiting for {what})")
         if time.monotonic() > deadline:
-            raise click.ClickException(f"timed out waiting for {what}")
+            raise click.ClickException(f"timed out after {_WAIT_S:.0f} s waiting for {what}")
         time.sleep(0.05)
 
 

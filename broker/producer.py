@@ -8,11 +8,11 @@ from typing import Any
 import structlog
 from dramatiq import Message
 
-from broker.rabbitmq import RUN_ACTOR, RunbrakeBroker, run_queue
-from shared.errors import PublishError
-from shared.spec import RunSpec
-from shared.status import RunStatus, TerminationReason
-from shared.store import RunStore
+from runbrake.broker.rabbitmq import RUN_ACTOR, RunbrakeBroker, run_queue
+from runbrake.shared.errors import PublishError
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.store import RunStore
 
 log = structlog.get_logger(__name__)
 

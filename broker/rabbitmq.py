@@ -22,7 +22,7 @@ from typing import Any
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
 
-from shared.settings import Settings
+from runbrake.shared.settings import Settings
 
 RUN_ACTOR = "execute_run"
 NOOP_ACTOR = "noop"

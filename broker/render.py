@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from shared.outcome import ToolOutcome
-from shared.steps import RunStep, StepKind
-from shared.store import RunRecord
-from shared.timeline import Lang, label, outcome_label, step_outcome
+from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.store import RunRecord
+from runbrake.shared.timeline import Lang, label, outcome_label, step_outcome
 
 _DETAIL_WIDTH = 60
 

@@ -1,7 +1,7 @@
 """runbrake's domain: outcomes, tool results, steps, run status, the Redis run store, the timeline,
 settings and errors. Knows nothing of RabbitMQ or MCP."""
 
-from shared.errors import (
+from runbrake.shared.errors import (
     CancelRequested,
     ConfigError,
     ProviderError,
@@ -13,14 +13,14 @@ from shared.errors import (
     ToolTransportError,
     TransitionRefused,
 )
-from shared.outcome import ToolOutcome
-from shared.settings import Settings
-from shared.spec import McpServerSpec, RunSpec
-from shared.status import RunStatus, TerminationReason
-from shared.steps import RunStep, StepError, StepKind
-from shared.store import CancelRequest, Created, RunRecord, RunStore, Transition
-from shared.timeline import LABELS, label, outcome_label, step_outcome
-from shared.tool_result import ToolResult
+from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.settings import Settings
+from runbrake.shared.spec import McpServerSpec, RunSpec
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepError, StepKind
+from runbrake.shared.store import CancelRequest, Created, RunRecord, RunStore, Transition
+from runbrake.shared.timeline import LABELS, label, outcome_label, step_outcome
+from runbrake.shared.tool_result import ToolResult
 
 __all__ = [
     "LABELS",

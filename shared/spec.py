@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import SpecError
+from runbrake.shared.errors import SpecError
 
 DEFAULT_MAX_ROUNDS = 8
 DEFAULT_TOOL_TIMEOUT_S = 60.0

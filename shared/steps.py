@@ -9,8 +9,8 @@ from typing import Any
 
 import structlog
 
-from shared.outcome import ToolOutcome
-from shared.tool_result import ToolResult
+from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.tool_result import ToolResult
 
 log = structlog.get_logger(__name__)
 

@@ -27,11 +27,11 @@ from typing import Any, cast
 import redis
 import structlog
 
-from shared import _scripts
-from shared.errors import RunNotFound, StoreError
-from shared.settings import Settings
-from shared.status import RunStatus, TerminationReason
-from shared.steps import RunStep, StepKind
+from runbrake.shared import _scripts
+from runbrake.shared.errors import RunNotFound, StoreError
+from runbrake.shared.settings import Settings
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepKind
 
 log = structlog.get_logger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from shared.outcome import ToolOutcome
-from shared.steps import RunStep, StepKind
+from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.steps import RunStep, StepKind
 
 Lang = Literal["en", "de"]
 NO_OUTCOME = ""

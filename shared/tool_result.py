@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shared.outcome import ToolOutcome
+from runbrake.shared.outcome import ToolOutcome
 
 _TRUNCATION_MARK = "\n…[truncated {dropped} chars]"
 

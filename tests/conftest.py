@@ -14,7 +14,7 @@ import pika
 import pytest
 import redis
 
-from shared import RunStore, Settings
+from runbrake.shared import RunStore, Settings
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
 pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub"]

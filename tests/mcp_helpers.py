@@ -1,4 +1,4 @@
-"""The example toolbox MCP server (``deploy/examples/toolbox_server.py``) as test fixtures.
+"""The example toolbox MCP server (``runbrake.broker.toolbox_server``) as test fixtures.
 
 Real servers in real processes (DESIGN.md section 7): over streamable HTTP on a free
 loopback port, or over stdio, started by the SDK itself. The server writes one JSON line
@@ -26,10 +26,10 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from shared.spec import McpServerSpec
+from runbrake.shared.spec import McpServerSpec
 from tests.polling import poll_until, poll_until_async
 
-TOOLBOX_SERVER = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "toolbox_server.py"
+TOOLBOX_SERVER = ("-m", "runbrake.broker.toolbox_server")
 SERVER_NAME = "toolbox"
 STARTUP_TIMEOUT_S = 20.0
 """Generous: importing the MCP SDK alone takes about a second on an idle machine."""
@@ -53,7 +53,7 @@ def free_port() -> int:
 
 def stdio_toolbox(events: Path, *, name: str = SERVER_NAME) -> Toolbox:
     """The spec of a toolbox server over stdio; the SDK starts (and stops) it with each connection."""
-    args = (str(TOOLBOX_SERVER), "--transport", "stdio", "--events", str(events))
+    args = (*TOOLBOX_SERVER, "--transport", "stdio", "--events", str(events))
     return Toolbox(McpServerSpec(name=name, command=sys.executable, args=args), events)
 
 
@@ -65,7 +65,7 @@ def http_toolbox(events: Path, *, name: str = SERVER_NAME) -> Iterator[Toolbox]:
         port = free_port()
         with stderr_path.open("wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, str(TOOLBOX_SERVER), "--transport", "http", "--port", str(port),
+                [sys.executable, *TOOLBOX_SERVER, "--transport", "http", "--port", str(port),
                  "--events", str(events)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from dramatiq.brokers.stub import StubBroker
 
-from broker.rabbitmq import RUN_ACTOR, default_middleware, run_queue
-from shared import RunStore, Settings, StoreError
-from worker.actors import STORE_OUTAGE_RETRIES, declare_run_actor, retry_store_outages
-from worker.registry import ActiveRuns
-from worker.runtime import Runtime
+from runbrake.broker.rabbitmq import RUN_ACTOR, default_middleware, run_queue
+from runbrake.shared import RunStore, Settings, StoreError
+from runbrake.worker.actors import STORE_OUTAGE_RETRIES, declare_run_actor, retry_store_outages
+from runbrake.worker.registry import ActiveRuns
+from runbrake.worker.runtime import Runtime
 
 
 def test_only_a_store_outage_is_retried_and_only_so_often() -> None:

@@ -23,9 +23,18 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.cancel import CancelPublisher, cancel_run
-from broker.producer import Producer
-from shared import RunRecord, RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome, step_outcome
+from runbrake.broker.cancel import CancelPublisher, cancel_run
+from runbrake.broker.producer import Producer
+from runbrake.shared import (
+    RunRecord,
+    RunStatus,
+    RunStore,
+    Settings,
+    StepKind,
+    TerminationReason,
+    ToolOutcome,
+    step_outcome,
+)
 from tests.mcp_helpers import (
     Toolbox,
     free_port,

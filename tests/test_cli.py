@@ -21,8 +21,8 @@ import pika
 import pika.exceptions
 import pytest
 
-from broker.producer import Producer
-from shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason, ToolResult
+from runbrake.broker.producer import Producer
+from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason, ToolResult
 from tests.mcp_helpers import free_port
 from tests.worker_helpers import (
     WorkerProcess,

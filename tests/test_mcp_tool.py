@@ -19,19 +19,19 @@ from typing import Any
 import anyio
 import pytest
 
-from shared.errors import CancelRequested, ToolTransportError
-from shared.outcome import ToolOutcome
-from shared.spec import McpServerSpec
-from shared.tool_result import ToolResult
+from runbrake.shared.errors import CancelRequested, ToolTransportError
+from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.spec import McpServerSpec
+from runbrake.shared.tool_result import ToolResult
+from runbrake.worker.conversation import ToolCall
+from runbrake.worker.mcp_tool import execute, not_connected
+from runbrake.worker.mcp_transport import McpConnection
 from tests.mcp_helpers import (
     Toolbox,
     free_port,
     matching_events,
     wait_for_event_async,
 )
-from worker.conversation import ToolCall
-from worker.mcp_tool import execute, not_connected
-from worker.mcp_transport import McpConnection
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -12,11 +12,11 @@ import json
 import anyio
 import pytest
 
-from shared.errors import ProviderError
-from shared.spec import OpenAIModel, ScriptedModel, ScriptedToolCall, ScriptedTurn
+from runbrake.shared.errors import ProviderError
+from runbrake.shared.spec import OpenAIModel, ScriptedModel, ScriptedToolCall, ScriptedTurn
+from runbrake.worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
+from runbrake.worker.models import OpenAIProvider, ScriptedProvider, provider_for
 from tests.openai_stub import OpenAIStub, StubToolCall
-from worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
-from worker.models import OpenAIProvider, ScriptedProvider, provider_for
 
 CALC_TOOLS = (
     ToolInfo(

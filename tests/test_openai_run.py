@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from broker.producer import Producer
-from shared import RunSpec, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome, step_outcome
+from runbrake.broker.producer import Producer
+from runbrake.shared import RunSpec, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome, step_outcome
 from tests.mcp_helpers import (
     Toolbox,
     matching_events,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from shared import ToolOutcome, ToolResult
+from runbrake.shared import ToolOutcome, ToolResult
 
 # The content channels the bounding transform may shorten; every other field must pass through as is.
 CHANNELS = frozenset({"content", "structured"})

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from shared import CancelRequested, RunStore, Settings
+from runbrake.shared import CancelRequested, RunStore, Settings
+from runbrake.worker.registry import ActiveRuns
+from runbrake.worker.runtime import RunHooks
 from tests.mcp_helpers import free_port
-from worker.registry import ActiveRuns
-from worker.runtime import RunHooks
 
 
 @pytest.fixture

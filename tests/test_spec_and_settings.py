@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from shared import ConfigError, RunSpec, Settings, SpecError
-from shared.spec import OpenAIModel, ScriptedModel
+from runbrake.shared import ConfigError, RunSpec, Settings, SpecError
+from runbrake.shared.spec import OpenAIModel, ScriptedModel
 
 # -- settings -----------------------------------------------------------------------------------
 

@@ -9,8 +9,18 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from shared import LABELS, RunStep, StepError, StepKind, ToolOutcome, ToolResult, label, outcome_label, step_outcome
-from shared.timeline import outcome_label_key
+from runbrake.shared import (
+    LABELS,
+    RunStep,
+    StepError,
+    StepKind,
+    ToolOutcome,
+    ToolResult,
+    label,
+    outcome_label,
+    step_outcome,
+)
+from runbrake.shared.timeline import outcome_label_key
 
 RESULTS = {
     ToolOutcome.OK: ToolResult.ok("5"),

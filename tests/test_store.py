@@ -17,7 +17,7 @@ import pytest
 import redis
 from structlog.testing import capture_logs
 
-from shared import (
+from runbrake.shared import (
     RunNotFound,
     RunStatus,
     RunStep,

@@ -14,9 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from broker.producer import Producer
-from broker.rabbitmq import build_broker
-from shared import PublishError, RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome, step_outcome
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import build_broker
+from runbrake.shared import (
+    PublishError,
+    RunStatus,
+    RunStore,
+    Settings,
+    StepKind,
+    TerminationReason,
+    ToolOutcome,
+    step_outcome,
+)
 from tests.mcp_helpers import Toolbox, free_port, matching_events, wait_for_event
 from tests.worker_helpers import (
     WorkerProcess,

@@ -1,6 +1,6 @@
 """A real worker process for integration tests, and bounded waits on what it does.
 
-The worker runs as ``python -m worker`` in the test's namespace and writes its structlog
+The worker runs as ``python -m runbrake.worker`` in the test's namespace and writes its structlog
 events as JSON lines to a file; :meth:`WorkerProcess.wait_for_log` waits on them (a
 "worker_started" line, a "run_message_skipped" line), bounded. Runs are watched in the
 store with :func:`wait_for_run`.
@@ -24,26 +24,26 @@ from typing import Any
 import pytest
 import redis
 
-from broker.producer import Producer
-from broker.rabbitmq import build_broker
-from shared import RunRecord, RunSpec, RunStore, Settings
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import build_broker
+from runbrake.shared import RunRecord, RunSpec, RunStore, Settings
 from tests.polling import poll_until
 
 STARTUP_TIMEOUT_S = 30.0
 
 
 class WorkerProcess:
-    """One ``python -m worker`` process with its log file."""
+    """One ``python -m runbrake.worker`` process with its log file."""
 
     def __init__(
         self, log_path: Path, env: Mapping[str, str], *, threads: int = 4, noop: bool = False,
         command: list[str] | None = None, started: int = 1,
     ) -> None:
-        """Start ``python -m worker`` (or ``command``, e.g. ``runbrake worker``) and wait until ``started``
+        """Start ``python -m runbrake.worker`` (or ``command``, e.g. ``runbrake worker``) and wait until ``started``
         worker processes logged ``worker_started``."""
         self.log_path = log_path
         if command is None:
-            command = [sys.executable, "-m", "worker", "--threads", str(threads)]
+            command = [sys.executable, "-m", "runbrake.worker", "--threads", str(threads)]
             if noop:
                 command.append("--noop")
         with log_path.open("wb") as log:

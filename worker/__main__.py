@@ -1,15 +1,15 @@
-"""``python -m worker --index I --threads M``: one worker process (started by ``runbrake worker``)."""
+"""``python -m runbrake.worker --index I --threads M``: one worker process (started by ``runbrake worker``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from shared.settings import Settings
-from worker.process import run_worker_process
+from runbrake.shared.settings import Settings
+from runbrake.worker.process import run_worker_process
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m runbrake.worker", description=__doc__)
     parser.add_argument("--index", type=int, default=0, help="this process's index (metrics port offset)")
     parser.add_argument("--threads", type=int, default=8, help="Dramatiq worker threads")
     parser.add_argument("--noop", action="store_true", help="also consume the benchmark's no-op queue")

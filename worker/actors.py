@@ -6,10 +6,10 @@ from typing import Any
 
 import dramatiq
 
-from broker.rabbitmq import NOOP_ACTOR, RUN_ACTOR, RunbrakeBroker, run_queue
-from shared.errors import StoreError
-from shared.settings import Settings
-from worker.runtime import Runtime
+from runbrake.broker.rabbitmq import NOOP_ACTOR, RUN_ACTOR, RunbrakeBroker, run_queue
+from runbrake.shared.errors import StoreError
+from runbrake.shared.settings import Settings
+from runbrake.worker.runtime import Runtime
 
 
 def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settings) -> Any:

@@ -20,11 +20,11 @@ import pika
 import pika.exceptions
 import structlog
 
-from broker.rabbitmq import cancel_exchange
-from shared.errors import StoreError
-from shared.settings import Settings
-from shared.store import RunStore
-from worker.registry import ActiveRuns
+from runbrake.broker.rabbitmq import cancel_exchange
+from runbrake.shared.errors import StoreError
+from runbrake.shared.settings import Settings
+from runbrake.shared.store import RunStore
+from runbrake.worker.registry import ActiveRuns
 
 log = structlog.get_logger(__name__)
 

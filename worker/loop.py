@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import anyio
 
-from shared.errors import ProviderError
-from shared.steps import RunStep, StepKind
-from shared.tool_result import ToolResult
-from worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
-from worker.models import ModelProvider
+from runbrake.shared.errors import ProviderError
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.tool_result import ToolResult
+from runbrake.worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
+from runbrake.worker.models import ModelProvider
 
 
 class LoopHooks(Protocol):

@@ -12,10 +12,10 @@ import json
 import anyio
 from mcp_types import CallToolResult, ContentBlock, EmbeddedResource, ResourceLink, TextContent, TextResourceContents
 
-from shared.errors import ToolTransportError
-from shared.tool_result import ToolResult
-from worker.conversation import ToolCall
-from worker.mcp_transport import McpConnection
+from runbrake.shared.errors import ToolTransportError
+from runbrake.shared.tool_result import ToolResult
+from runbrake.worker.conversation import ToolCall
+from runbrake.worker.mcp_transport import McpConnection
 
 __all__ = ["execute", "not_connected"]
 

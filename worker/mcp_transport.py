@@ -35,9 +35,9 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 from pydantic import ValidationError
 
-from shared.errors import ToolTransportError
-from shared.spec import McpServerSpec
-from worker.conversation import ToolInfo
+from runbrake.shared.errors import ToolTransportError
+from runbrake.shared.spec import McpServerSpec
+from runbrake.worker.conversation import ToolInfo
 
 __all__ = ["McpConnection"]
 

@@ -23,9 +23,9 @@ from openai.types.chat import (
     ChatCompletionMessageParam,
 )
 
-from shared.errors import ProviderError
-from shared.spec import ModelSpec, OpenAIModel, ScriptedModel
-from worker.conversation import TOOL_NAME_SEPARATOR, Message, ModelTurn, ToolCall, ToolInfo
+from runbrake.shared.errors import ProviderError
+from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
+from runbrake.worker.conversation import TOOL_NAME_SEPARATOR, Message, ModelTurn, ToolCall, ToolInfo
 
 __all__ = ["ModelProvider", "OpenAIProvider", "ScriptedProvider", "provider_for"]
 

@@ -9,15 +9,15 @@ from types import FrameType
 import structlog
 from dramatiq import Worker
 
-from broker.rabbitmq import build_broker, run_queue
-from shared.logging import configure_logging
-from shared.settings import Settings
-from shared.store import RunStore
-from worker import metrics
-from worker.actors import declare_noop_actor, declare_run_actor
-from worker.cancel_listener import Backstop, CancelListener
-from worker.registry import ActiveRuns
-from worker.runtime import Runtime
+from runbrake.broker.rabbitmq import build_broker, run_queue
+from runbrake.shared.logging import configure_logging
+from runbrake.shared.settings import Settings
+from runbrake.shared.store import RunStore
+from runbrake.worker import metrics
+from runbrake.worker.actors import declare_noop_actor, declare_run_actor
+from runbrake.worker.cancel_listener import Backstop, CancelListener
+from runbrake.worker.registry import ActiveRuns
+from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
 

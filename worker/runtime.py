@@ -18,19 +18,19 @@ from enum import StrEnum
 import anyio
 import structlog
 
-from shared.errors import CancelRequested, ProviderError, RunbrakeError
-from shared.outcome import ToolOutcome
-from shared.settings import Settings
-from shared.spec import RunSpec
-from shared.status import RunStatus, TerminationReason
-from shared.steps import RunStep, StepKind
-from shared.store import RunStore
-from shared.timeline import step_outcome
-from worker import metrics
-from worker.loop import LoopEnd, LoopEndKind, LoopState, ToolLoop
-from worker.models import provider_for
-from worker.registry import ActiveRuns, RunHandle
-from worker.toolbox import Toolbox
+from runbrake.shared.errors import CancelRequested, ProviderError, RunbrakeError
+from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.settings import Settings
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.store import RunStore
+from runbrake.shared.timeline import step_outcome
+from runbrake.worker import metrics
+from runbrake.worker.loop import LoopEnd, LoopEndKind, LoopState, ToolLoop
+from runbrake.worker.models import provider_for
+from runbrake.worker.registry import ActiveRuns, RunHandle
+from runbrake.worker.toolbox import Toolbox
 
 log = structlog.get_logger(__name__)
 

@@ -10,9 +10,9 @@ from types import FrameType
 
 import structlog
 
-from shared.logging import configure_logging
-from shared.settings import Settings
-from worker.process import run_worker_process
+from runbrake.shared.logging import configure_logging
+from runbrake.shared.settings import Settings
+from runbrake.worker.process import run_worker_process
 
 log = structlog.get_logger(__name__)
 
@@ -25,7 +25,7 @@ def run_workers(settings: Settings, *, processes: int, threads: int) -> int:
         run_worker_process(settings, threads=threads)
         return 0
     children = [
-        subprocess.Popen([sys.executable, "-m", "worker", "--index", str(i), "--threads", str(threads)])
+        subprocess.Popen([sys.executable, "-m", "runbrake.worker", "--index", str(i), "--threads", str(threads)])
         for i in range(processes)
     ]
     stopping = threading.Event()

@@ -8,12 +8,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import anyio
 import structlog
 
-from shared.errors import ToolTransportError
-from shared.spec import McpServerSpec
-from shared.tool_result import ToolResult
-from worker import mcp_tool
-from worker.conversation import ToolCall, ToolInfo
-from worker.mcp_transport import McpConnection
+from runbrake.shared.errors import ToolTransportError
+from runbrake.shared.spec import McpServerSpec
+from runbrake.shared.tool_result import ToolResult
+from runbrake.worker import mcp_tool
+from runbrake.worker.conversation import ToolCall, ToolInfo
+from runbrake.worker.mcp_transport import McpConnection
 
 log = structlog.get_logger(__name__)
 

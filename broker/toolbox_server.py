@@ -2,8 +2,11 @@
 
 Run it over streamable HTTP (served at ``/mcp``) or over stdio::
 
-    python deploy/examples/toolbox_server.py --transport http --port 8765
-    python deploy/examples/toolbox_server.py --transport stdio --events /tmp/toolbox.jsonl
+    python -m runbrake.broker.toolbox_server --transport http --port 8765
+    python -m runbrake.broker.toolbox_server --transport stdio --events /tmp/toolbox.jsonl
+
+It ships inside the package (not beside it) so that ``runbrake demo`` works from a plain
+install of the wheel.
 
 Every tool is ``async def``: a sync tool runs in a worker thread and cannot be
 interrupted (DESIGN.md section 8), which would defeat the point of the server.
