@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services lint typecheck test demo bench clean
+.PHONY: setup services lint typecheck test demo bench wheel-check clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -34,6 +34,21 @@ test: setup services lint typecheck
 
 demo: setup services
 	$(VENV)/bin/runbrake demo
+
+# The wheel alone in a fresh venv, run from a folder with nothing of the repository in it: its only
+# top-level package is runbrake, `runbrake schema` prints the spec's schema, `runbrake demo` passes.
+WHEEL_DIR := $(or $(TMPDIR),/tmp)/runbrake-wheel-check
+wheel-check: setup services
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir $(WHEEL_DIR)/dist .
+	$(PY) -c "import glob, zipfile; w = zipfile.ZipFile(glob.glob('$(WHEEL_DIR)/dist/*.whl')[0]); \
+		top = [w.read(n).decode().split() for n in w.namelist() if n.endswith('top_level.txt')]; \
+		print('top_level.txt:', top); assert top == [['runbrake']], top"
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install --quiet $(WHEEL_DIR)/dist/runbrake-*.whl
+	cd $(WHEEL_DIR) && venv/bin/runbrake schema > schema.json && venv/bin/python -c \
+		"import json; assert json.load(open('schema.json'))['\$$schema'].endswith('2020-12/schema')"
+	cd $(WHEEL_DIR) && venv/bin/runbrake demo
 
 bench: setup services
 	$(PY) -m bench.throughput

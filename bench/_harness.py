@@ -10,8 +10,9 @@ A benchmark runs inside :class:`Bench`::
         bench.write_results({...})
 
 Leaving the block stops every process it started (SIGTERM, then SIGKILL after a grace
-period), deletes the namespace's Redis keys and its queues and cancel exchange, and removes
-the scratch directory (unless ``keep`` is set). Everything is on loopback.
+period), deletes the namespace's Redis keys and its queues and cancel exchange
+(:func:`runbrake.broker.wire.delete_topology`), and removes the scratch directory (unless
+``keep`` is set). Everything is on loopback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,8 +40,10 @@ from typing import Any
 import pika
 import pika.exceptions
 
+from runbrake.broker.wire import delete_topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
+from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,13 +63,19 @@ class BenchError(RuntimeError):
 
 class JsonLines:
     """Reads a JSON-lines file another process appends to, incrementally; a partly written
-    last line is left for the next read, lines that are not JSON objects are skipped."""
+    last line is left for the next read, lines that are not JSON objects are skipped.
+
+    A line holding several objects back to back (two writers of one process that do not share a
+    lock: structlog's own output and the standard library's logging) is read as those objects,
+    and counted in :attr:`glued_lines`, so a benchmark can say so instead of losing the events."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
         self._partial = b""
         self.entries: list[dict[str, Any]] = []
+        self.glued_lines = 0
+        """Lines that held more than one JSON object."""
 
     def read_new(self) -> list[dict[str, Any]]:
         """The entries appended since the last call (also kept in :attr:`entries`)."""
@@ -83,13 +93,30 @@ class JsonLines:
             if not line.startswith(b"{"):
                 continue
             try:
-                entry = json.loads(line)
+                entries = [json.loads(line)]
             except ValueError:
-                continue
-            if isinstance(entry, dict):
-                new.append(entry)
+                entries = _objects_in(line.decode(errors="replace"))
+                if len(entries) > 1:
+                    self.glued_lines += 1
+            new.extend(entry for entry in entries if isinstance(entry, dict))
         self.entries.extend(new)
         return new
+
+
+def _objects_in(text: str) -> list[Any]:
+    """The JSON values written back to back at the start of ``text``, up to the first that does not parse."""
+    decoder = json.JSONDecoder()
+    values = []
+    index = 0
+    while index < len(text):
+        try:
+            value, index = decoder.raw_decode(text, index)
+        except ValueError:
+            break
+        values.append(value)
+        while index < len(text) and text[index].isspace():
+            index += 1
+    return values
 
 
 def wait_until(
@@ -175,6 +202,17 @@ class Worker:
 
     def rss_kib(self) -> int | None:
         return _proc_status_kib(self.pid, "VmRSS")
+
+    def log_counts(self) -> dict[str, int]:
+        """What the log says so far: error lines, messages Dramatiq retried, and lines holding two log
+        entries (two writers without a shared lock; both entries are still read)."""
+        self.log.read_new()
+        entries = self.log.entries
+        return {
+            "errors": sum(1 for e in entries if e.get("level") in {"error", "critical"}),
+            "messages_retried": sum(1 for e in entries if str(e.get("event", "")).startswith("Retrying message")),
+            "glued_lines": self.log.glued_lines,
+        }
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -282,6 +320,7 @@ class Bench:
         self.keep = keep
         self._processes: list[ManagedProcess] = []
         self._closers: list[Callable[[], object]] = []
+        self._final_closers: list[Callable[[], object]] = []
 
     def __enter__(self) -> Bench:
         try:
@@ -298,19 +337,15 @@ class Bench:
     ) -> None:
         self.close()
 
-    def on_close(self, closer: Callable[[], object]) -> None:
-        """Run ``closer`` when the benchmark ends, before the processes are stopped."""
-        self._closers.append(closer)
+    def on_close(self, closer: Callable[[], object], *, after_processes: bool = False) -> None:
+        """Run ``closer`` when the benchmark ends: before the processes are stopped, or after them
+        (``after_processes``: for deleting what a process still uses, such as a queue it consumes)."""
+        (self._final_closers if after_processes else self._closers).append(closer)
 
     def close(self) -> None:
         """Stop what was started and delete what was written; every step runs even when one fails."""
         try:
-            for closer in reversed(self._closers):
-                try:
-                    closer()
-                except Exception as exc:
-                    print(f"cleanup step failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            self._closers.clear()
+            _run_closers(self._closers)
         finally:
             try:
                 for process in reversed(self._processes):
@@ -318,6 +353,7 @@ class Bench:
                 self._processes.clear()
             finally:
                 try:
+                    _run_closers(self._final_closers)
                     self.store.delete_namespace()
                 finally:
                     self.store.close()
@@ -360,16 +396,22 @@ class Bench:
 
     def start_worker(self, *, threads: int, noop: bool = False) -> Worker:
         """``python -m runbrake.worker --threads N [--noop]`` here; returns once it logged worker_started."""
-        log_path = self.workdir / f"worker-{len(self._processes)}.log"
-        command = [sys.executable, "-m", "runbrake.worker", "--threads", str(threads)]
+        arguments = ["-m", "runbrake.worker", "--threads", str(threads)]
         if noop:
-            command.append("--noop")
-        popen = self._spawn(command, log_path)
-        process = ManagedProcess("worker", popen, log_path)
+            arguments.append("--noop")
+        return self.start_logging_process("worker", arguments)
+
+    def start_logging_process(self, name: str, arguments: Sequence[str]) -> Worker:
+        """``python ARGUMENTS`` in this namespace, its output (JSON lines) to a file of its own; returns once
+        it logged a ``worker_started`` line (a runbrake worker, or another worker that says the same)."""
+        log_path = self.workdir / f"{name.replace(' ', '-')}-{len(self._processes)}.log"
+        popen = self._spawn([sys.executable, *arguments], log_path)
+        process = ManagedProcess(name, popen, log_path)
         self._processes.append(process)
         worker = Worker(process)
         wait_until(lambda: any(e.get("event") == "worker_started" for e in worker.log.read_new()),
-                   timeout=STARTUP_TIMEOUT_S, what="the worker's worker_started line", interval=0.05, alive=[process])
+                   timeout=STARTUP_TIMEOUT_S, what=f"the {name}'s worker_started line", interval=0.05,
+                   alive=[process])
         return worker
 
     # -- results --
@@ -388,33 +430,90 @@ def _check_rabbitmq(settings: Settings) -> None:
         raise BenchError(f"RabbitMQ at {settings.rabbitmq_url} is not reachable: {exc!r}") from exc
 
 
+def _run_closers(closers: list[Callable[[], object]]) -> None:
+    """Call each closer, newest first, reporting (not raising) failures; the list is emptied."""
+    for closer in reversed(closers):
+        try:
+            closer()
+        except Exception as exc:
+            print(f"cleanup step failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    closers.clear()
+
+
 def delete_broker_objects(settings: Settings) -> None:
-    """Delete the namespace's run and no-op queues (with Dramatiq's .DQ/.XQ twins) and its cancel exchange."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
-    try:
-        channel = connection.channel()
-        for base in (f"{settings.namespace}.runs", f"{settings.namespace}.noop"):
-            for queue in (base, f"{base}.DQ", f"{base}.XQ"):
-                channel.queue_delete(queue=queue)
-        channel.exchange_delete(exchange=f"{settings.namespace}.cancel")
-    finally:
-        connection.close()
+    """Delete the namespace's queues (with Dramatiq's .DQ/.XQ twins) and its cancel exchange."""
+    delete_topology(settings)
 
 
 # -- runs ----------------------------------------------------------------------------------------
 
 
-def quick_run_spec(server: ToolboxServer, index: int) -> RunSpec:
-    """Three rounds with two quick MCP tool calls: get-sum, then echo, then the final answer."""
+def quick_run_arguments(index: int, *, echo_argument: str = "text") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The arguments of a quick run's two tool calls: get-sum's, then echo's (whose text parameter is
+    ``echo_argument``: ``text`` on the toolbox server, ``message`` on the npm reference server)."""
+    return {"a": index, "b": 1}, {echo_argument: f"run {index}"}
+
+
+def quick_run_spec(server: ToolboxServer | str, index: int, *, echo_argument: str = "text") -> RunSpec:
+    """Three rounds with two quick MCP tool calls: get-sum, then echo, then the final answer.
+
+    ``server`` is the toolbox server, or the URL of another MCP server (streamable HTTP) with those tools."""
+    get_sum, echo = quick_run_arguments(index, echo_argument=echo_argument)
     return RunSpec.parse({
         "input": f"quick run {index}",
         "model": {"provider": "scripted", "turns": [
-            {"tool_calls": [{"server": SERVER_NAME, "tool": "get-sum", "arguments": {"a": index, "b": 1}}]},
-            {"tool_calls": [{"server": SERVER_NAME, "tool": "echo", "arguments": {"text": f"run {index}"}}]},
+            {"tool_calls": [{"server": SERVER_NAME, "tool": "get-sum", "arguments": get_sum}]},
+            {"tool_calls": [{"server": SERVER_NAME, "tool": "echo", "arguments": echo}]},
             {"content": "done"},
         ]},
-        "mcp_servers": {SERVER_NAME: server.server_spec()},
+        "mcp_servers": {SERVER_NAME: {"url": server} if isinstance(server, str) else server.server_spec()},
     })
+
+
+def in_threads(count: int, total: int, work: Callable[[int], None]) -> None:
+    """Call ``work(i)`` for i in range(total), spread over ``count`` threads (each its own broker connection:
+    Dramatiq's RabbitMQ broker keeps one per thread). Re-raises the first failure."""
+    errors: list[BaseException] = []
+
+    def part(start: int) -> None:
+        try:
+            for i in range(start, total, count):
+                work(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=part, args=(k,), name=f"producer-{k}") for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def all_terminal(store: RunStore, run_ids: Sequence[str]) -> Callable[[], bool]:
+    """A condition for :func:`wait_until`: true once every one of the runs is in a terminal status.
+
+    Runs finish roughly in the order they were sent: each check reads the oldest pending ones first, a
+    chunk at a time (one pipelined round trip per chunk), and stops at the first chunk that still has a
+    live run, which keeps the poller cheap."""
+    pending = list(run_ids)
+
+    def check() -> bool:
+        nonlocal pending
+        while pending:
+            chunk = pending[:16]
+            with store.redis.pipeline(transaction=False) as pipe:
+                for run_id in chunk:
+                    pipe.hget(store.run_key(run_id), "status")
+                statuses = pipe.execute()
+            live = [r for r, s in zip(chunk, statuses, strict=True) if not RunStatus.parse(s).is_terminal]
+            pending = live + pending[len(chunk):]
+            if live:
+                return False
+        return True
+
+    return check
 
 
 # -- numbers -------------------------------------------------------------------------------------

@@ -52,7 +52,9 @@ from bench._harness import (
     Bench,
     BenchError,
     ToolboxServer,
+    all_terminal,
     cpu_seconds,
+    in_threads,
     machine,
     machine_busy_seconds,
     pids_named,
@@ -62,7 +64,8 @@ from bench._harness import (
     wait_until,
 )
 from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import NOOP_ACTOR, RunbrakeBroker, build_broker
+from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.broker.wire import NOOP_ACTOR, Topology
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.status import RunStatus
 
@@ -72,27 +75,6 @@ WARMUP_RUNS = 8
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def in_threads(count: int, total: int, work: Callable[[int], None]) -> None:
-    """Call ``work(i)`` for i in range(total), spread over ``count`` threads (each its own broker connection:
-    Dramatiq's RabbitMQ broker keeps one per thread). Re-raises the first failure."""
-    errors: list[BaseException] = []
-
-    def part(start: int) -> None:
-        try:
-            for i in range(start, total, count):
-                work(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=part, args=(k,), name=f"producer-{k}") for k in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
 
 
 class QueueDepth:
@@ -158,7 +140,7 @@ def noop_backlog_phase(
     Sending with publisher confirms is slower than the worker consumes, so timing "send, then wait"
     measures the sender. The rate is read between the samples that first saw the backlog at or below
     90 % and at or below 10 %; at most ``threads`` prefetched messages are unacked at either point."""
-    queue = f"{bench.namespace}.noop"
+    queue = Topology(bench.namespace).noop_queue
     broker.declare_queue(queue)
     depth = QueueDepth(bench, queue)
     send_s = send_noops(broker, queue, count, producers)
@@ -197,7 +179,7 @@ def noop_live_phase(
     bench: Bench, broker: RunbrakeBroker, count: int, *, producers: int, timeout: float
 ) -> dict[str, Any]:
     """For comparison: send with confirms while the warm worker consumes; time until the queue is empty."""
-    queue = f"{bench.namespace}.noop"
+    queue = Topology(bench.namespace).noop_queue
     depth = QueueDepth(bench, queue)
     started = time.time()
     send_s = send_noops(broker, queue, count, producers)
@@ -219,26 +201,7 @@ def runs_phase(
     started = time.time()
     in_threads(producers, count, enqueue)
     sent = time.time()
-    redis = bench.store.redis
-    pending = list(run_ids)
-
-    def all_terminal() -> bool:
-        # Runs finish roughly in the order they were sent: check the oldest pending ones first, a chunk at
-        # a time, and stop at the first chunk that still has a live run (keeps this poller cheap).
-        nonlocal pending
-        while pending:
-            chunk = pending[:16]
-            with redis.pipeline(transaction=False) as pipe:
-                for run_id in chunk:
-                    pipe.hget(bench.store.run_key(run_id), "status")
-                statuses = pipe.execute()
-            live = [r for r, s in zip(chunk, statuses, strict=True) if not RunStatus.parse(s).is_terminal]
-            pending = live + pending[len(chunk):]
-            if live:
-                return False
-        return True
-
-    wait_until(all_terminal, timeout=timeout, what=f"{count} {label} to finish", interval=0.05)
+    wait_until(all_terminal(bench.store, run_ids), timeout=timeout, what=f"{count} {label} to finish", interval=0.05)
     records = [bench.store.get(run_id) for run_id in run_ids]
     statuses = Counter(r.status.value for r in records)
     finished = max(r.finished_at or 0.0 for r in records)

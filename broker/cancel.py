@@ -1,16 +1,16 @@
-"""The cancel: win the fence in Redis, then wake the worker that holds the run (DESIGN.md section 4)."""
+"""The cancel: win the fence in Redis, then wake the worker that holds the run
+(docs/architecture.md, "Cancellation")."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 
 import pika
 import pika.exceptions
 import structlog
 
-from runbrake.broker.rabbitmq import cancel_exchange
+from runbrake.broker.wire import CANCEL_PROPERTIES, Topology, encode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
@@ -36,6 +36,7 @@ class CancelPublisher:
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
+        self._topology = Topology.of(settings)
         self._connection: pika.BlockingConnection | None = None
         self._channel: pika.adapters.blocking_connection.BlockingChannel | None = None
 
@@ -47,10 +48,8 @@ class CancelPublisher:
         """
         channel = self._ensure_channel()
         channel.basic_publish(
-            exchange=cancel_exchange(self._settings.namespace),
-            routing_key="",
-            body=json.dumps({"run_id": run_id}).encode(),
-            properties=pika.BasicProperties(content_type="application/json", delivery_mode=1),
+            exchange=self._topology.cancel_exchange, routing_key="", body=encode_cancel(run_id),
+            properties=CANCEL_PROPERTIES,
         )
 
     def close(self) -> None:
@@ -66,9 +65,7 @@ class CancelPublisher:
         self._connection = pika.BlockingConnection(pika.URLParameters(self._settings.rabbitmq_url))
         channel = self._connection.channel()
         channel.confirm_delivery()
-        channel.exchange_declare(
-            exchange=cancel_exchange(self._settings.namespace), exchange_type="fanout", durable=True
-        )
+        self._topology.declare_cancel_exchange(channel)
         self._channel = channel
         return channel
 

@@ -1,4 +1,4 @@
-"""The ``runbrake`` command (DESIGN.md section 6).
+"""The ``runbrake`` command (README.md, "Using it").
 
 Exit codes: 0 success, 1 refused by the run's state (unknown run, already finished,
 not waiting), 2 bad input (nothing written or sent), 3 a service (Redis, RabbitMQ)
@@ -19,6 +19,7 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import click
 
+from runbrake.broker.approval import Decision, approve_run, deny_run
 from runbrake.broker.cancel import CancelPublisher, cancel_run
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
@@ -26,9 +27,8 @@ from runbrake.broker.render import render_run, render_runs, render_servers, run_
 from runbrake.shared.errors import ConfigError, PublishError, RunNotFound, SpecError, StoreError
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.settings import Settings
-from runbrake.shared.spec import RunSpec
-from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.spec import RunSpec, run_spec_json_schema
+from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
 
 EXIT_REFUSED = 1
@@ -44,14 +44,19 @@ def fail(message: str, code: int) -> NoReturn:
 
 
 def user_errors(command: F) -> F:
-    """Turn runbrake's errors into a one-line message and the contract's exit code; no traceback."""
+    """Turn runbrake's errors into one-line messages and the contract's exit code; no traceback.
+
+    An invalid spec gets one line per problem, so that every mistake can be fixed in one go.
+    """
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
         except SpecError as exc:
-            fail(f"invalid spec: {exc.field}: {exc.problem}", EXIT_BAD_INPUT)
+            for problem in exc.problems:
+                click.echo(f"runbrake: error: invalid spec: {problem.field}: {problem.msg}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
         except ConfigError as exc:
             fail(f"invalid setting {exc}", EXIT_BAD_INPUT)
         except RunNotFound as exc:
@@ -108,10 +113,11 @@ def main(ctx: click.Context) -> None:
 def enqueue(spec_file: str, as_json: bool) -> None:
     """Validate SPEC_FILE (JSON, or - for stdin), persist the run and send it to the workers."""
     try:
-        text = sys.stdin.read() if spec_file == "-" else Path(spec_file).read_text(encoding="utf-8")
+        # Bytes, not text: decoding is the spec's business, so that bad UTF-8 is a spec error, not a traceback.
+        data = sys.stdin.buffer.read() if spec_file == "-" else Path(spec_file).read_bytes()
     except OSError as exc:
         fail(f"cannot read {spec_file}: {exc.strerror}", EXIT_BAD_INPUT)
-    spec = RunSpec.from_json(text)
+    spec = RunSpec.from_json(data)
     settings = settings_from_env()
     broker = build_broker(settings)
     with open_store(settings) as store:
@@ -213,44 +219,39 @@ def servers(as_json: bool) -> None:
 
 @main.command()
 @click.argument("run_id")
+@click.option("--by", "decided_by", default=None, help="Who decides (default: user@host).")
 @user_errors
-def approve(run_id: str) -> None:
+def approve(run_id: str, decided_by: str | None) -> None:
     """Approve the tool call RUN_ID waits for; a worker resumes the run."""
     settings = settings_from_env()
+    broker = build_broker(settings)
     with open_store(settings) as store:
-        decision = store.approve(run_id)
-        if not decision.exists:
-            fail(f"no run with id {run_id!r}", EXIT_REFUSED)
-        if not decision.won:
-            fail(f"run {run_id} is {decision.found.value}, not waiting for approval", EXIT_REFUSED)
-        broker = build_broker(settings)
         try:
-            Producer(store, broker).send(run_id, resume=True)
+            decision = approve_run(store, Producer(store, broker), run_id, decided_by=decided_by or whoami())
         finally:
             broker.close()
+    _refused_unless_decided(decision)
     click.echo(f"approved {run_id}; a worker resumes it")
 
 
 @main.command()
 @click.argument("run_id")
-@click.option("--reason", default="denied by operator", show_default=True)
+@click.option("--reason", default="denied by operator", show_default=True, help="Why; recorded on the run.")
+@click.option("--by", "decided_by", default=None, help="Who decides (default: user@host).")
 @user_errors
-def deny(run_id: str, reason: str) -> None:
+def deny(run_id: str, reason: str, decided_by: str | None) -> None:
     """Deny the tool call RUN_ID waits for; the run ends failed (approval_denied)."""
     with open_store(settings_from_env()) as store:
-        settled = store.settle(run_id, RunStatus.FAILED, TerminationReason.APPROVAL_DENIED, error=reason,
-                               required_status=RunStatus.WAITING_FOR_APPROVAL)
-        if not settled.exists:
-            fail(f"no run with id {run_id!r}", EXIT_REFUSED)
-        if not settled.won:
-            fail(f"run {run_id} is {settled.found.value}, not waiting for approval", EXIT_REFUSED)
-        pending = store.get(run_id).pending or {}
-        store.append_step(run_id, RunStep(
-            kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason,
-            detail={"decision": "denied", "requested_by": whoami(),
-                    "call": (pending.get("pending_calls") or [None])[0]},
-        ))
+        decision = deny_run(store, run_id, decided_by=decided_by or whoami(), reason=reason)
+    _refused_unless_decided(decision)
     click.echo(f"denied {run_id}; the run failed (approval_denied)")
+
+
+def _refused_unless_decided(decision: Decision) -> None:
+    if not decision.exists:
+        fail(f"no run with id {decision.run_id!r}", EXIT_REFUSED)
+    if not decision.decided:
+        fail(f"run {decision.run_id} is {decision.found.value}, not waiting for approval", EXIT_REFUSED)
 
 
 @main.command()
@@ -276,3 +277,9 @@ def demo() -> None:
     from runbrake.broker.demo import run_demo  # noqa: PLC0415 - only the demo needs it
 
     sys.exit(run_demo(settings_from_env()))
+
+
+@main.command()
+def schema() -> None:
+    """Print the run spec's JSON Schema (Draft 2020-12); docs/run-spec.schema.json is a copy of it."""
+    click.echo(json.dumps(run_spec_json_schema(), indent=2))

@@ -10,6 +10,7 @@ cancelled, not failed). Everything runs under a namespace of its own, deleted at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -24,13 +25,13 @@ from contextlib import ExitStack, contextmanager
 from typing import IO, Any
 
 import click
-import pika
 import pika.exceptions
 
 from runbrake.broker.cancel import CancelPublisher, cancel_run
 from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker, cancel_exchange, run_queue
+from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.render import render_run
+from runbrake.broker.wire import delete_topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -53,7 +54,8 @@ def run_demo(base: Settings) -> int:
         return part_two(settings, store)
     finally:
         store.delete_namespace()
-        _delete_broker_objects(settings)
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            delete_topology(settings)
         store.close()
         click.echo(f"\ncleaned up namespace {settings.namespace}")
 
@@ -231,18 +233,3 @@ def _free_port() -> int:
 def _port_open(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _delete_broker_objects(settings: Settings) -> None:
-    try:
-        connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
-    except pika.exceptions.AMQPError:
-        return
-    try:
-        channel = connection.channel()
-        for queue in (run_queue(settings.namespace), f"{run_queue(settings.namespace)}.DQ",
-                      f"{run_queue(settings.namespace)}.XQ"):
-            channel.queue_delete(queue=queue)
-        channel.exchange_delete(exchange=cancel_exchange(settings.namespace))
-    finally:
-        connection.close()

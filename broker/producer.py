@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
-from dramatiq import Message
 
-from runbrake.broker.rabbitmq import RUN_ACTOR, RunbrakeBroker, run_queue
+from runbrake.broker.rabbitmq import RunbrakeBroker
+from runbrake.broker.wire import Topology, run_message
 from runbrake.shared.errors import PublishError
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -26,23 +25,13 @@ class Enqueued:
     created: bool
 
 
-def run_message(namespace: str, run_id: str, *, resume: bool = False) -> Message[Any]:
-    """The Dramatiq message for a run: the id and whether it starts or resumes a run, nothing more."""
-    return Message(
-        queue_name=run_queue(namespace),
-        actor_name=RUN_ACTOR,
-        args=(run_id,),
-        kwargs={"resume": resume},
-        options={},
-    )
-
-
 class Producer:
     """Enqueues runs and resume messages."""
 
     def __init__(self, store: RunStore, broker: RunbrakeBroker) -> None:
         self._store = store
         self._broker = broker
+        self._topology = Topology(store.namespace)
 
     def enqueue(self, spec: RunSpec) -> Enqueued:
         """Persist the run (queued, with its request) and send its message.
@@ -77,7 +66,7 @@ class Producer:
         Raises:
             PublishError: when RabbitMQ could not be reached or did not confirm.
         """
-        message = run_message(self._store.namespace, run_id, resume=resume)
+        message = run_message(self._topology, run_id, resume=resume)
         try:
             self._broker.declare_queue(message.queue_name)
             self._broker.enqueue(message)

@@ -1,7 +1,7 @@
-"""Dramatiq's RabbitMQ broker, configured for long agent runs (DESIGN.md section 8).
+"""Dramatiq's RabbitMQ broker, configured for long agent runs (docs/architecture.md, "Pitfalls").
 
 - Publisher confirms on: ``enqueue`` returns only once RabbitMQ has the message.
-- Queue names under the namespace: ``<ns>.runs`` (plus Dramatiq's ``.DQ``/``.XQ`` twins).
+- Queue names come from ``broker/wire.py``: ``<ns>.runs`` (plus Dramatiq's ``.DQ``/``.XQ`` twins).
 - RabbitMQ's consumer timeout: a run's message stays unacked while the run executes.
   Where the server honours ``x-consumer-timeout`` (RabbitMQ 3.12+), the run queue
   raises it to the run's time limit. On older servers the 30-minute default still
@@ -23,19 +23,6 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
 
 from runbrake.shared.settings import Settings
-
-RUN_ACTOR = "execute_run"
-NOOP_ACTOR = "noop"
-
-
-def run_queue(namespace: str) -> str:
-    """The Dramatiq queue that carries run messages."""
-    return f"{namespace}.runs"
-
-
-def cancel_exchange(namespace: str) -> str:
-    """The fanout exchange that carries cancel messages to every worker."""
-    return f"{namespace}.cancel"
 
 
 class RunbrakeBroker(RabbitmqBroker):

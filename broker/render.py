@@ -14,7 +14,7 @@ _DETAIL_WIDTH = 60
 
 
 def run_json(record: RunRecord) -> dict[str, Any]:
-    """The object ``show --json`` prints (DESIGN.md section 6): the run, then steps with their outcome."""
+    """The object ``show --json`` prints (README.md, "Using it"): the run, then steps with their outcome."""
     data = record.to_dict()
     data["steps"] = [step_json(step) for step in record.steps]
     return data

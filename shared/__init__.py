@@ -1,6 +1,7 @@
 """runbrake's domain: outcomes, tool results, steps, run status, the Redis run store, the timeline,
 settings and errors. Knows nothing of RabbitMQ or MCP."""
 
+from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.errors import (
     CancelRequested,
     ConfigError,
@@ -14,18 +15,22 @@ from runbrake.shared.errors import (
     TransitionRefused,
 )
 from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.records import Appended, CancelRequest, Claim, Created, RunRecord, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import McpServerSpec, RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepError, StepKind
-from runbrake.shared.store import CancelRequest, Created, RunRecord, RunStore, Transition
+from runbrake.shared.store import RunStore
 from runbrake.shared.timeline import LABELS, label, outcome_label, step_outcome
 from runbrake.shared.tool_result import ToolResult
 
 __all__ = [
     "LABELS",
+    "Appended",
+    "AsyncRunStore",
     "CancelRequest",
     "CancelRequested",
+    "Claim",
     "ConfigError",
     "Created",
     "McpServerSpec",

@@ -2,7 +2,7 @@
 
     RunbrakeError
      ├── ConfigError             bad settings in the environment
-     ├── SpecError               an invalid run spec (names the field)
+     ├── SpecError               an invalid run spec (names every offending field)
      ├── StoreError              Redis could not be reached or answered nonsense
      ├── RunNotFound             no run with that id
      ├── TransitionRefused       a guarded transition found another status
@@ -16,11 +16,16 @@
 
 ``CancelRequested`` derives from ``BaseException`` on purpose, like Dramatiq's
 ``Interrupt`` and structlog's ``DropEvent``: no ``except Exception`` between the
-probe and the runtime's ladder may swallow it (DESIGN.md section 4, layer 2).
+probe and the runtime's ladder may swallow it (docs/architecture.md, "Cancellation: the probe").
 Third-party errors are translated at the edge and chained (``raise ... from exc``).
 """
 
 from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 class RunbrakeError(Exception):
@@ -35,13 +40,81 @@ class ConfigError(RunbrakeError):
         self.variable = variable
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+"""A key written as ``.key`` in a field path; any other is written as ``["key"]``."""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldProblem:
+    """One thing wrong with a run spec: where (``loc``, a path into the JSON) and what (``msg``).
+
+    ``field`` is the path as text, ``model.turns[0].content``; it defaults to one built from ``loc``.
+    """
+
+    loc: tuple[str | int, ...]
+    msg: str
+    field: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.field:
+            object.__setattr__(self, "field", field_path(self.loc))
+
+
+def field_path(loc: tuple[str | int, ...]) -> str:
+    """``("model", "turns", 0, "content")`` as ``model.turns[0].content``; ``spec`` for the whole spec.
+
+    A key that is not a plain name (a line break, a dot, a quote) is written as a JSON string in
+    brackets, so that the path stays one unambiguous line: ``mcp_servers["a.b"]``.
+    """
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif _PLAIN_KEY.fullmatch(part):
+            text += f".{part}" if text else part
+        else:
+            text += f"[{json.dumps(part)}]"
+    return text or "spec"
+
+
 class SpecError(RunbrakeError):
-    """Raised when a run spec is invalid; ``field`` names the offending field."""
+    """Raised when a run spec is invalid; ``problems`` names every offending field.
+
+    ``SpecError(field, problem)`` reports one problem, named by its text (its ``loc`` is just
+    ``(field,)``); :meth:`from_problems` reports several, each with its ``loc``.
+    ``field`` and ``problem`` are the first one's; ``str()`` lists them all.
+    """
 
     def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
+        super().__init__(field, problem)
+        self.problems: tuple[FieldProblem, ...] = (FieldProblem(loc=(field,), msg=problem, field=field),)
+
+    @classmethod
+    def from_problems(cls, problems: Iterable[FieldProblem]) -> SpecError:
+        """One error for all of ``problems``.
+
+        Raises:
+            ValueError: when ``problems`` is empty.
+        """
+        found = tuple(problems)
+        if not found:
+            raise ValueError("a SpecError needs at least one problem")
+        error = cls(found[0].field, found[0].msg)
+        error.problems = found
+        return error
+
+    @property
+    def field(self) -> str:
+        """The first offending field, e.g. ``model.turns[0].content``."""
+        return self.problems[0].field
+
+    @property
+    def problem(self) -> str:
+        """What is wrong with it."""
+        return self.problems[0].msg
+
+    def __str__(self) -> str:
+        return "; ".join(f"{p.field}: {p.msg}" for p in self.problems)
 
 
 class StoreError(RunbrakeError):
@@ -79,7 +152,7 @@ class ToolTransportError(RunbrakeError):
     server, a timeout, or a call cut off by a cancel.
 
     Which of these it is shows in ``is_cancellation``, set only by
-    :meth:`for_cancelled_call` (ADR-191, decision 6): call sites never compare
+    :meth:`for_cancelled_call` (docs/architecture.md, "Tool outcomes"): call sites never compare
     codes or message text to decide what "cancelled" means.
     """
 

@@ -39,7 +39,7 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StructlogOutput()
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer,
@@ -48,5 +48,22 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # pika logs every connection step at INFO; its warnings are what matter to an operator.
-    logging.getLogger("pika").setLevel(logging.WARNING)
+    # pika logs every connection step at INFO, httpx2 every HTTP request (eight lines for a run with two
+    # MCP calls, each rendered on the event loop): their warnings are what matter to an operator.
+    for chatty in ("pika", "httpx2", "httpcore2"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+
+
+class _StructlogOutput(logging.Handler):
+    """Writes stdlib records (Dramatiq's, pika's) through structlog's own output, whose lock is per file:
+    with two writers holding two locks, lines from two threads could interleave into one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._output = structlog.PrintLogger(file=sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._output.msg(self.format(record))
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)

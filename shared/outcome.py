@@ -1,4 +1,4 @@
-"""What a tool call came to (DESIGN.md section 5)."""
+"""What a tool call came to (docs/architecture.md, "Tool outcomes")."""
 
 from __future__ import annotations
 

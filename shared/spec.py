@@ -1,257 +1,517 @@
-"""The run spec: what a backend service hands over (DESIGN.md section 6).
+"""The run spec: what a backend service hands over (docs/architecture.md).
 
-``RunSpec.parse`` validates a JSON-shaped dict and raises :class:`SpecError`
-naming the first offending field, before anything is written or sent.
+The spec is a pydantic model. ``RunSpec.parse`` and ``RunSpec.from_json`` validate a whole
+spec and raise one :class:`SpecError` that names every offending field, before anything is
+written or sent. :func:`run_spec_json_schema` states the same contract as a JSON Schema
+(Draft 2020-12); ``runbrake schema`` prints it and docs/run-spec.schema.json holds a copy.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
 
-from runbrake.shared.errors import SpecError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic.json_schema import SkipJsonSchema
 
-DEFAULT_MAX_ROUNDS = 8
-DEFAULT_TOOL_TIMEOUT_S = 60.0
-_SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_TOP_LEVEL = {"input", "model", "mcp_servers", "max_rounds", "approval_required", "idempotency_key",
-              "tool_timeout_s"}
+from runbrake.shared.errors import FieldProblem, SpecError
+
+__all__ = [
+    "DEFAULT_MAX_ROUNDS",
+    "DEFAULT_TOOL_TIMEOUT_S",
+    "HttpServerSpec",
+    "McpServerSpec",
+    "ModelSpec",
+    "OpenAIModel",
+    "RunSpec",
+    "ScriptedModel",
+    "ScriptedToolCall",
+    "ScriptedTurn",
+    "StdioServerSpec",
+    "run_spec_json_schema",
+]
+
+DEFAULT_MAX_ROUNDS: Final = 8
+DEFAULT_TOOL_TIMEOUT_S: Final = 60.0
+SCHEMA_ID: Final = "urn:runbrake:run-spec"
+"""The schema's ``$id``: a name, not a location (the file lives in docs/run-spec.schema.json)."""
+
+_SERVER_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SERVERS_CONTEXT: Final = "runbrake.spec.servers"
+"""Validation-context key: the server names the spec declares, for the checks of references to them."""
 
 
-@dataclass(frozen=True, slots=True)
+# -- the rules that are not plain bounds -----------------------------------------------------------
+
+
+def _refuse(problem: str) -> ValueError:
+    """A broken rule of runbrake's own: pydantic reports a ValueError raised in a validator as a
+    ``value_error`` at the value, and :func:`_problems` shows ``problem`` as it is."""
+    return ValueError(problem)
+
+
+def _refuse_at(loc: tuple[str | int, ...], problem: str, value: object) -> ValidationError:
+    """The same at ``loc`` below the value being validated: pydantic re-roots a ValidationError raised in
+    a validator there, where a ValueError can only point at the value itself."""
+    return ValidationError.from_exception_data(
+        "RunSpec", [{"type": "value_error", "loc": loc, "input": value, "ctx": {"error": problem}}]
+    )
+
+
+def _in_a_whole_spec(info: ValidationInfo) -> bool:
+    """Whether a part is validated as part of a spec (by RunSpec), not built on its own."""
+    return isinstance(info.context, dict) and _SERVERS_CONTEXT in info.context
+
+
+def _declared_servers(info: ValidationInfo) -> frozenset[str] | None:
+    """The server names the spec declares; None for a part built on its own, or when mcp_servers is
+    itself invalid (its own error says so; references cannot be checked against it)."""
+    servers = info.context.get(_SERVERS_CONTEXT) if isinstance(info.context, dict) else None
+    return servers if isinstance(servers, frozenset) else None
+
+
+def _text(value: str) -> str:
+    if not value.strip():
+        raise _refuse("must not be empty or only whitespace")
+    return value
+
+
+def _http_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise _refuse("must be an http:// or https:// URL")
+    return value
+
+
+def _server_name(value: str) -> str:
+    # Names become tool names shown to a model (<server>__<tool>): no '__', no line breaks.
+    if not _SERVER_NAME.fullmatch(value) or "__" in value:
+        raise _refuse("server names are 1 to 64 letters, digits, '-' or '_', without '__'")
+    return value
+
+
+def _known_server(value: str, info: ValidationInfo) -> str:
+    servers = _declared_servers(info)
+    if servers is not None and value not in servers:
+        raise _refuse("must name a server in mcp_servers")
+    return value
+
+
+def _approval_entry(value: str, info: ValidationInfo) -> str:
+    server, dot, tool = value.partition(".")
+    if not dot or not server or not tool:
+        raise _refuse("must be '<server>.<tool>'")
+    servers = _declared_servers(info)
+    if servers is not None and server not in servers:
+        raise _refuse(f"names the server {server!r}, which is not in mcp_servers")
+    return value
+
+
+_Text = Annotated[str, AfterValidator(_text), WithJsonSchema({"type": "string", "minLength": 1, "pattern": r"\S"})]
+_NonEmpty = Annotated[str, Field(min_length=1)]
+_HttpUrl = Annotated[str, AfterValidator(_http_url), WithJsonSchema({"type": "string", "pattern": "^https?://"})]
+_ServerName = Annotated[
+    str,
+    AfterValidator(_server_name),
+    # "not" rather than an anchored pattern: '$' also matches before a final line break in some regex dialects.
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 64, "not": {"pattern": "[^A-Za-z0-9_-]|__"}}),
+]
+_ServerRef = Annotated[str, AfterValidator(_known_server)]
+_ApprovalEntry = Annotated[
+    str, AfterValidator(_approval_entry), WithJsonSchema({"type": "string", "pattern": r"^[A-Za-z0-9_-]+\.[\s\S]"})
+]
+
+
+_LIST_AS_TUPLE: Final = Field(strict=False)
+"""For tuple fields: the before-validators of the model and server unions hand JSON arrays on as Python
+lists, which a strict tuple refuses; only the container is lax, its items stay strict."""
+
+
+_SPEC_CONFIG: Final = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+"""Every part of the spec: unknown keys refused, no coercion ("8" is no integer, true no number),
+field docstrings as the JSON Schema's descriptions."""
+
+
+class _SpecModel(BaseModel):
+    """A part of the run spec with the spec's rules, immutable."""
+
+    model_config = ConfigDict(**_SPEC_CONFIG, frozen=True)
+
+
+def _require(*names: str) -> Callable[[dict[str, Any]], None]:
+    """A ``json_schema_extra`` hook: these fields have defaults in Python but are required in the JSON."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["required"] = [*names, *(name for name in schema.get("required", []) if name not in names)]
+
+    return extra
+
+
+def _without_unique_items(schema: dict[str, Any]) -> None:
+    # Repeating an approval entry is harmless, so the schema does not refuse it either.
+    schema.pop("uniqueItems", None)
+
+
+def _non_empty(turns: tuple[ScriptedTurn, ...]) -> tuple[ScriptedTurn, ...]:
+    # A check after the items, not Field(min_length=1): that one also fires, wrongly, when items failed.
+    if not turns:
+        raise _refuse("needs at least one turn")
+    return turns
+
+
+def _union_tags(union: Any) -> frozenset[str]:
+    """The tags of a tagged union's members (their ``Tag`` annotations)."""
+    members = get_args(get_args(union)[0])
+    return frozenset(meta.tag for member in members for meta in get_args(member)[1:] if isinstance(meta, Tag))
+
+
+# -- the model -------------------------------------------------------------------------------------
+# The model side is made of (pydantic) dataclasses, as before, so that they can still be built
+# positionally: ScriptedToolCall("calc", "get-sum", {"a": 2}). A BaseModel takes keywords only, and a
+# custom __init__ would be called by validation too, losing the validation context.
+
+
+@dataclass(frozen=True, config=_SPEC_CONFIG)
 class ScriptedToolCall:
     """One tool call a scripted turn asks for."""
 
-    server: str
-    tool: str
-    arguments: Mapping[str, Any] = field(default_factory=dict)
+    server: _ServerRef
+    """The MCP server to call: a key of mcp_servers."""
+    tool: _NonEmpty
+    """The tool's name on that server."""
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    """The tool's arguments (a JSON object)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra={"anyOf": [
+    {"required": ["content"], "properties": {"content": {"type": "string"}}},
+    {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}},
+    {"required": ["fail"], "properties": {"fail": {"type": "string"}}},
+]}))
 class ScriptedTurn:
     """One deterministic model turn: content, tool calls, a stand-in latency or a stand-in failure."""
 
     content: str | None = None
-    tool_calls: tuple[ScriptedToolCall, ...] = ()
-    delay_ms: int = 0
-    fail: str | None = None
+    """The model's answer text."""
+    tool_calls: Annotated[tuple[ScriptedToolCall, ...], _LIST_AS_TUPLE] = ()
+    """The tool calls the model asks for."""
+    delay_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 0
+    """How long the model takes to answer, in milliseconds (a stand-in latency)."""
+    fail: _NonEmpty | None = None
+    """Make this model call fail with this message (a stand-in provider failure)."""
+
+    @model_validator(mode="after")
+    def _says_something(self) -> Self:
+        if self.content is None and not self.tool_calls and self.fail is None:
+            raise _refuse("needs 'content', 'tool_calls' or 'fail'")
+        return self
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
 class ScriptedModel:
-    """The ``scripted`` provider: turns played in order, one per model call."""
+    """The 'scripted' provider: turns played in order, one per model call."""
 
-    turns: tuple[ScriptedTurn, ...]
-    provider: str = "scripted"
+    turns: Annotated[
+        tuple[ScriptedTurn, ...], _LIST_AS_TUPLE, AfterValidator(_non_empty), Field(json_schema_extra={"minItems": 1})
+    ]
+    """The turns, played one per model call."""
+    provider: Literal["scripted"] = "scripted"
+    """Deterministic turns, for tests and demos."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
 class OpenAIModel:
-    """The ``openai`` provider: any OpenAI-compatible chat-completions endpoint."""
+    """The 'openai' provider: any OpenAI-compatible chat-completions endpoint."""
 
-    base_url: str
-    model: str
-    api_key_env: str | None = None
-    provider: str = "openai"
+    base_url: _HttpUrl
+    """The endpoint's base URL, e.g. https://api.openai.com/v1."""
+    model: _NonEmpty
+    """The model's name at that endpoint."""
+    api_key_env: _NonEmpty | None = None
+    """The environment variable (on the worker) that holds the API key."""
+    provider: Literal["openai"] = "openai"
+    """Any OpenAI-compatible chat-completions endpoint."""
 
 
-ModelSpec = ScriptedModel | OpenAIModel
+def _provider(value: Any) -> str | None:
+    """The union member to validate a model spec with: its 'provider'."""
+    if isinstance(value, ScriptedModel | OpenAIModel):
+        return value.provider
+    if isinstance(value, dict) and isinstance(value.get("provider"), str):
+        return str(value["provider"])
+    return None
 
 
-@dataclass(frozen=True, slots=True)
-class McpServerSpec:
-    """How to reach one MCP server: streamable HTTP (``url``) or stdio (``command``)."""
+def _known_provider(value: Any) -> Any:
+    # Checked before the union so that the error points at 'provider' rather than at 'model'.
+    if isinstance(value, ScriptedModel | OpenAIModel):
+        return value
+    if not isinstance(value, dict):
+        raise _refuse("must be an object")
+    if "provider" not in value:
+        raise _refuse_at(("provider",), "Field required: 'scripted' or 'openai'", value)
+    if value["provider"] not in _PROVIDERS:
+        raise _refuse_at(("provider",), "must be 'scripted' or 'openai'", value["provider"])
+    return value
 
-    name: str
-    url: str | None = None
-    command: str | None = None
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
+
+ModelSpec: TypeAlias = Annotated[
+    Annotated[ScriptedModel, Tag("scripted")] | Annotated[OpenAIModel, Tag("openai")],
+    Discriminator(_provider),
+    BeforeValidator(_known_provider),
+]
+"""Which model provider a run uses; a new provider is one more member here."""
+_PROVIDERS: Final = _union_tags(ModelSpec)
+
+
+class _ServerSpec(_SpecModel):
+    """What every MCP server spec has: its name, filled in from its key in mcp_servers."""
+
+    name: SkipJsonSchema[str] = Field(default="", exclude=True)
+    """The server's key in mcp_servers (not part of the JSON object)."""
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _not_in_the_json(cls, value: object, info: ValidationInfo) -> object:
+        if _in_a_whole_spec(info):
+            raise _refuse("unknown field (a server's name is its key in mcp_servers)")
+        return value
+
+
+class HttpServerSpec(_ServerSpec):
+    """An MCP server over streamable HTTP."""
+
+    transport: Literal["http"] = "http"
+    """Streamable HTTP; may be left out when 'url' is given."""
+    url: _HttpUrl
+    """The server's MCP endpoint, e.g. http://127.0.0.1:3001/mcp."""
+
+
+class StdioServerSpec(_ServerSpec):
+    """An MCP server the worker starts as a subprocess and talks to over stdio."""
+
+    transport: Literal["stdio"] = "stdio"
+    """stdio; may be left out when 'command' is given."""
+    command: _NonEmpty
+    """The program to start."""
+    args: Annotated[tuple[str, ...], _LIST_AS_TUPLE] = ()
+    """Its arguments."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for it, on top of a safe default set (PATH, HOME, ...), never the worker's own."""
+
+
+_TRANSPORT_KEYS: Final = {"url": "http", "command": "stdio"}
+"""Which key implies which transport when 'transport' is left out."""
+
+
+def _server_transport(value: Any) -> str | None:
+    """The union member to validate a server spec with: its 'transport', else the one its keys imply."""
+    if isinstance(value, HttpServerSpec | StdioServerSpec):
+        return value.transport
+    if not isinstance(value, dict):
+        return None
+    if "transport" in value:
+        return str(value["transport"])
+    implied = {transport for key, transport in _TRANSPORT_KEYS.items() if key in value}
+    return implied.pop() if len(implied) == 1 else None
+
+
+def _one_transport(value: Any) -> Any:
+    # Checked before the union so that each mistake gets its own message, not "unable to extract tag".
+    if isinstance(value, HttpServerSpec | StdioServerSpec):
+        return value
+    if not isinstance(value, dict):
+        raise _refuse("must be an object")
+    if "transport" in value:
+        if value["transport"] not in _TRANSPORTS:
+            raise _refuse_at(("transport",), "must be 'http' or 'stdio'", value["transport"])
+    elif _server_transport(value) is None:
+        raise _refuse("needs exactly one of 'url' (streamable HTTP) or 'command' (stdio)")
+    return value
+
+
+McpServerSpec: TypeAlias = Annotated[
+    Annotated[HttpServerSpec, Tag("http")] | Annotated[StdioServerSpec, Tag("stdio")],
+    Discriminator(_server_transport),
+    BeforeValidator(_one_transport),
+]
+"""How to reach one MCP server; a new transport is one more member here."""
+_TRANSPORTS: Final = _union_tags(McpServerSpec)
+
+_TAGGED_UNIONS: Final[tuple[tuple[tuple[str | None, ...], frozenset[str]], ...]] = (
+    (("model",), _PROVIDERS),
+    (("mcp_servers", None), _TRANSPORTS),  # None: any server name
+)
+"""Where the spec has a tagged union, and its tags: pydantic puts a member's tag into an error's loc
+(``model.scripted.turns``), a level the JSON does not have."""
+
+
+class RunSpec(_SpecModel):
+    """A run spec: the input, the model, the MCP servers and the bounds of one run.
+
+    Build one with :meth:`parse` or :meth:`from_json`: they check the references between
+    parts (tool calls and approvals name declared servers) and keep the spec as given.
+    """
+
+    input: _Text
+    """The user's message that starts the run."""
+    model: ModelSpec
+    """The model provider: 'scripted' (deterministic turns) or 'openai' (an OpenAI-compatible endpoint)."""
+    mcp_servers: dict[_ServerName, McpServerSpec] = Field(default_factory=dict)
+    """The MCP servers the run may call, by name: streamable HTTP ('url') or stdio ('command')."""
+    max_rounds: Annotated[int, Field(ge=1, le=1000)] = DEFAULT_MAX_ROUNDS
+    """Model calls allowed; reaching it fails the run with reason max_rounds."""
+    approval_required: Annotated[
+        frozenset[_ApprovalEntry],
+        Field(json_schema_extra=_without_unique_items),
+    ] = frozenset()
+    """Tools ('<server>.<tool>', the server a key of mcp_servers) whose calls wait for runbrake approve."""
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    """The same key returns the same run and sends nothing."""
+    tool_timeout_s: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] = DEFAULT_TOOL_TIMEOUT_S
+    """Seconds one tool call may take; a timeout is recorded failed."""
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @field_validator("mcp_servers", mode="after")
+    @classmethod
+    def _named(cls, servers: dict[str, McpServerSpec]) -> dict[str, McpServerSpec]:
+        return {name: server.model_copy(update={"name": name}) for name, server in servers.items()}
 
     @property
-    def transport(self) -> str:
-        """``http`` or ``stdio``."""
-        return "http" if self.url is not None else "stdio"
-
-
-@dataclass(frozen=True, slots=True)
-class RunSpec:
-    """A validated run spec."""
-
-    input: str
-    model: ModelSpec
-    mcp_servers: Mapping[str, McpServerSpec]
-    max_rounds: int = DEFAULT_MAX_ROUNDS
-    approval_required: frozenset[str] = frozenset()
-    idempotency_key: str | None = None
-    tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S
-    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    """The spec as it was given, stored with the run."""
+    def raw(self) -> dict[str, Any]:
+        """The spec as it was given (JSON-shaped), stored with the run."""
+        return self._raw
 
     @classmethod
     def parse(cls, data: object) -> RunSpec:
-        """Validate ``data`` (a JSON-shaped dict).
+        """Validate ``data``, a JSON-shaped dict.
 
         Raises:
-            SpecError: naming the first field that is missing, of the wrong type or out of range.
+            SpecError: naming every field that is missing, unknown, of the wrong type or out of range.
         """
-        spec = _mapping(data, "spec")
-        unknown = sorted(set(spec) - _TOP_LEVEL)
-        if unknown:
-            raise SpecError(unknown[0], "unknown field")
-        text = spec.get("input")
-        if not isinstance(text, str) or not text.strip():
-            raise SpecError("input", "must be a non-empty string")
-        servers = _servers(spec.get("mcp_servers", {}))
-        model = _model(spec.get("model"), servers)
-        max_rounds = _int(spec.get("max_rounds", DEFAULT_MAX_ROUNDS), "max_rounds", low=1, high=1000)
-        approval = _approval(spec.get("approval_required", []), servers)
-        key = spec.get("idempotency_key")
-        if key is not None and (not isinstance(key, str) or not key or len(key) > 200):
-            raise SpecError("idempotency_key", "must be a string of 1 to 200 characters")
-        timeout = spec.get("tool_timeout_s", DEFAULT_TOOL_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-            0 < timeout <= 86_400 and math.isfinite(timeout)
-        ):
-            raise SpecError("tool_timeout_s", "must be a number of seconds in (0, 86400]")
-        return cls(
-            input=text,
-            model=model,
-            mcp_servers=servers,
-            max_rounds=max_rounds,
-            approval_required=approval,
-            idempotency_key=key,
-            tool_timeout_s=float(timeout),
-            raw=json.loads(json.dumps(spec)),
-        )
+        if not isinstance(data, Mapping) or not all(isinstance(key, str) for key in data):
+            raise SpecError("spec", "must be a JSON object")
+        try:
+            text = json.dumps(dict(data))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise SpecError("spec", f"not JSON-shaped ({exc})") from exc
+        # Validating the JSON text gives a dict in Python the same strict meaning as in a file.
+        return cls.from_json(text)
 
     @classmethod
-    def from_json(cls, text: str) -> RunSpec:
-        """Parse and validate a JSON document.
+    def from_json(cls, text: str | bytes) -> RunSpec:
+        """Parse and validate a JSON document (bytes must be UTF-8).
 
         Raises:
-            SpecError: on invalid JSON (field ``spec``) or an invalid spec.
+            SpecError: on bytes that are not UTF-8, text that is not JSON, JSON that is not an
+                object (all as field ``spec``), or naming every invalid field.
         """
+        if isinstance(text, bytes):
+            try:
+                text.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SpecError("spec", f"not valid UTF-8 (byte {exc.start}: {exc.reason})") from exc
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SpecError("spec", f"not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-        return cls.parse(data)
+            # pydantic's own JSON parser: a depth limit (200) instead of RecursionError, lone surrogates refused.
+            raw = _JSON.validate_json(text)
+        except ValidationError as exc:
+            raise SpecError("spec", f"not valid JSON ({_reason(exc)})") from exc
+        if not isinstance(raw, dict):
+            raise SpecError("spec", "must be a JSON object")
+        servers = raw.get("mcp_servers", {})
+        declared = frozenset(servers) if isinstance(servers, dict) else None
+        try:
+            spec = cls.model_validate_json(text, context={_SERVERS_CONTEXT: declared})
+        except ValidationError as exc:
+            raise SpecError.from_problems(_problems(exc)) from exc
+        spec._raw = raw
+        return spec
 
     def to_json(self) -> str:
         """The spec as stored with the run."""
         return json.dumps(self.raw, sort_keys=True)
 
 
-def _mapping(value: object, name: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise SpecError(name, "must be an object")
-    return value
+_JSON: Final = TypeAdapter(Any)
+"""Any JSON document, as Python objects: what a spec is read as before it is validated."""
 
 
-def _int(value: object, name: str, *, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise SpecError(name, f"must be an integer from {low} to {high}")
-    return value
+def _reason(exc: ValidationError) -> str:
+    """Why the JSON parser gave up ("EOF while parsing a value at line 1 column 5")."""
+    error = exc.errors(include_url=False)[0]
+    return str(error.get("ctx", {}).get("error", error["msg"]))
 
 
-def _str_list(value: object, name: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise SpecError(name, "must be a list of strings")
-    return tuple(value)
+_MESSAGES: Final = {
+    # The same mistake in a model and in a dataclass gets the same words.
+    "extra_forbidden": "unknown field",
+    "unexpected_keyword_argument": "unknown field",
+    "missing_argument": "Field required",
+}
 
 
-def _servers(value: object) -> dict[str, McpServerSpec]:
-    servers = _mapping(value, "mcp_servers")
-    parsed: dict[str, McpServerSpec] = {}
-    for name, raw in servers.items():
-        where = f"mcp_servers.{name}"
-        if not _SERVER_NAME.fullmatch(name) or "__" in name:
-            raise SpecError(where, "server names use letters, digits, '-' and '_' (no '__'), at most 64")
-        entry = _mapping(raw, where)
-        unknown = sorted(set(entry) - {"url", "command", "args", "env"})
-        if unknown:
-            raise SpecError(f"{where}.{unknown[0]}", "unknown field")
-        url, command = entry.get("url"), entry.get("command")
-        if (url is None) == (command is None):
-            raise SpecError(where, "needs exactly one of 'url' (streamable HTTP) or 'command' (stdio)")
-        if url is not None:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise SpecError(f"{where}.url", "must be an http:// or https:// URL")
-            if "args" in entry or "env" in entry:
-                raise SpecError(where, "'args' and 'env' belong to a stdio server ('command')")
-            parsed[name] = McpServerSpec(name=name, url=url)
-            continue
-        if not isinstance(command, str) or not command:
-            raise SpecError(f"{where}.command", "must be a non-empty string")
-        args = _str_list(entry.get("args", []), f"{where}.args")
-        env = _mapping(entry.get("env", {}), f"{where}.env")
-        if not all(isinstance(v, str) for v in env.values()):
-            raise SpecError(f"{where}.env", "values must be strings")
-        parsed[name] = McpServerSpec(name=name, command=command, args=args, env=dict(env))
-    return parsed
+def _problems(exc: ValidationError) -> list[FieldProblem]:
+    """pydantic's errors as runbrake's problems, each at its place in the JSON."""
+    return [
+        FieldProblem(loc=_json_loc(error["loc"]), msg=_message(error["type"], error["msg"], error.get("ctx", {})))
+        for error in exc.errors(include_url=False)
+    ]
 
 
-def _model(value: object, servers: Mapping[str, McpServerSpec]) -> ModelSpec:
-    model = _mapping(value, "model")
-    provider = model.get("provider")
-    if provider == "scripted":
-        turns = model.get("turns")
-        if not isinstance(turns, list) or not turns:
-            raise SpecError("model.turns", "must be a non-empty list")
-        return ScriptedModel(turns=tuple(_turn(t, f"model.turns[{i}]", servers) for i, t in enumerate(turns)))
-    if provider == "openai":
-        for key in ("base_url", "model"):
-            if not isinstance(model.get(key), str) or not model[key]:
-                raise SpecError(f"model.{key}", "must be a non-empty string")
-        if not str(model["base_url"]).startswith(("http://", "https://")):
-            raise SpecError("model.base_url", "must be an http:// or https:// URL")
-        key_env = model.get("api_key_env")
-        if key_env is not None and (not isinstance(key_env, str) or not key_env):
-            raise SpecError("model.api_key_env", "must be the name of an environment variable")
-        return OpenAIModel(base_url=model["base_url"], model=model["model"], api_key_env=key_env)
-    raise SpecError("model.provider", "must be 'scripted' or 'openai'")
+def _message(kind: str, msg: str, context: dict[str, Any]) -> str:
+    if kind == "value_error":  # runbrake's own rules (see _refuse): the problem without "Value error, "
+        return str(context.get("error", msg))
+    return _MESSAGES.get(kind, msg)
 
 
-def _turn(value: object, where: str, servers: Mapping[str, McpServerSpec]) -> ScriptedTurn:
-    turn = _mapping(value, where)
-    unknown = sorted(set(turn) - {"content", "tool_calls", "delay_ms", "fail"})
-    if unknown:
-        raise SpecError(f"{where}.{unknown[0]}", "unknown field")
-    content = turn.get("content")
-    if content is not None and not isinstance(content, str):
-        raise SpecError(f"{where}.content", "must be a string")
-    fail = turn.get("fail")
-    if fail is not None and (not isinstance(fail, str) or not fail):
-        raise SpecError(f"{where}.fail", "must be a non-empty message")
-    delay = _int(turn.get("delay_ms", 0), f"{where}.delay_ms", low=0, high=3_600_000)
-    raw_calls = turn.get("tool_calls", [])
-    if not isinstance(raw_calls, list):
-        raise SpecError(f"{where}.tool_calls", "must be a list")
-    calls = []
-    for j, raw in enumerate(raw_calls):
-        at = f"{where}.tool_calls[{j}]"
-        call = _mapping(raw, at)
-        server, tool = call.get("server"), call.get("tool")
-        if not isinstance(server, str) or server not in servers:
-            raise SpecError(f"{at}.server", "must name a server in mcp_servers")
-        if not isinstance(tool, str) or not tool:
-            raise SpecError(f"{at}.tool", "must be a non-empty string")
-        arguments = _mapping(call.get("arguments", {}), f"{at}.arguments")
-        calls.append(ScriptedToolCall(server=server, tool=tool, arguments=dict(arguments)))
-    if content is None and not calls and fail is None:
-        raise SpecError(where, "needs 'content', 'tool_calls' or 'fail'")
-    return ScriptedTurn(content=content, tool_calls=tuple(calls), delay_ms=delay, fail=fail)
+def _json_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    parts = list(loc)
+    if parts and parts[-1] == "[key]":  # an invalid key: point at the key itself
+        parts.pop()
+    for prefix, tags in _TAGGED_UNIONS:
+        size = len(prefix)
+        if (
+            len(parts) > size
+            and all(want is None or want == got for want, got in zip(prefix, parts, strict=False))
+            and parts[size] in tags
+        ):
+            del parts[size]
+    return tuple(parts)
 
 
-def _approval(value: object, servers: Mapping[str, McpServerSpec]) -> frozenset[str]:
-    names = _str_list(value, "approval_required")
-    for i, name in enumerate(names):
-        server, dot, tool = name.partition(".")
-        if not dot or not tool or server not in servers:
-            raise SpecError(f"approval_required[{i}]", "must be '<server>.<tool>' with a server in mcp_servers")
-    return frozenset(names)
+def run_spec_json_schema() -> dict[str, Any]:
+    """The run spec as a JSON Schema (Draft 2020-12), as ``runbrake schema`` prints it.
+
+    References between parts (a tool call's or an approval's server must be declared in
+    mcp_servers) are beyond JSON Schema; :meth:`RunSpec.parse` checks them.
+    """
+    schema = RunSpec.model_json_schema(mode="validation")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "runbrake run spec",
+        "description": (
+            "What a backend service hands runbrake to start an LLM agent run. Tool calls and "
+            "approval_required entries must also name servers declared in mcp_servers, which this "
+            "schema cannot express; `runbrake enqueue` checks it."
+        ),
+        **{key: value for key, value in schema.items() if key not in {"title", "description"}},
+    }

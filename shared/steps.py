@@ -1,4 +1,4 @@
-"""The steps of a run: recorded in order, never rewritten (DESIGN.md section 5, ADR-191)."""
+"""The steps of a run: recorded in order, never rewritten (docs/architecture.md, "Tool outcomes: steps")."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class RunStep:
 
         An older tool step without ``tool_outcome`` keeps the meaning it had:
         ``tool_is_error`` decides *whether* the step states an outcome, and
-        ``tool_outcome`` decides *which* (ADR-191, decision 5).
+        ``tool_outcome`` decides *which* (docs/architecture.md, "Tool outcomes: old rows").
 
         Raises:
             StepError: when the stored step disagrees with itself.

@@ -1,8 +1,8 @@
-"""The timeline: what each step came to, and the labels it is shown with (DESIGN.md section 6).
+"""The timeline: what each step came to, and the labels it is shown with (README.md, "Using it": the Outcome column).
 
-One string travels end to end (ADR-191, decision 3): ``ToolOutcome.CANCELLED.value``
-is the stored ``tool_outcome``, the timeline's outcome, and the suffix of the
-label key ``outcome.cancelled``.
+One string travels end to end (docs/architecture.md, "Tool outcomes: one string end to
+end"): ``ToolOutcome.CANCELLED.value`` is the stored ``tool_outcome``, the timeline's
+outcome, and the suffix of the label key ``outcome.cancelled``.
 """
 
 from __future__ import annotations

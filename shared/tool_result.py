@@ -1,4 +1,4 @@
-"""The result of one tool call (DESIGN.md section 5, ADR-191)."""
+"""The result of one tool call (docs/architecture.md, "Tool outcomes: the result")."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class ToolResult:
         """Bound each content channel to ``max_chars`` characters (a truncated one ends with a mark saying how
         much was dropped); every other field is carried unchanged.
 
-        Transforms, never rebuilds (ADR-182): ``dataclasses.replace`` keeps the
+        Transforms, never rebuilds: ``dataclasses.replace`` keeps the
         outcome, artifacts and write target exactly as they were.
         """
         if max_chars < 1:

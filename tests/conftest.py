@@ -1,7 +1,7 @@
 """Fixtures for the real services: each test gets its own namespace and cleans up after itself.
 
 A service that cannot be reached fails the test under ``CI=true`` and skips it otherwise
-(DESIGN.md section 7). Nothing here stands in for Redis, RabbitMQ or MCP.
+(README.md, "Development"). Nothing here stands in for Redis, RabbitMQ or MCP.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pika
 import pytest
 import redis
 
+from runbrake.broker.wire import delete_topology
 from runbrake.shared import RunStore, Settings
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
@@ -71,14 +72,5 @@ def rabbitmq(settings: Settings) -> Iterator[Settings]:
 
 
 def delete_broker_objects(settings: Settings) -> None:
-    """Delete the run queues (with Dramatiq's delay and dead-letter twins) and the cancel exchange."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
-    try:
-        channel = connection.channel()
-        base = f"{settings.namespace}.runs"
-        for queue in (base, f"{base}.DQ", f"{base}.XQ", f"{settings.namespace}.noop", f"{settings.namespace}.noop.DQ",
-                      f"{settings.namespace}.noop.XQ"):
-            channel.queue_delete(queue=queue)
-        channel.exchange_delete(exchange=f"{settings.namespace}.cancel")
-    finally:
-        connection.close()
+    """Delete the namespace's queues (with Dramatiq's delay and dead-letter twins) and exchanges."""
+    delete_topology(settings)

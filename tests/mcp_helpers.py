@@ -1,6 +1,6 @@
 """The example toolbox MCP server (``runbrake.broker.toolbox_server``) as test fixtures.
 
-Real servers in real processes (DESIGN.md section 7): over streamable HTTP on a free
+Real servers in real processes (README.md, "Development"): over streamable HTTP on a free
 loopback port, or over stdio, started by the SDK itself. The server writes one JSON line
 per tool event to an events file, which is how a test learns that a call has started on
 the server or that its handler saw the cancellation: :func:`wait_for_event` (blocking) and
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from runbrake.shared.spec import McpServerSpec
+from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from tests.polling import poll_until, poll_until_async
 
 TOOLBOX_SERVER = ("-m", "runbrake.broker.toolbox_server")
@@ -54,7 +54,7 @@ def free_port() -> int:
 def stdio_toolbox(events: Path, *, name: str = SERVER_NAME) -> Toolbox:
     """The spec of a toolbox server over stdio; the SDK starts (and stops) it with each connection."""
     args = (*TOOLBOX_SERVER, "--transport", "stdio", "--events", str(events))
-    return Toolbox(McpServerSpec(name=name, command=sys.executable, args=args), events)
+    return Toolbox(StdioServerSpec(name=name, command=sys.executable, args=args), events)
 
 
 @contextmanager
@@ -73,7 +73,7 @@ def http_toolbox(events: Path, *, name: str = SERVER_NAME) -> Iterator[Toolbox]:
             )
         try:
             if _wait_until_listening(process, port):
-                yield Toolbox(McpServerSpec(name=name, url=f"http://127.0.0.1:{port}/mcp"), events)
+                yield Toolbox(HttpServerSpec(name=name, url=f"http://127.0.0.1:{port}/mcp"), events)
                 return
         finally:
             _stop(process)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from dramatiq.brokers.stub import StubBroker
 
-from runbrake.broker.rabbitmq import RUN_ACTOR, default_middleware, run_queue
+from runbrake.broker.rabbitmq import default_middleware
+from runbrake.broker.wire import RUN_ACTOR, Topology
 from runbrake.shared import RunStore, Settings, StoreError
 from runbrake.worker.actors import STORE_OUTAGE_RETRIES, declare_run_actor, retry_store_outages
 from runbrake.worker.registry import ActiveRuns
@@ -27,7 +28,8 @@ def test_the_run_actor_is_declared_on_the_namespaced_queue_with_explicit_limits(
 
     actor = declare_run_actor(broker, runtime, settings)
 
-    assert (actor.actor_name, actor.queue_name) == (RUN_ACTOR, run_queue("wiring")) == ("execute_run", "wiring.runs")
+    assert (actor.actor_name, actor.queue_name) == (RUN_ACTOR, Topology("wiring").run_queue)
+    assert (actor.actor_name, actor.queue_name) == ("execute_run", "wiring.runs")
     assert actor.options["retry_when"] is retry_store_outages
     # Dramatiq's own limit sits above the runtime's, so the runtime's fires first (reason time_limit).
     assert actor.options["time_limit"] == (120 + 60) * 1000

@@ -1,4 +1,5 @@
-"""Cancelling a run interrupts the call in flight: fence, message, listener, registry, transport (DESIGN.md §4).
+"""Cancelling a run interrupts the call in flight: fence, message, listener, registry, transport
+(docs/architecture.md, "Cancellation").
 
 Real worker processes, real MCP servers (HTTP and stdio), real Redis and RabbitMQ. A test
 learns that a call is in flight from the server's events file ("started"), that a worker
@@ -19,9 +20,11 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from runbrake.broker.cancel import CancelPublisher, cancel_run
 from runbrake.broker.producer import Producer
@@ -35,6 +38,8 @@ from runbrake.shared import (
     ToolOutcome,
     step_outcome,
 )
+from runbrake.worker.cancel_listener import Backstop
+from runbrake.worker.registry import ActiveRuns
 from tests.mcp_helpers import (
     Toolbox,
     free_port,
@@ -340,3 +345,43 @@ def _listener_connection(name: str, timeout: float = WAIT_S) -> str:
                       failure=lambda: f"no RabbitMQ connection named {name!r} within {timeout:g} s")
     assert len(pids) == 1, f"more than one connection is named {name!r}: {pids}"
     return pids[0]
+
+
+@pytest.mark.integration
+@pytest.mark.anyio
+async def test_the_backstop_gives_a_message_one_poll_to_arrive_then_interrupts(
+    store: RunStore, settings: Settings
+) -> None:
+    registry = ActiveRuns()
+    backstop = Backstop(settings, store, registry)
+    run_id = store.create({"input": "x"}).run_id
+    handle = registry.register(run_id, "owner-1")
+    store.cancel(run_id, reason="stop", requested_by="ops")
+
+    with capture_logs() as logs:
+        backstop.poll()
+        first = handle.interrupt_requested
+        backstop.poll()
+        await anyio.sleep(0)  # the interrupt hops onto this loop with call_soon_threadsafe
+
+    assert (first, handle.interrupt_requested, handle.cancel_seen) == (False, True, True)
+    assert [e["run_id"] for e in logs if e["event"] == "cancel_found_by_backstop"] == [run_id]
+
+
+@pytest.mark.integration
+@pytest.mark.anyio
+async def test_the_backstop_leaves_a_cancel_the_message_delivered_alone(store: RunStore, settings: Settings) -> None:
+    registry = ActiveRuns()
+    run_id = store.create({"input": "x"}).run_id
+    handle = registry.register(run_id, "owner-1")
+    backstop = Backstop(settings, store, registry)
+    store.cancel(run_id, reason="stop", requested_by="ops")
+
+    with capture_logs() as logs:
+        backstop.poll()
+        assert registry.interrupt(run_id)  # what the listener does when the message arrives
+        backstop.poll()
+        await anyio.sleep(0)
+
+    assert handle.cancel_seen
+    assert [e for e in logs if e["event"] == "cancel_found_by_backstop"] == []

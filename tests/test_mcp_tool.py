@@ -21,7 +21,7 @@ import pytest
 
 from runbrake.shared.errors import CancelRequested, ToolTransportError
 from runbrake.shared.outcome import ToolOutcome
-from runbrake.shared.spec import McpServerSpec
+from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.shared.tool_result import ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_tool import execute, not_connected
@@ -215,8 +215,8 @@ async def test_a_server_that_dies_mid_call_fails_the_call_and_the_calls_after_it
 @pytest.mark.parametrize(
     "dead",
     [
-        pytest.param(lambda: McpServerSpec(name="gone", url=f"http://127.0.0.1:{free_port()}/mcp"), id="http"),
-        pytest.param(lambda: McpServerSpec(name="gone", command=sys.executable, args=("-c", "pass")), id="stdio"),
+        pytest.param(lambda: HttpServerSpec(name="gone", url=f"http://127.0.0.1:{free_port()}/mcp"), id="http"),
+        pytest.param(lambda: StdioServerSpec(name="gone", command=sys.executable, args=("-c", "pass")), id="stdio"),
     ],
 )
 async def test_a_server_that_cannot_be_reached_fails_to_connect_naming_the_server(dead: Any) -> None:
@@ -230,7 +230,7 @@ async def test_a_server_that_cannot_be_reached_fails_to_connect_naming_the_serve
 
 
 async def test_a_stdio_server_that_never_answers_fails_to_connect_after_the_connect_timeout() -> None:
-    mute = McpServerSpec(name="mute", command=sys.executable, args=("-c", "import time; time.sleep(60)"))
+    mute = StdioServerSpec(name="mute", command=sys.executable, args=("-c", "import time; time.sleep(60)"))
     with anyio.fail_after(BOUND_S), pytest.raises(ToolTransportError, match=r"'mute'.*within 0\.5 s"):
         async with McpConnection.open(mute, connect_timeout_s=0.5):
             pass

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 from structlog.testing import capture_logs
 
-from runbrake.shared import CancelRequested, RunStore, Settings
+from runbrake.shared import AsyncRunStore, CancelRequested, Settings
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import RunHooks
 from tests.mcp_helpers import free_port
 
 
 @pytest.fixture
-def unreachable_store() -> RunStore:
-    return RunStore.connect(Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=0.5))
+async def unreachable_store() -> AsyncIterator[AsyncRunStore]:
+    store = AsyncRunStore.connect(Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=0.5))
+    yield store
+    await store.aclose()
 
 
 @pytest.mark.anyio
-async def test_the_probe_fabricates_no_cancel_when_redis_is_unreachable(unreachable_store: RunStore) -> None:
+async def test_the_probe_fabricates_no_cancel_when_redis_is_unreachable(unreachable_store: AsyncRunStore) -> None:
     handle = ActiveRuns().register("run-1", "owner-1")
     hooks = RunHooks(unreachable_store, handle)
 
@@ -28,7 +32,9 @@ async def test_the_probe_fabricates_no_cancel_when_redis_is_unreachable(unreacha
 
 
 @pytest.mark.anyio
-async def test_a_cancel_the_listener_verified_stops_the_run_without_asking_redis(unreachable_store: RunStore) -> None:
+async def test_a_cancel_the_listener_verified_stops_the_run_without_asking_redis(
+    unreachable_store: AsyncRunStore,
+) -> None:
     handle = ActiveRuns().register("run-1", "owner-1")
     handle.cancel_seen = True
     hooks = RunHooks(unreachable_store, handle)

@@ -1,18 +1,33 @@
-"""Settings from the environment and the run spec: defaults, every variable, and bad input refused
-with the name of what is wrong (DESIGN.md section 6)."""
+"""Settings from the environment and the run spec: defaults, every variable and every bound, and bad
+input refused with the name of what is wrong: every offending field of a spec at once (README.md,
+"A run spec"), through ``RunSpec`` and through ``runbrake enqueue``, and the spec's JSON Schema."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import math
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from jsonschema import Draft202012Validator
 
-from runbrake.shared import ConfigError, RunSpec, Settings, SpecError
-from runbrake.shared.spec import OpenAIModel, ScriptedModel
+from runbrake.shared import ConfigError, RunSpec, RunStore, Settings, SpecError
+from runbrake.shared.errors import FieldProblem
+from runbrake.shared.spec import (
+    HttpServerSpec,
+    OpenAIModel,
+    ScriptedModel,
+    ScriptedTurn,
+    StdioServerSpec,
+    run_spec_json_schema,
+)
+from tests.test_cli import assert_clean_failure, namespace_keys, queued_messages, runbrake
 
 # -- settings -----------------------------------------------------------------------------------
 
@@ -136,7 +151,7 @@ def test_settings_cannot_be_changed_once_read() -> None:
 
 # -- the run spec -------------------------------------------------------------------------------
 
-DESIGN_EXAMPLE = """
+README_EXAMPLE = """
 {
   "input": "What is 2 + 3?",
   "model": {"provider": "scripted", "turns": [
@@ -149,17 +164,29 @@ DESIGN_EXAMPLE = """
   },
   "max_rounds": 8,
   "approval_required": ["calc.get-sum"],
-  "idempotency_key": "optional-caller-key"
+  "idempotency_key": "optional-caller-key",
+  "tool_timeout_s": 60
 }
 """
 
 
 def example() -> dict[str, Any]:
-    return copy.deepcopy(json.loads(DESIGN_EXAMPLE))
+    return copy.deepcopy(json.loads(README_EXAMPLE))
 
 
-def test_the_design_example_is_a_valid_spec() -> None:
-    spec = RunSpec.from_json(DESIGN_EXAMPLE)
+def refused(data: object) -> SpecError:
+    """The SpecError that ``RunSpec.parse(data)`` raises."""
+    with pytest.raises(SpecError) as raised:
+        RunSpec.parse(data)
+    return raised.value
+
+
+def fields(error: SpecError) -> list[str]:
+    return [problem.field for problem in error.problems]
+
+
+def test_the_readme_example_is_a_valid_spec() -> None:
+    spec = RunSpec.from_json(README_EXAMPLE)
 
     assert spec.input == "What is 2 + 3?"
     assert isinstance(spec.model, ScriptedModel)
@@ -167,20 +194,25 @@ def test_the_design_example_is_a_valid_spec() -> None:
     call = spec.model.turns[0].tool_calls[0]
     assert (call.server, call.tool, dict(call.arguments)) == ("calc", "get-sum", {"a": 2, "b": 3})
     assert spec.model.turns[1].content == "It is 5."
-    assert spec.mcp_servers["calc"].transport == "http"
-    assert spec.mcp_servers["calc"].url == "http://127.0.0.1:3001/mcp"
-    assert spec.mcp_servers["local"].transport == "stdio"
-    assert spec.mcp_servers["local"].command == "python"
-    assert spec.mcp_servers["local"].args == ("-m", "mytools")
+    calc, local = spec.mcp_servers["calc"], spec.mcp_servers["local"]
+    assert isinstance(calc, HttpServerSpec)
+    assert (calc.name, calc.transport, calc.url) == ("calc", "http", "http://127.0.0.1:3001/mcp")
+    assert isinstance(local, StdioServerSpec)
+    assert (local.name, local.transport, local.command, local.args, local.env) == (
+        "local", "stdio", "python", ("-m", "mytools"), {})
     assert spec.max_rounds == 8
     assert spec.approval_required == frozenset({"calc.get-sum"})
     assert spec.idempotency_key == "optional-caller-key"
+    assert spec.tool_timeout_s == 60.0
+    assert isinstance(spec.tool_timeout_s, float)
 
 
 def test_a_parsed_spec_is_stored_as_it_was_given_and_parses_again_to_the_same_spec() -> None:
     spec = RunSpec.parse(example())
 
+    assert spec.raw == example()
     assert json.loads(spec.to_json()) == example()
+    assert "name" not in spec.to_json()  # a server's name is its key, never added to what is stored
     assert RunSpec.from_json(spec.to_json()) == spec
 
 
@@ -189,8 +221,10 @@ def test_parsing_does_not_keep_a_reference_to_the_callers_dict() -> None:
     spec = RunSpec.parse(data)
 
     data["input"] = "changed"
+    data["mcp_servers"]["calc"]["url"] = "http://elsewhere/mcp"
 
-    assert json.loads(spec.to_json())["input"] == "What is 2 + 3?"
+    assert spec.raw["input"] == "What is 2 + 3?"
+    assert spec.raw["mcp_servers"]["calc"]["url"] == "http://127.0.0.1:3001/mcp"
 
 
 def test_a_minimal_spec_gets_the_defaults() -> None:
@@ -200,6 +234,8 @@ def test_a_minimal_spec_gets_the_defaults() -> None:
     assert spec.mcp_servers == {}
     assert spec.approval_required == frozenset()
     assert spec.idempotency_key is None
+    assert spec.tool_timeout_s == 60.0
+    assert spec.model == ScriptedModel(turns=(ScriptedTurn(content="hello"),))
 
 
 def test_an_openai_spec_is_valid() -> None:
@@ -207,6 +243,26 @@ def test_an_openai_spec_is_valid() -> None:
                                                     "model": "gpt-x", "api_key_env": "MY_KEY"}})
 
     assert spec.model == OpenAIModel(base_url="http://127.0.0.1:9/v1", model="gpt-x", api_key_env="MY_KEY")
+
+
+@pytest.mark.parametrize(("server", "transport", "kind"), [
+    ({"transport": "http", "url": "http://127.0.0.1:3001/mcp"}, "http", HttpServerSpec),
+    ({"transport": "stdio", "command": "python"}, "stdio", StdioServerSpec),
+    ({"url": "https://tools.example/mcp"}, "http", HttpServerSpec),
+    ({"command": "python", "args": ["-m", "x"], "env": {"A": "1"}}, "stdio", StdioServerSpec),
+], ids=["http-explicit", "stdio-explicit", "http-inferred", "stdio-inferred"])
+def test_a_server_is_http_or_stdio_by_its_transport_or_by_url_or_command(
+    server: dict[str, Any], transport: str, kind: type
+) -> None:
+    data = example()
+    data["mcp_servers"]["calc"] = server
+
+    spec = RunSpec.parse(data)
+
+    assert isinstance(spec.mcp_servers["calc"], kind)
+    assert spec.mcp_servers["calc"].transport == transport
+    assert spec.mcp_servers["calc"].name == "calc"
+    assert spec.raw["mcp_servers"]["calc"] == server  # stored as given: no inferred transport added
 
 
 def _set(path: str, value: object) -> Callable[[dict[str, Any]], None]:
@@ -222,87 +278,316 @@ def _set(path: str, value: object) -> Callable[[dict[str, Any]], None]:
     return apply
 
 
-def _drop(key: str) -> Callable[[dict[str, Any]], None]:
-    return lambda spec: spec.pop(key)
+def _drop(path: str) -> Callable[[dict[str, Any]], None]:
+    def apply(spec: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = spec
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node[part]
+        del node[last]
+
+    return apply
 
 
-BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
-    ("missing input", _drop("input"), "input"),
-    ("blank input", _set("input", "   "), "input"),
-    ("input not a string", _set("input", 42), "input"),
-    ("missing model", _drop("model"), "model"),
-    ("unknown provider", _set("model.provider", "anthropic"), "model.provider"),
-    ("no turns", _set("model.turns", []), "model.turns"),
-    ("empty turn", _set("model.turns.1", {}), "model.turns[1]"),
-    ("unknown turn field", _set("model.turns.1.speed", 3), "model.turns[1].speed"),
-    ("negative delay", _set("model.turns.1.delay_ms", -1), "model.turns[1].delay_ms"),
-    ("empty fail message", _set("model.turns.1.fail", ""), "model.turns[1].fail"),
-    ("tool call naming an unknown server", _set("model.turns.0.tool_calls.0.server", "nosuch"),
-     "model.turns[0].tool_calls[0].server"),
-    ("tool call without a tool", _set("model.turns.0.tool_calls.0.tool", ""), "model.turns[0].tool_calls[0].tool"),
-    ("tool call arguments not an object", _set("model.turns.0.tool_calls.0.arguments", [1]),
-     "model.turns[0].tool_calls[0].arguments"),
-    ("max_rounds zero", _set("max_rounds", 0), "max_rounds"),
-    ("max_rounds too large", _set("max_rounds", 1001), "max_rounds"),
-    ("max_rounds a string", _set("max_rounds", "8"), "max_rounds"),
-    ("max_rounds a boolean", _set("max_rounds", True), "max_rounds"),
-    ("max_rounds a float", _set("max_rounds", 2.5), "max_rounds"),
-    ("approval entry without a tool", _set("approval_required", ["calc"]), "approval_required[0]"),
-    ("approval entry with an empty tool", _set("approval_required", ["calc."]), "approval_required[0]"),
-    ("approval entry naming an unknown server", _set("approval_required", ["calc.get-sum", "nosuch.x"]),
-     "approval_required[1]"),
-    ("approval entry not a string", _set("approval_required", [7]), "approval_required"),
-    ("approval_required not a list", _set("approval_required", "calc.get-sum"), "approval_required"),
-    ("server with both url and command", _set("mcp_servers.calc.command", "python"), "mcp_servers.calc"),
-    ("server with neither url nor command", _set("mcp_servers.calc", {}), "mcp_servers.calc"),
-    ("server url not http", _set("mcp_servers.calc.url", "ftp://x"), "mcp_servers.calc.url"),
-    ("http server with args", _set("mcp_servers.calc.args", ["x"]), "mcp_servers.calc"),
-    ("stdio args not strings", _set("mcp_servers.local.args", ["-m", 3]), "mcp_servers.local.args"),
-    ("stdio env values not strings", _set("mcp_servers.local.env", {"A": 1}), "mcp_servers.local.env"),
-    ("unknown server field", _set("mcp_servers.calc.headers", {}), "mcp_servers.calc.headers"),
-    ("server name with a double underscore", _set("mcp_servers.a__b", {"url": "http://x"}), "mcp_servers.a__b"),
-    ("mcp_servers not an object", _set("mcp_servers", []), "mcp_servers"),
-    ("empty idempotency key", _set("idempotency_key", ""), "idempotency_key"),
-    ("idempotency key too long", _set("idempotency_key", "k" * 201), "idempotency_key"),
-    ("tool timeout zero", _set("tool_timeout_s", 0), "tool_timeout_s"),
-    ("unknown top-level field", _set("priority", "high"), "priority"),
+def _server(name: str, entry: object = None) -> Callable[[dict[str, Any]], None]:
+    """Add a server under ``name`` (any text, dots included) to the example spec."""
+
+    def apply(spec: dict[str, Any]) -> None:
+        spec["mcp_servers"][name] = {"url": "http://127.0.0.1:9/mcp"} if entry is None else entry
+
+    return apply
+
+
+def _openai(**fields: object) -> Callable[[dict[str, Any]], None]:
+    """Make the example's model an openai one, with these fields changed (None: left out)."""
+
+    def apply(spec: dict[str, Any]) -> None:
+        model = {"provider": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", **fields}
+        spec["model"] = {key: value for key, value in model.items() if value is not None}
+
+    return apply
+
+
+# Every bound of the spec: (what, a value just inside, a value just outside, the field named).
+BOUNDS: list[tuple[str, Callable[[dict[str, Any]], None], Callable[[dict[str, Any]], None], str]] = [
+    ("input non-empty", _set("input", "x"), _set("input", ""), "input"),
+    ("input not only whitespace", _set("input", " x "), _set("input", " \t\n"), "input"),
+    ("input a string", _set("input", "42"), _set("input", 42), "input"),
+    ("max_rounds low", _set("max_rounds", 1), _set("max_rounds", 0), "max_rounds"),
+    ("max_rounds high", _set("max_rounds", 1000), _set("max_rounds", 1001), "max_rounds"),
+    ("max_rounds not a string", _set("max_rounds", 8), _set("max_rounds", "8"), "max_rounds"),
+    ("max_rounds not a boolean", _set("max_rounds", 1), _set("max_rounds", True), "max_rounds"),
+    ("max_rounds not a float", _set("max_rounds", 2), _set("max_rounds", 2.5), "max_rounds"),
+    ("tool_timeout_s above 0", _set("tool_timeout_s", 0.001), _set("tool_timeout_s", 0), "tool_timeout_s"),
+    ("tool_timeout_s not negative", _set("tool_timeout_s", 1), _set("tool_timeout_s", -1), "tool_timeout_s"),
+    ("tool_timeout_s high", _set("tool_timeout_s", 86_400), _set("tool_timeout_s", 86_400.001), "tool_timeout_s"),
+    ("tool_timeout_s finite", _set("tool_timeout_s", 86_400.0), _set("tool_timeout_s", math.inf), "tool_timeout_s"),
+    ("tool_timeout_s a number", _set("tool_timeout_s", 1.5), _set("tool_timeout_s", math.nan), "tool_timeout_s"),
+    ("tool_timeout_s not a boolean", _set("tool_timeout_s", 1), _set("tool_timeout_s", True), "tool_timeout_s"),
+    ("tool_timeout_s not a string", _set("tool_timeout_s", 60), _set("tool_timeout_s", "60"), "tool_timeout_s"),
+    ("idempotency_key short", _set("idempotency_key", "k"), _set("idempotency_key", ""), "idempotency_key"),
+    ("idempotency_key long", _set("idempotency_key", "k" * 200), _set("idempotency_key", "k" * 201),
+     "idempotency_key"),
+    ("idempotency_key a string", _set("idempotency_key", None), _set("idempotency_key", 7), "idempotency_key"),
+    ("delay_ms low", _set("model.turns.1.delay_ms", 0), _set("model.turns.1.delay_ms", -1),
+     "model.turns[1].delay_ms"),
+    ("delay_ms high", _set("model.turns.1.delay_ms", 3_600_000), _set("model.turns.1.delay_ms", 3_600_001),
+     "model.turns[1].delay_ms"),
+    ("delay_ms not a boolean", _set("model.turns.1.delay_ms", 1), _set("model.turns.1.delay_ms", True),
+     "model.turns[1].delay_ms"),
+    ("turns non-empty", _set("model.turns", [{"content": "x"}]), _set("model.turns", []), "model.turns"),
+    ("turn says something", _set("model.turns.1", {"fail": "boom"}), _set("model.turns.1", {}), "model.turns[1]"),
+    ("turn content a string", _set("model.turns.1.content", ""), _set("model.turns.1.content", 5),
+     "model.turns[1].content"),
+    ("turn fail non-empty", _set("model.turns.1.fail", "x"), _set("model.turns.1.fail", ""), "model.turns[1].fail"),
+    ("tool calls a list", _set("model.turns.1.tool_calls", []), _set("model.turns.1.tool_calls", {}),
+     "model.turns[1].tool_calls"),
+    ("tool call tool non-empty", _set("model.turns.0.tool_calls.0.tool", "t"),
+     _set("model.turns.0.tool_calls.0.tool", ""), "model.turns[0].tool_calls[0].tool"),
+    ("tool call server declared", _set("model.turns.0.tool_calls.0.server", "local"),
+     _set("model.turns.0.tool_calls.0.server", "nosuch"), "model.turns[0].tool_calls[0].server"),
+    ("tool call arguments an object", _set("model.turns.0.tool_calls.0.arguments", {}),
+     _set("model.turns.0.tool_calls.0.arguments", [1]), "model.turns[0].tool_calls[0].arguments"),
+    ("provider known", _set("model.provider", "scripted"), _set("model.provider", "anthropic"), "model.provider"),
+    ("provider present", _set("model.provider", "scripted"), _drop("model.provider"), "model.provider"),
+    ("model an object", _set("model", {"provider": "scripted", "turns": [{"content": "x"}]}), _set("model", "gpt"),
+     "model"),
+    ("openai base_url http", _openai(base_url="https://api.example/v1"), _openai(base_url="ftp://api.example"),
+     "model.base_url"),
+    ("openai model non-empty", _openai(model="m"), _openai(model=""), "model.model"),
+    ("openai api_key_env non-empty", _openai(api_key_env="K"), _openai(api_key_env=""), "model.api_key_env"),
+    ("server name long", _server("a" * 64), _server("a" * 65), "mcp_servers." + "a" * 65),
+    ("server name without __", _server("a_b-1"), _server("a__b"), "mcp_servers.a__b"),
+    ("server name characters", _server("ab"), _server("a.b"), 'mcp_servers["a.b"]'),
+    ("server name non-empty", _server("a"), _server(""), 'mcp_servers[""]'),
+    ("server url http", _set("mcp_servers.calc.url", "https://x/mcp"), _set("mcp_servers.calc.url", "ftp://x"),
+     "mcp_servers.calc.url"),
+    ("server url or command", _set("mcp_servers.calc", {"url": "http://x"}), _set("mcp_servers.calc", {}),
+     "mcp_servers.calc"),
+    ("server not both", _set("mcp_servers.calc", {"command": "x"}),
+     _set("mcp_servers.calc", {"url": "http://x", "command": "x"}), "mcp_servers.calc"),
+    ("server an object", _set("mcp_servers.calc", {"url": "http://x"}), _set("mcp_servers.calc", "http://x"),
+     "mcp_servers.calc"),
+    ("server transport known", _set("mcp_servers.calc.transport", "http"), _set("mcp_servers.calc.transport", "ws"),
+     "mcp_servers.calc.transport"),
+    ("command non-empty", _set("mcp_servers.local.command", "x"), _set("mcp_servers.local.command", ""),
+     "mcp_servers.local.command"),
+    ("args strings", _set("mcp_servers.local.args", ["-m", "3"]), _set("mcp_servers.local.args", ["-m", 3]),
+     "mcp_servers.local.args[1]"),
+    ("env values strings", _set("mcp_servers.local.env", {"A": "1"}), _set("mcp_servers.local.env", {"A": 1}),
+     "mcp_servers.local.env.A"),
+    ("args only on stdio", _set("mcp_servers.local.args", ["x"]), _set("mcp_servers.calc.args", ["x"]),
+     "mcp_servers.calc.args"),
+    ("env only on stdio", _set("mcp_servers.local.env", {}), _set("mcp_servers.calc.env", {}), "mcp_servers.calc.env"),
+    ("mcp_servers an object", _set("mcp_servers", {"calc": {"url": "http://x"}, "local": {"command": "x"}}),
+     _set("mcp_servers", []), "mcp_servers"),
+    ("approval entry has a tool", _set("approval_required", ["calc.x"]), _set("approval_required", ["calc"]),
+     "approval_required[0]"),
+    ("approval entry tool non-empty", _set("approval_required", ["calc.x"]), _set("approval_required", ["calc."]),
+     "approval_required[0]"),
+    ("approval entry server declared", _set("approval_required", ["calc.x", "local.y"]),
+     _set("approval_required", ["calc.x", "nosuch.y"]), "approval_required[1]"),
+    ("approval entry a string", _set("approval_required", []), _set("approval_required", [7]),
+     "approval_required[0]"),
+    ("approval_required a list", _set("approval_required", ["calc.get-sum"]),
+     _set("approval_required", "calc.get-sum"), "approval_required"),
 ]
 
 
-@pytest.mark.parametrize(("mutate", "field"), [(m, f) for _, m, f in BAD_SPECS], ids=[n for n, _, _ in BAD_SPECS])
-def test_a_bad_spec_is_refused_naming_the_field(mutate: Callable[[dict[str, Any]], None], field: str) -> None:
+@pytest.mark.parametrize("inside", [i for _, i, _, _ in BOUNDS], ids=[n for n, *_ in BOUNDS])
+def test_a_value_just_inside_a_bound_is_valid(inside: Callable[[dict[str, Any]], None]) -> None:
+    data = example()
+    inside(data)
+
+    spec = RunSpec.parse(data)
+
+    assert spec.raw == json.loads(json.dumps(data))
+
+
+@pytest.mark.parametrize(("outside", "field"), [(o, f) for _, _, o, f in BOUNDS], ids=[n for n, *_ in BOUNDS])
+def test_a_value_just_outside_a_bound_is_refused_naming_the_field(
+    outside: Callable[[dict[str, Any]], None], field: str
+) -> None:
+    data = example()
+    outside(data)
+
+    error = refused(data)
+
+    assert fields(error) == [field], error
+    assert error.field == field
+    assert str(error).startswith(f"{field}: ")
+
+
+REQUIRED = [
+    ("input", _drop("input"), "input"),
+    ("model", _drop("model"), "model"),
+    ("turns", _drop("model.turns"), "model.turns"),
+    ("tool call server", _drop("model.turns.0.tool_calls.0.server"), "model.turns[0].tool_calls[0].server"),
+    ("tool call tool", _drop("model.turns.0.tool_calls.0.tool"), "model.turns[0].tool_calls[0].tool"),
+    ("openai base_url", _openai(base_url=None), "model.base_url"),
+    ("openai model", _openai(model=None), "model.model"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "field"), [(m, f) for _, m, f in REQUIRED], ids=[n for n, *_ in REQUIRED])
+def test_a_missing_required_field_is_refused_naming_it(mutate: Callable[[dict[str, Any]], None], field: str) -> None:
     data = example()
     mutate(data)
 
-    with pytest.raises(SpecError) as raised:
-        RunSpec.parse(data)
+    error = refused(data)
 
-    assert raised.value.field == field
-    assert str(raised.value).startswith(f"{field}: ")
+    assert [(p.field, p.msg) for p in error.problems] == [(field, "Field required")]
 
 
-@pytest.mark.parametrize("data", [None, [], "spec", {1: "x"}])
+def test_three_mistakes_are_reported_together_each_naming_its_field() -> None:
+    data = example()
+    data["max_rounds"] = "8"
+    data["model"]["turns"][1]["content"] = 5
+    data["mcp_servers"]["calc"]["url"] = "ftp://127.0.0.1/mcp"
+
+    error = refused(data)
+
+    assert sorted(fields(error)) == ["max_rounds", "mcp_servers.calc.url", "model.turns[1].content"]
+    for problem in error.problems:
+        assert f"{problem.field}: {problem.msg}" in str(error)
+    assert "http:// or https://" in str(error)
+
+
+def test_problems_carry_their_place_in_the_json_as_a_loc() -> None:
+    data = example()
+    data["model"]["turns"][0]["tool_calls"][0]["server"] = "nosuch"
+
+    error = refused(data)
+
+    assert [problem.loc for problem in error.problems] == [("model", "turns", 0, "tool_calls", 0, "server")]
+    assert error.problem == "must name a server in mcp_servers"
+
+
+UNKNOWN_KEYS = [
+    ("top level", _set("colour", "blue"), "colour"),
+    ("scripted model", _set("model.temperature", 0.2), "model.temperature"),
+    ("openai model", _openai(organization="acme"), "model.organization"),
+    ("turn", _set("model.turns.1.speed", 3), "model.turns[1].speed"),
+    ("tool call", _set("model.turns.0.tool_calls.0.timeout", 3), "model.turns[0].tool_calls[0].timeout"),
+    ("http server", _set("mcp_servers.calc.headers", {}), "mcp_servers.calc.headers"),
+    ("stdio server", _set("mcp_servers.local.cwd", "/srv"), "mcp_servers.local.cwd"),
+    ("server name as a field", _set("mcp_servers.calc.name", "calc"), "mcp_servers.calc.name"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "field"), [(m, f) for _, m, f in UNKNOWN_KEYS], ids=[n for n, *_ in UNKNOWN_KEYS])
+def test_an_unknown_key_is_refused_at_every_level(mutate: Callable[[dict[str, Any]], None], field: str) -> None:
+    data = example()
+    mutate(data)
+
+    error = refused(data)
+
+    assert fields(error) == [field]
+    assert error.problem.startswith("unknown field")
+
+
+def test_unknown_keys_at_every_level_are_all_reported_at_once() -> None:
+    data = example()
+    for name, mutate, _ in UNKNOWN_KEYS:
+        if name != "openai model":  # it replaces the scripted model, whose unknown key is in the list too
+            mutate(data)
+
+    error = refused(data)
+
+    assert sorted(fields(error)) == sorted(f for n, _, f in UNKNOWN_KEYS if n != "openai model")
+
+
+@pytest.mark.parametrize("data", [None, [], "spec", 5, {1: "x"}])
 def test_a_spec_that_is_not_an_object_is_refused_as_spec(data: object) -> None:
-    with pytest.raises(SpecError) as raised:
-        RunSpec.parse(data)
+    error = refused(data)
 
-    assert raised.value.field == "spec"
+    assert fields(error) == ["spec"]
+    assert error.problem == "must be a JSON object"
 
 
-@pytest.mark.parametrize("text", ["{", "", "{'input': 'single quotes'}", '{"input": "x",}'])
+@pytest.mark.parametrize("data", [{"input": {1, 2}}, {"input": object()}], ids=["set", "object"])
+def test_a_dict_that_is_not_json_shaped_is_refused_as_spec(data: object) -> None:
+    error = refused(data)
+
+    assert fields(error) == ["spec"]
+    assert "JSON" in error.problem
+
+
+def test_a_deeply_nested_dict_is_refused_as_spec_not_with_a_recursion_error() -> None:
+    nested: list[Any] = []
+    for _ in range(100_000):
+        nested = [nested]
+
+    error = refused({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "x"}]}, "deep": nested})
+
+    assert error.field == "spec"
+
+
+@pytest.mark.parametrize("text", ["{", "", "{'input': 'single quotes'}", '{"input": "x",}', '{"input": "x"} 5'])
 def test_invalid_json_is_refused_as_spec(text: str) -> None:
     with pytest.raises(SpecError) as raised:
         RunSpec.from_json(text)
 
-    assert raised.value.field == "spec"
-    assert "JSON" in raised.value.problem
+    assert fields(raised.value) == ["spec"]
+    assert raised.value.problem.startswith("not valid JSON")
 
 
-def test_valid_json_that_is_not_an_object_is_refused_as_spec() -> None:
+@pytest.mark.parametrize("text", ["[1, 2]", "5", "null", '"spec"', "true"])
+def test_valid_json_that_is_not_an_object_is_refused_as_spec(text: str) -> None:
     with pytest.raises(SpecError) as raised:
-        RunSpec.from_json("[1, 2]")
+        RunSpec.from_json(text)
 
-    assert raised.value.field == "spec"
+    assert fields(raised.value) == ["spec"]
+    assert raised.value.problem == "must be a JSON object"
+
+
+def test_a_spec_in_utf8_bytes_is_valid() -> None:
+    data = example()
+    data["input"] = "Was ist 2 + 3? – Grüße"
+
+    spec = RunSpec.from_json(json.dumps(data, ensure_ascii=False).encode("utf-8"))
+
+    assert spec.input == "Was ist 2 + 3? – Grüße"
+    assert spec == RunSpec.parse(data)
+
+
+@pytest.mark.parametrize(("data", "offset"), [
+    (b'{"input": "caf\xe9"}', 14),  # Latin-1, not UTF-8
+    (b"\xff\xfe{}", 0),
+    (b'{"input": "x\xc3"}', 12),  # a sequence cut short
+], ids=["latin-1", "utf-16-bom", "truncated"])
+def test_bytes_that_are_not_utf8_are_refused_naming_the_byte(data: bytes, offset: int) -> None:
+    with pytest.raises(SpecError) as raised:
+        RunSpec.from_json(data)
+
+    assert fields(raised.value) == ["spec"]
+    assert "not valid UTF-8" in raised.value.problem
+    assert f"byte {offset}" in raised.value.problem
+
+
+@pytest.mark.parametrize("data", ["[" * 100_000, b"[" * 100_000, '{"a":' * 100_000], ids=["str", "bytes", "objects"])
+def test_deep_nesting_is_refused_as_spec_not_with_a_recursion_error(data: str | bytes) -> None:
+    with pytest.raises(SpecError) as raised:
+        RunSpec.from_json(data)
+
+    assert fields(raised.value) == ["spec"]
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "\\ud800\\u0041"])
+def test_a_lone_surrogate_is_refused_as_spec(escape: str) -> None:
+    text = '{"input": "x' + escape + '", "model": {"provider": "scripted", "turns": [{"content": "x"}]}}'
+
+    with pytest.raises(SpecError) as raised:
+        RunSpec.from_json(text)
+
+    assert fields(raised.value) == ["spec"]
+
+
+def test_a_lone_surrogate_in_a_dict_is_refused_as_spec() -> None:
+    with pytest.raises(SpecError) as raised:
+        RunSpec.parse({"input": "x\ud800", "model": {"provider": "scripted", "turns": [{"content": "x"}]}})
+
+    assert fields(raised.value) == ["spec"]
 
 
 @pytest.mark.parametrize("name", ["calc\n", "calc\r\n"])
@@ -313,7 +598,204 @@ def test_a_server_name_with_a_line_break_is_refused(name: str) -> None:
     data["model"]["turns"][0]["tool_calls"][0]["server"] = name
     data["approval_required"] = []
 
-    with pytest.raises(SpecError) as raised:
-        RunSpec.parse(data)
+    error = refused(data)
 
-    assert raised.value.field == f"mcp_servers.{name}"
+    # Written as a JSON string, so that the message stays on one line.
+    assert fields(error) == [f"mcp_servers[{json.dumps(name)}]"]
+    assert "\n" not in str(error)
+
+
+def test_a_transport_that_contradicts_the_keys_is_refused_naming_them() -> None:
+    data = example()
+    data["mcp_servers"]["local"] = {"transport": "http", "command": "python"}
+
+    error = refused(data)
+
+    assert [(p.field, p.msg) for p in error.problems] == [
+        ("mcp_servers.local.url", "Field required"), ("mcp_servers.local.command", "unknown field")]
+
+
+def test_a_server_spec_built_in_python_takes_its_name_as_a_field() -> None:
+    http = HttpServerSpec(name="calc", url="http://127.0.0.1:3001/mcp")
+    stdio = StdioServerSpec(name="local", command="python", args=("-m", "x"))
+
+    assert (http.name, http.transport) == ("calc", "http")
+    assert (stdio.name, stdio.transport, stdio.env) == ("local", "stdio", {})
+    assert http.model_dump(mode="json") == {"transport": "http", "url": "http://127.0.0.1:3001/mcp"}
+
+
+# -- SpecError ----------------------------------------------------------------------------------
+
+
+def test_a_spec_error_with_one_field_keeps_its_field_and_problem() -> None:
+    error = SpecError("mcp_servers.calc", "needs a url")
+
+    assert (error.field, error.problem) == ("mcp_servers.calc", "needs a url")
+    assert str(error) == "mcp_servers.calc: needs a url"
+    assert [(p.field, p.msg) for p in error.problems] == [("mcp_servers.calc", "needs a url")]
+
+
+def test_a_spec_error_from_problems_names_each_and_lists_them_all() -> None:
+    error = SpecError.from_problems([
+        FieldProblem(loc=("model", "turns", 0, "content"), msg="must be a string"),
+        FieldProblem(loc=("mcp_servers", "a.b"), msg="bad name"),
+        FieldProblem(loc=(), msg="must be a JSON object"),
+    ])
+
+    assert fields(error) == ["model.turns[0].content", 'mcp_servers["a.b"]', "spec"]
+    assert (error.field, error.problem) == ("model.turns[0].content", "must be a string")
+    assert str(error) == ('model.turns[0].content: must be a string; mcp_servers["a.b"]: bad name; '
+                          "spec: must be a JSON object")
+
+
+def test_a_spec_error_needs_a_problem() -> None:
+    with pytest.raises(ValueError, match="at least one problem"):
+        SpecError.from_problems([])
+
+
+# -- the JSON Schema ----------------------------------------------------------------------------
+
+SCHEMA_FILE = Path(__file__).resolve().parent.parent / "docs" / "run-spec.schema.json"
+
+
+def test_the_schema_file_is_the_schema_of_the_model() -> None:
+    assert json.loads(SCHEMA_FILE.read_text(encoding="utf-8")) == run_spec_json_schema(), (
+        "docs/run-spec.schema.json is out of date; regenerate it: runbrake schema > docs/run-spec.schema.json"
+    )
+
+
+def test_the_schema_is_a_draft_2020_12_schema_with_a_description_for_every_field() -> None:
+    schema = run_spec_json_schema()
+
+    Draft202012Validator.check_schema(schema)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["$id"]
+    assert schema["title"]
+    objects = [schema, *schema["$defs"].values()]
+    described = {name: "description" in field for obj in objects for name, field in obj["properties"].items()}
+    assert described
+    assert all(described.values()), described
+    assert "name" not in schema["$defs"]["HttpServerSpec"]["properties"]  # the key, not a field
+
+
+SCHEMA_CASES: list[tuple[str, Callable[[dict[str, Any]], None], bool]] = [
+    ("the README example", _set("input", "What is 2 + 3?"), True),
+    ("explicit transports", _set("mcp_servers", {"calc": {"transport": "http", "url": "http://x"},
+                                                 "local": {"transport": "stdio", "command": "x"}}), True),
+    ("an openai model", _openai(api_key_env="KEY"), True),
+    ("a turn that fails", _set("model.turns.1", {"fail": "boom", "delay_ms": 5}), True),
+    ("missing input", _drop("input"), False),
+    ("blank input", _set("input", "  "), False),
+    ("max_rounds 0", _set("max_rounds", 0), False),
+    ("max_rounds a string", _set("max_rounds", "8"), False),
+    ("max_rounds a boolean", _set("max_rounds", True), False),
+    ("tool_timeout_s 0", _set("tool_timeout_s", 0), False),
+    ("unknown top-level key", _set("colour", "blue"), False),
+    ("unknown turn key", _set("model.turns.1.speed", 3), False),
+    ("empty turn", _set("model.turns.1", {}), False),
+    ("no turns", _set("model.turns", []), False),
+    ("unknown provider", _set("model.provider", "anthropic"), False),
+    ("missing provider", _drop("model.provider"), False),
+    ("server with url and command", _set("mcp_servers.calc.command", "x"), False),
+    ("server with neither", _set("mcp_servers.calc", {}), False),
+    ("server transport contradicting its keys", _set("mcp_servers.calc.transport", "stdio"), False),
+    ("args on an http server", _set("mcp_servers.calc.args", []), False),
+    ("server url not http", _set("mcp_servers.calc.url", "ftp://x"), False),
+    ("server name with __", _server("a__b"), False),
+    ("server name with a line break", _server("calc\n"), False),
+    ("server name as a field", _set("mcp_servers.calc.name", "calc"), False),
+    ("approval entry without a tool", _set("approval_required", ["calc"]), False),
+    ("empty idempotency key", _set("idempotency_key", ""), False),
+]
+
+
+@pytest.mark.parametrize(("mutate", "valid"), [(m, v) for _, m, v in SCHEMA_CASES], ids=[n for n, *_ in SCHEMA_CASES])
+def test_the_schema_agrees_with_the_model(mutate: Callable[[dict[str, Any]], None], valid: bool) -> None:
+    """Except for references between parts (a tool call's server), which JSON Schema cannot state."""
+    data = example()
+    mutate(data)
+
+    schema_errors = list(Draft202012Validator(run_spec_json_schema()).iter_errors(data))
+    try:
+        RunSpec.parse(data)
+    except SpecError:
+        parsed = False
+    else:
+        parsed = True
+
+    assert (not schema_errors, parsed) == (valid, valid), schema_errors
+
+
+# -- the spec through the CLI -------------------------------------------------------------------
+
+_RUNBRAKE = [str(Path(sys.executable).parent / "runbrake")]
+_ERROR_LINE = "runbrake: error: invalid spec: "
+
+
+def enqueue_stdin(data: bytes) -> subprocess.CompletedProcess[str]:
+    """``runbrake enqueue -`` with ``data`` on stdin, in this test's environment."""
+    result = subprocess.run([*_RUNBRAKE, "enqueue", "-"], input=data, capture_output=True, timeout=30, check=False)
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(errors="replace"),
+                                       result.stderr.decode(errors="replace"))
+
+
+def three_mistakes() -> bytes:
+    data = example()
+    data["max_rounds"] = "8"
+    data["model"]["turns"][1]["content"] = 5
+    data["mcp_servers"]["calc"]["url"] = "ftp://127.0.0.1/mcp"
+    return json.dumps(data).encode()
+
+
+BAD_SPEC_BYTES = [
+    ("invalid-utf8", b'{"input": "caf\xe9"}', ["spec: not valid UTF-8 (byte 14"]),
+    ("deep-nesting", b"[" * 100_000, ["spec: not valid JSON"]),
+    ("not-an-object", b"[1, 2]", ["spec: must be a JSON object"]),
+    ("null", b"null", ["spec: must be a JSON object"]),
+    ("lone-surrogate", b'{"input": "\\ud800"}', ["spec: not valid JSON"]),
+    ("three-mistakes", three_mistakes(), ["model.turns[1].content: ", "mcp_servers.calc.url: ", "max_rounds: "]),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("source", ["file", "stdin"])
+@pytest.mark.parametrize(("data", "lines"), [(d, e) for _, d, e in BAD_SPEC_BYTES], ids=[n for n, *_ in BAD_SPEC_BYTES])
+def test_a_bad_spec_on_the_command_line_exits_2_with_a_line_per_problem_and_writes_nothing(
+    data: bytes, lines: list[str], source: str, store: RunStore, rabbitmq: Settings, tmp_path: Path
+) -> None:
+    if source == "file":
+        spec_file = tmp_path / "spec.json"
+        spec_file.write_bytes(data)
+        result = runbrake("enqueue", str(spec_file))
+    else:
+        result = enqueue_stdin(data)
+
+    assert_clean_failure(result, 2)
+    assert result.stdout == ""
+    printed = result.stderr.splitlines()
+    assert len(printed) == len(lines), result.stderr
+    for line, expected in zip(printed, lines, strict=True):
+        assert line.startswith(_ERROR_LINE + expected), (line, expected)
+    assert namespace_keys(store) == []
+    assert not queued_messages(rabbitmq)
+
+
+@pytest.mark.integration
+def test_a_spec_on_stdin_is_enqueued(store: RunStore, rabbitmq: Settings) -> None:
+    data = example()
+    data["input"] = "Grüße – 2 + 3?"
+
+    result = enqueue_stdin(json.dumps(data, ensure_ascii=False).encode("utf-8"))
+
+    assert result.returncode == 0, result.stderr
+    record = store.get(result.stdout.strip())
+    assert record.request == data
+    assert queued_messages(rabbitmq) == 1
+
+
+def test_runbrake_schema_prints_the_json_schema() -> None:
+    result = runbrake("schema")
+
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == run_spec_json_schema()
+    assert result.stdout.startswith('{\n  "$schema"')  # indented

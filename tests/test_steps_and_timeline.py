@@ -1,5 +1,5 @@
 """Run steps that cannot disagree with themselves, old stored rows, the timeline and its labels
-(DESIGN.md sections 5 and 6)."""
+(docs/architecture.md, "Tool outcomes")."""
 
 from __future__ import annotations
 

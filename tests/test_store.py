@@ -1,5 +1,5 @@
 """The run store against the real Redis: guarded transitions, the cancel fence, steps in order,
-idempotency, fail-soft probes (DESIGN.md sections 3 and 4)."""
+idempotency, fail-soft probes (docs/architecture.md, "The run lifecycle" and "Cancellation")."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from runbrake.shared import (
     StepKind,
     TerminationReason,
     ToolOutcome,
+    _scripts,
     step_outcome,
 )
 from tests.mcp_helpers import Toolbox, free_port, matching_events, wait_for_event
@@ -115,7 +116,7 @@ def test_a_duplicate_message_is_acked_as_a_no_op(
     assert len(matching_events(toolbox_http.events, "started", tool="get-sum")) == 1
 
 
-def test_the_probe_costs_exactly_one_redis_read_per_boundary(
+def test_the_probe_costs_exactly_one_redis_read_per_boundary_and_a_step_one_round_trip(
     toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, settings: Settings
 ) -> None:
     with redis_monitor(settings) as monitor:
@@ -129,18 +130,30 @@ def test_the_probe_costs_exactly_one_redis_read_per_boundary(
         seen = commands_until_marker(monitor, store)
 
     record = store.get(run.run_id)
-    cancel_key = store.cancel_key(run.run_id)
-    reads = Counter(
-        e["command"].split()[0].upper() for e in seen if e["client_type"] != "lua" and cancel_key in e["command"]
+    run_key, cancel_key = store.run_key(run.run_id), store.cancel_key(run.run_id)
+    probes = Counter(
+        (e["client_type"], e["command"].split()[0].upper()) for e in seen
+        if cancel_key in e["command"] and not e["command"].upper().startswith("EVALSHA")
     )
-    model_calls = sum(1 for s in record.steps if s.kind is StepKind.MODEL)
     assert record.status is RunStatus.COMPLETED
-    # A boundary is each recorded step, and the moment before each model call: one EXISTS each.
-    assert reads["EXISTS"] == len(record.steps) + model_calls == 9
-    # The only other reads: loading the run once at the segment's start, and the backstop's
-    # poll, which reads all of the process's active runs in one MGET (not one read per run).
-    assert reads["GET"] == 1
-    assert set(reads) <= {"EXISTS", "GET", "MGET"}
+    assert len(record.steps) == 6
+    # Each recorded step is a boundary, probed inside the script that appends it; the moment before
+    # the first model call is one more. Every later model call directly follows a recorded step,
+    # whose probe stands for that boundary: nothing ran in between.
+    assert probes[("lua", "EXISTS")] == len(record.steps)
+    assert probes[("tcp", "EXISTS")] + probes[("unix", "EXISTS")] == 1
+    # The only other read of the cancel key: the backstop's poll, one MGET for all active runs.
+    assert {command for _client, command in probes} <= {"EXISTS", "MGET"}
+    # The worker's scripts for the segment: one claim (the request read in the same pipeline), one
+    # per step, one settle; lease renewals (every third of a lease) are not the segment's.
+    worker_scripts = Counter(
+        e["command"].split()[1] for e in seen
+        if e["client_type"] != "lua" and e["command"].upper().startswith("EVALSHA") and run_key in e["command"]
+    )
+    worker_scripts.pop(_scripts.CREATE.sha)
+    worker_scripts.pop(_scripts.RENEW_LEASE.sha, None)
+    steps = len(record.steps)
+    assert worker_scripts == {_scripts.CLAIM.sha: 1, _scripts.APPEND_STEP.sha: steps, _scripts.SETTLE.sha: 1}
 
 
 def test_max_rounds_ends_the_run_failed_with_reason_max_rounds(

@@ -26,7 +26,7 @@ import redis
 
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
-from runbrake.shared import RunRecord, RunSpec, RunStore, Settings
+from runbrake.shared import McpServerSpec, RunRecord, RunSpec, RunStore, Settings
 from tests.polling import poll_until
 
 STARTUP_TIMEOUT_S = 30.0
@@ -138,10 +138,9 @@ def spec(servers: Mapping[str, Any], turns: list[dict[str, Any]], **extra: Any) 
                           "mcp_servers": raw_servers, **extra})
 
 
-def _server_dict(server: Any) -> dict[str, Any]:
-    if server.url is not None:
-        return {"url": server.url}
-    return {"command": server.command, "args": list(server.args), "env": dict(server.env)}
+def _server_dict(server: McpServerSpec) -> dict[str, Any]:
+    """The server spec as it appears in a run spec's JSON (its name is the key, not a field)."""
+    return server.model_dump(mode="json")
 
 
 def call(tool: str, server: str = "toolbox", **arguments: Any) -> dict[str, Any]:

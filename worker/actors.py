@@ -6,7 +6,8 @@ from typing import Any
 
 import dramatiq
 
-from runbrake.broker.rabbitmq import NOOP_ACTOR, RUN_ACTOR, RunbrakeBroker, run_queue
+from runbrake.broker.rabbitmq import RunbrakeBroker
+from runbrake.broker.wire import NOOP_ACTOR, RUN_ACTOR, Topology
 from runbrake.shared.errors import StoreError
 from runbrake.shared.settings import Settings
 from runbrake.worker.runtime import Runtime
@@ -29,7 +30,7 @@ def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settin
     return dramatiq.actor(
         broker=broker,
         actor_name=RUN_ACTOR,
-        queue_name=run_queue(settings.namespace),
+        queue_name=Topology.of(settings).run_queue,
         retry_when=retry_store_outages,
         min_backoff=1_000,
         max_backoff=60_000,
@@ -57,6 +58,5 @@ def declare_noop_actor(broker: RunbrakeBroker, settings: Settings) -> Any:
     def noop() -> None:
         return None
 
-    return dramatiq.actor(broker=broker, actor_name=NOOP_ACTOR, queue_name=f"{settings.namespace}.noop", max_retries=0)(
-        noop
-    )
+    return dramatiq.actor(broker=broker, actor_name=NOOP_ACTOR, queue_name=Topology.of(settings).noop_queue,
+                         max_retries=0)(noop)

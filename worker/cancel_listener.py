@@ -1,27 +1,26 @@
-"""The cancel listener and the backstop: how a cancel reaches the call in flight (DESIGN.md section 4, layer 3).
+"""The cancel listener and the backstop: how a cancel reaches the call in flight
+(docs/architecture.md, "Cancellation: the interrupt").
 
 One :class:`CancelListener` per worker process consumes the cancel fanout exchange
 through an exclusive, server-named queue (pika, on its own thread and connection:
 pika is not thread-safe). A message is only a wake-up; Redis is the authority, so the
 listener acts only when the run's cancel key is set. The :class:`Backstop` reads the
-cancel keys of all active runs in one MGET every poll interval, so a lost message
-delays a cancel by at most that interval.
+cancel keys of all active runs in one MGET every poll interval and interrupts a run
+whose cancel it has seen on two polls in a row: a message that is merely on its way is
+given one interval to arrive, and a lost one delays a cancel by at most two intervals.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
-import time
 
 import pika
 import pika.exceptions
 import structlog
 
-from runbrake.broker.rabbitmq import cancel_exchange
-from runbrake.shared.errors import StoreError
+from runbrake.broker.wire import Topology, decode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker.registry import ActiveRuns
@@ -47,16 +46,14 @@ class CancelListener(threading.Thread):
 
     def run(self) -> None:
         backoff = 0.2
-        exchange = cancel_exchange(self._settings.namespace)
+        topology = Topology.of(self._settings)
         while not self._stopping.is_set():
             try:
                 self._connection = pika.BlockingConnection(self._parameters())
                 channel = self._channel = self._connection.channel()
-                channel.exchange_declare(exchange=exchange, exchange_type="fanout", durable=True)
-                queue = channel.queue_declare(queue="", exclusive=True, auto_delete=True).method.queue
-                channel.queue_bind(queue=queue, exchange=exchange)
+                queue = topology.bind_cancel_listener(channel)
                 channel.basic_consume(queue=queue, on_message_callback=self._on_message, auto_ack=True)
-                log.info("cancel_listener_connected", exchange=exchange, queue=queue)
+                log.info("cancel_listener_connected", exchange=topology.cancel_exchange, queue=queue)
                 backoff = 0.2
                 self.ready.set()
                 channel.start_consuming()
@@ -100,9 +97,9 @@ class CancelListener(threading.Thread):
                 connection.close()
 
     def _on_message(self, _channel: object, _method: object, _properties: object, body: bytes) -> None:
-        run_id = _run_id_of(body)
+        run_id = decode_cancel(body)
         if run_id is None:
-            log.warning("cancel_message_malformed", body=body[:200].decode(errors="replace"))
+            log.warning("cancel_message_malformed", size=len(body), body=body[:200].decode(errors="replace"))
             return
         if run_id not in self._registry:
             return
@@ -113,51 +110,30 @@ class CancelListener(threading.Thread):
             log.info("cancel_message_delivered", run_id=run_id)
 
 
-def _run_id_of(body: bytes) -> str | None:
-    try:
-        run_id = json.loads(body)["run_id"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return run_id if isinstance(run_id, str) and run_id else None
-
-
 class Backstop(threading.Thread):
-    """Every poll interval, one MGET over the active runs' cancel keys; interrupts the cancelled ones.
-
-    Every third of a lease it also renews the leases of this process's runs (one round trip)
-    and reaps runs whose lease expired (their worker died without a word: ``lease_lost``).
-    """
+    """Every poll interval, one MGET over the active runs' cancel keys; interrupts a run whose cancel
+    it sees on two polls in a row (the first sighting leaves the message its chance to arrive)."""
 
     def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
         super().__init__(name="runbrake-cancel-backstop", daemon=True)
         self._interval_s = settings.cancel_poll_ms / 1000
-        self._lease_s = settings.lease_s
         self._store = store
         self._registry = registry
         self._stopping = threading.Event()
+        self._seen: set[str] = set()
 
     def run(self) -> None:
-        next_lease_work = 0.0
         while not self._stopping.wait(self._interval_s):
-            run_ids = self._registry.run_ids()
-            if run_ids:
-                for run_id in self._store.cancelled_among(run_ids):
-                    if self._registry.interrupt(run_id):
-                        log.info("cancel_found_by_backstop", run_id=run_id)
-            if time.monotonic() >= next_lease_work:
-                next_lease_work = time.monotonic() + self._lease_s / 3
-                self._tend_leases()
+            self.poll()
 
-    def _tend_leases(self) -> None:
-        try:
-            lost = self._store.renew_leases(self._registry.owners(), lease_s=self._lease_s)
-            self._store.reap_expired()
-        except StoreError as exc:
-            log.warning("lease_upkeep_failed", error=str(exc))
-            return
-        for run_id in lost:
-            if run_id in self._registry:
-                log.warning("lease_not_renewed", run_id=run_id)
+    def poll(self) -> None:
+        """One MGET over this process's active runs; interrupt those cancelled since the last poll too."""
+        run_ids = self._registry.run_ids()
+        cancelled = self._store.cancelled_among(run_ids)
+        for run_id in cancelled & self._seen:
+            if self._registry.interrupt(run_id):
+                log.info("cancel_found_by_backstop", run_id=run_id)
+        self._seen = cancelled
 
     def stop(self) -> None:
         self._stopping.set()

@@ -1,6 +1,7 @@
 """The tool loop: model call → tool calls → next round, until a final answer or ``max_rounds``.
 
-The loop never touches Redis (ADR-103: the loop stays persistence-unaware). It reports
+The loop never touches Redis: persistence and the probe live in the runtime's hooks
+(docs/architecture.md, "Cancellation: the probe"). It reports
 every step through :class:`LoopHooks`; the runtime persists the step there and probes
 the cancel key, raising :class:`~shared.errors.CancelRequested` through the loop when
 the run was cancelled. Every call that can take long (a model call, a tool call) runs

@@ -4,7 +4,7 @@ Every error the MCP SDK, httpx2 or the operating system raises is translated her
 :class:`~shared.errors.ToolTransportError` (chained with ``from exc``); nothing outside
 this module sees a third-party exception. Only :meth:`McpConnection.call` decides that a
 call was *cancelled*, and it decides from the interrupt scope (``cancelled_caught``),
-never from a code or a message (DESIGN.md section 5, ADR-191 decision 6).
+never from a code or a message (docs/architecture.md, "Tool outcomes").
 
 Why each client lives in a task of its own: the SDK's client runs its transport in task
 groups entered with the client. Had the segment's own task entered it, a transport fault
@@ -13,7 +13,7 @@ task) would cancel the whole segment body, not just the call, and every exceptio
 the body would come out wrapped in an ``ExceptionGroup``. In a task of its own the
 fault ends only that task; the SDK then wakes the pending call with "connection closed",
 which this module reports as a failed call. The client is still entered and exited in
-one task, as the SDK requires (DESIGN.md section 8).
+one task, as the SDK requires (docs/architecture.md, "Pitfalls: one MCP client per task").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Final
+from typing import Any, Final, assert_never
 
 import anyio
 import httpx2
@@ -36,7 +36,7 @@ from mcp_types import CallToolResult
 from pydantic import ValidationError
 
 from runbrake.shared.errors import ToolTransportError
-from runbrake.shared.spec import McpServerSpec
+from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.worker.conversation import ToolInfo
 
 __all__ = ["McpConnection"]
@@ -212,7 +212,8 @@ class McpConnection:
             # The interrupt scope is the outer one: when the deadline and the interrupt both
             # fire, the interrupt catches the cancellation and the call counts as cancelled.
             # Cancelling the scope makes the SDK tell the server: notifications/cancelled,
-            # or on 2026-07-28 HTTP, closing the request's stream (DESIGN.md section 8).
+            # or on 2026-07-28 HTTP, closing the request's stream (docs/architecture.md,
+            # "Pitfalls: mcp 2.x cancellation").
             with interrupt, anyio.move_on_after(timeout_s):
                 result = await client.call_tool(tool, dict(arguments))
         except Exception as exc:
@@ -251,21 +252,23 @@ class McpConnection:
 
 
 async def _target(spec: McpServerSpec, stack: AsyncExitStack) -> Transport | StdioServerParameters:
-    if spec.url is not None:
-        # The SDK's default HTTP client builds a new SSL context per connection: ~50 ms of CPU on
-        # the event loop every segment, stalling every run on it (bench/throughput.py profile).
-        # One context per process, and a client per connection that this task closes.
-        http = await stack.enter_async_context(
-            httpx2.AsyncClient(verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0))
-        )
-        return streamable_http_client(spec.url, http_client=http)
-    if spec.command is None:
-        raise ToolTransportError(f"MCP server {spec.name!r} has neither a url nor a command", server=spec.name)
-    # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
-    # worker's whole environment with its credentials.
-    return StdioServerParameters(
-        command=spec.command, args=list(spec.args), env=get_default_environment() | dict(spec.env)
-    )
+    match spec:
+        case HttpServerSpec():
+            # The SDK's default HTTP client builds a new SSL context per connection: ~50 ms of CPU on
+            # the event loop every segment, stalling every run on it (bench/throughput.py profile).
+            # One context per process, and a client per connection that this task closes.
+            http = await stack.enter_async_context(
+                httpx2.AsyncClient(verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0))
+            )
+            return streamable_http_client(spec.url, http_client=http)
+        case StdioServerSpec():
+            # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
+            # worker's whole environment with its credentials.
+            return StdioServerParameters(
+                command=spec.command, args=list(spec.args), env=get_default_environment() | dict(spec.env)
+            )
+        case _:
+            assert_never(spec)
 
 
 @functools.cache
@@ -274,7 +277,13 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 def _where(spec: McpServerSpec) -> str:
-    return spec.url if spec.url is not None else f"stdio: {spec.command}"
+    match spec:
+        case HttpServerSpec():
+            return spec.url
+        case StdioServerSpec():
+            return f"stdio: {spec.command}"
+        case _:
+            assert_never(spec)
 
 
 def _is_transport_fault(exc: BaseException) -> bool:

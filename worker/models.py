@@ -1,10 +1,10 @@
-"""Model providers: what the tool loop calls to get the next model turn (DESIGN.md section 6).
+"""Model providers: what the tool loop calls to get the next model turn (README.md, "Using it").
 
 ``ScriptedProvider`` plays a spec's deterministic turns; ``OpenAIProvider`` talks to any
 OpenAI-compatible chat-completions endpoint through the official ``openai`` SDK. Both are
 cancellable by an enclosing anyio cancel scope, and both report failures as
 :class:`~shared.errors.ProviderError`; cancellation is never turned into an error
-(STYLE.md rule 3).
+(docs/architecture.md, "Cancellation").
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class OpenAIProvider:
             base_url=self._spec.base_url,
             api_key=self._api_key(),
             timeout=self._timeout_s,
-            # Retries are runbrake's decision (DESIGN.md section 8), not the SDK's.
+            # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
             max_retries=0,
         )
         try:

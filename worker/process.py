@@ -1,4 +1,5 @@
-"""One worker process: Dramatiq worker threads, the event loop, the cancel listener and the backstop."""
+"""One worker process: Dramatiq worker threads, the event loop, the cancel listener, the backstop and
+the lease keeper."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from types import FrameType
 import structlog
 from dramatiq import Worker
 
-from runbrake.broker.rabbitmq import build_broker, run_queue
+from runbrake.broker.rabbitmq import build_broker
+from runbrake.broker.wire import Topology
+from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
+from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import Runtime
 
@@ -32,19 +36,23 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     store = RunStore.connect(settings)
     store.ping()
     registry = ActiveRuns()
-    runtime = Runtime(settings, store, registry)
+    # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry)
     broker = build_broker(settings)
+    topology = Topology.of(settings)
     declare_run_actor(broker, runtime, settings)
-    queues = {run_queue(settings.namespace)}
+    queues = {topology.run_queue}
     if include_noop:
         declare_noop_actor(broker, settings)
-        queues.add(f"{settings.namespace}.noop")
+        queues.add(topology.noop_queue)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port + index)
     listener = CancelListener(settings, store, registry)
     backstop = Backstop(settings, store, registry)
+    leases = LeaseKeeper(settings, store, registry)
     listener.start()
     backstop.start()
+    leases.start()
     # worker_timeout: how often idle consumers wake up; 200 ms makes a stop take a fraction of a second.
     worker = Worker(broker, queues=queues, worker_threads=threads, worker_timeout=200)
     # A prefetched message is a run nobody executes yet: hold at most one per thread.
@@ -64,6 +72,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     worker.stop(timeout=SHUTDOWN_GRACE_MS)
     listener.stop()
     backstop.stop()
+    leases.stop()
     listener.join(5)
     broker.close()
     store.close()

@@ -1,4 +1,5 @@
-"""The runs this worker process executes, and the call each has in flight (DESIGN.md section 4, layer 3).
+"""The runs this worker process executes, and the call each has in flight
+(docs/architecture.md, "Cancellation: the interrupt").
 
 Two threads meet here: the event loop thread, which runs the runs, and the cancel
 listener's or backstop's thread, which asks for an interrupt. anyio/asyncio objects

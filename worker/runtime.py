@@ -1,10 +1,14 @@
 """The runtime: claims a run, runs its segment through the ladder, and owns persistence.
 
 The loop reports each step through :class:`RunHooks`; the hook appends the step and
-probes the cancel key once (DESIGN.md section 4, layer 2). A set key raises
-:class:`CancelRequested`, which the ladder catches before anything else: the cancel
-already won the terminal transition, so the ladder settles nothing and returns
-``CANCELLED``.
+probes the cancel key in the same round trip (docs/architecture.md, "Cancellation: the
+probe"). A set key raises :class:`CancelRequested`, which the ladder catches before
+anything else: the cancel already won the terminal transition, so the ladder settles
+nothing and returns ``CANCELLED``.
+
+Everything here runs on the worker process's one event loop, so every Redis round trip
+is awaited (:class:`~runbrake.shared.async_store.AsyncRunStore`): a blocking call would
+stall every run on the loop and delay interrupts.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from enum import StrEnum
 import anyio
 import structlog
 
+from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.errors import CancelRequested, ProviderError, RunbrakeError
 from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.records import Claim
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
-from runbrake.shared.store import RunStore
 from runbrake.shared.timeline import step_outcome
 from runbrake.worker import metrics
 from runbrake.worker.loop import LoopEnd, LoopEndKind, LoopState, ToolLoop
@@ -49,34 +54,46 @@ class RunOutcome(StrEnum):
 
 
 class RunHooks:
-    """The loop's hooks for one run: persist each step, then probe once; hand out call scopes."""
+    """The loop's hooks for one run: persist each step and probe its boundary; hand out call scopes.
 
-    def __init__(self, store: RunStore, handle: RunHandle) -> None:
+    One Redis read of the cancel key per boundary: the append of a step carries the probe of
+    the boundary it makes, and the check before a model call reads the key only when a call
+    ran since the last probe (a step recorded just before stands for the same boundary). A
+    cancel the listener already verified needs no read at all.
+    """
+
+    def __init__(self, store: AsyncRunStore, handle: RunHandle) -> None:
         self._store = store
         self._handle = handle
+        self._probed = False
+        """True from a probe until the next call starts: nothing happened since that could matter."""
 
     async def record(self, step: RunStep) -> None:
-        recorded = self._store.append_step(self._handle.run_id, step)
+        appended = await self._store.append_step(self._handle.run_id, step)
+        self._probed = True
         outcome = step_outcome(step)
         if step.kind is StepKind.TOOL and step.tool_server is not None:
             metrics.TOOL_CALLS.labels(server=step.tool_server, outcome=outcome).inc()
         if outcome == ToolOutcome.CANCELLED.value:
-            self._observe_cancel_latency(recorded)
-        self._probe()
-
-    async def checkpoint(self) -> None:
-        self._probe()
-
-    def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
-        return self._handle.in_flight()
-
-    def _probe(self) -> None:
-        # One Redis read per boundary. A cancel the listener already verified needs none.
-        if self._handle.cancel_seen or self._store.cancel_requested(self._handle.run_id):
+            await self._observe_cancel_latency(appended.step)
+        if appended.cancelled or self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
 
-    def _observe_cancel_latency(self, step: RunStep) -> None:
-        request = self._store.cancel_request(self._handle.run_id)
+    async def checkpoint(self) -> None:
+        if self._handle.cancel_seen:
+            raise CancelRequested(self._handle.run_id)
+        if self._probed:
+            return
+        self._probed = True
+        if await self._store.cancel_requested(self._handle.run_id):
+            raise CancelRequested(self._handle.run_id)
+
+    def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
+        self._probed = False
+        return self._handle.in_flight()
+
+    async def _observe_cancel_latency(self, step: RunStep) -> None:
+        request = await self._store.cancel_request(self._handle.run_id)
         if request is not None:
             metrics.CANCEL_LATENCY.observe(max(0.0, step.recorded_at - request.requested_at))
 
@@ -89,7 +106,7 @@ def new_owner() -> str:
 class Runtime:
     """Executes run segments in one worker process."""
 
-    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
+    def __init__(self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns) -> None:
         self._settings = settings
         self._store = store
         self.registry = registry
@@ -98,11 +115,7 @@ class Runtime:
         """Claim and run one segment of a run. Never raises for the run's own failures."""
         with structlog.contextvars.bound_contextvars(run_id=run_id, segment="resume" if resume else "start"):
             owner = new_owner()
-            claim = (
-                self._store.resume_claim(run_id, owner, lease_s=self._settings.lease_s)
-                if resume
-                else self._store.claim(run_id, owner, lease_s=self._settings.lease_s)
-            )
+            claim = await self._store.claim(run_id, owner, lease_s=self._settings.lease_s, resume=resume)
             if not claim.won:
                 metrics.MESSAGES_SKIPPED.inc()
                 log.info("run_message_skipped", found=claim.found.value if claim.exists else "missing")
@@ -110,18 +123,17 @@ class Runtime:
             log.info("run_claimed", owner=owner)
             handle = self.registry.register(run_id, owner)
             try:
-                outcome = await self._ladder(run_id, owner, handle, resume=resume)
+                outcome = await self._ladder(run_id, owner, handle, claim, resume=resume)
             finally:
                 self.registry.unregister(handle)
             log.info("run_segment_ended", outcome=outcome.value)
             return outcome
 
-    async def _ladder(self, run_id: str, owner: str, handle: RunHandle, *, resume: bool) -> RunOutcome:
+    async def _ladder(self, run_id: str, owner: str, handle: RunHandle, claim: Claim, *, resume: bool) -> RunOutcome:
         hooks = RunHooks(self._store, handle)
         try:
-            record = self._store.get(run_id)
-            spec = RunSpec.parse(record.request)
-            state = self._initial_state(spec, record.pending, resume=resume)
+            spec = RunSpec.parse(claim.request)
+            state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
                 await hooks.record(
                     RunStep(kind=StepKind.APPROVAL, round=state.model_calls, content="approved",
@@ -135,27 +147,27 @@ class Runtime:
             return RunOutcome.CANCELLED
         except ProviderError as exc:
             log.warning("run_provider_failed", error=str(exc))
-            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.PROVIDER_FAILED, str(exc))
+            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.PROVIDER_FAILED, str(exc))
         except TimeoutError:
             log.warning("run_time_limit", limit_s=self._settings.run_time_limit_s)
-            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TIME_LIMIT,
+            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TIME_LIMIT,
                                 f"segment exceeded {self._settings.run_time_limit_s} s")
         except Exception as exc:
             log.exception("run_tool_loop_error")
-            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TOOL_LOOP_ERROR,
+            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TOOL_LOOP_ERROR,
                                 f"{type(exc).__name__}: {exc}")
         except BaseException:
             # Dramatiq interrupted the segment (worker shutdown; its own time limit sits above ours):
             # say so in the record before going, rather than leave the run "running" forever.
-            self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.WORKER_SHUTDOWN,
+            await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.WORKER_SHUTDOWN,
                          "the worker stopped while the run was executing")
             raise
         if end.kind is LoopEndKind.SUSPENDED:
-            return self._suspend(run_id, owner, end)
+            return await self._suspend(run_id, owner, end)
         if end.kind is LoopEndKind.MAX_ROUNDS:
-            return self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
+            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
                                 f"no final answer within {spec.max_rounds} rounds")
-        return self._settle(run_id, owner, RunStatus.COMPLETED, TerminationReason.COMPLETED, "")
+        return await self._settle(run_id, owner, RunStatus.COMPLETED, TerminationReason.COMPLETED, "")
 
     async def _run_loop(self, spec: RunSpec, state: LoopState, hooks: RunHooks) -> LoopEnd:
         async with Toolbox.open(
@@ -179,17 +191,19 @@ class Runtime:
         state.approved_call_id = state.pending_calls[0].id
         return state
 
-    def _suspend(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
+    async def _suspend(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
         assert end.state is not None
-        transition = self._store.suspend(run_id, owner, end.state.to_dict())
+        transition = await self._store.suspend(run_id, owner, end.state.to_dict())
         if not transition.won:
             return self._lost(transition.found)
         call = end.state.pending_calls[0]
         log.info("run_waiting_for_approval", tool=call.qualified_name)
         return RunOutcome.SUSPENDED
 
-    def _settle(self, run_id: str, owner: str, status: RunStatus, reason: TerminationReason, error: str) -> RunOutcome:
-        transition = self._store.settle(run_id, status, reason, owner=owner, error=error)
+    async def _settle(
+        self, run_id: str, owner: str, status: RunStatus, reason: TerminationReason, error: str
+    ) -> RunOutcome:
+        transition = await self._store.settle(run_id, status, reason, owner=owner, error=error)
         if not transition.won:
             return self._lost(transition.found)
         metrics.RUNS_FINISHED.labels(status=status.value).inc()

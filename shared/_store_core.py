@@ -1,0 +1,446 @@
+"""The run store's pure core: keys, the calls each operation sends, and how each answer is read.
+
+Nothing here does I/O. An operation is an :class:`Op`: the Redis calls of one round
+trip (a script, or a pipeline of commands), how to read their answers, and what to do
+when Redis cannot be reached. Two thin executors send ops: :class:`~runbrake.shared.store.RunStore`
+(synchronous: the CLI, the cancel listener thread, tests) and
+:class:`~runbrake.shared.async_store.AsyncRunStore` (``redis.asyncio``: everything on a worker's
+event loop). Keys, script arguments and answer parsing are written once, here; so is the
+translation of ``redis`` errors into :class:`StoreError` (:func:`failed`).
+
+Keys, all under the namespace (``{run_id}`` is a hash tag, so a run's keys share one slot):
+
+    <ns>:run:{<id>}           hash   the run: status, reason, times, owner, request, pending turn
+    <ns>:run:{<id>}:steps     list   the steps as JSON, in sequence order
+    <ns>:run:{<id>}:cancel    string the cancel request as JSON; lives as long as the run, no TTL
+    <ns>:runs                 zset   run ids by creation time
+    <ns>:idem:<key>           string the run id an idempotency key created
+    <ns>:servers              hash   tool calls per "<server>|<outcome>", for per-server health
+    <ns>:leases               zset   running run ids by lease expiry, for the reaper
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
+
+import redis
+import structlog
+
+from runbrake.shared import _scripts
+from runbrake.shared._scripts import Script
+from runbrake.shared.errors import RunNotFound, StoreError
+from runbrake.shared.records import (
+    Appended,
+    CancelRequest,
+    Claim,
+    Created,
+    RunRecord,
+    Transition,
+    read_cancel_request,
+    read_json_field,
+    read_record,
+    read_step,
+)
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep
+
+log = structlog.get_logger("runbrake.shared.store")
+
+T = TypeVar("T")
+
+_STEP_SYSTEM_FIELDS: Final = ("sequence", "recorded_at")
+MAX_ERROR_CHARS: Final = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The Redis keys of one namespace."""
+
+    namespace: str
+
+    def run(self, run_id: str) -> str:
+        return f"{self.namespace}:run:{{{run_id}}}"
+
+    def steps(self, run_id: str) -> str:
+        return f"{self.run(run_id)}:steps"
+
+    def cancel(self, run_id: str) -> str:
+        return f"{self.run(run_id)}:cancel"
+
+    @property
+    def index(self) -> str:
+        return f"{self.namespace}:runs"
+
+    def idempotency(self, key: str) -> str:
+        return f"{self.namespace}:idem:{key}"
+
+    @property
+    def servers(self) -> str:
+        return f"{self.namespace}:servers"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.namespace}:leases"
+
+
+# -- what goes on the wire -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """One EVALSHA of a Lua script."""
+
+    script: Script
+    keys: tuple[str, ...]
+    args: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One plain Redis command, e.g. ``Command(("HGETALL", key))``."""
+
+    args: tuple[Any, ...]
+
+
+Call = ScriptCall | Command
+
+_NO_FALLBACK: Final = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Op(Generic[T]):
+    """One round trip: the calls, how to read their answers, and what an unreachable Redis means.
+
+    ``fallback``: when set, an unreachable Redis is logged as ``fallback_event`` and the op answers
+    the fallback instead of raising (the probe is fail-soft: a store hiccup never fabricates a
+    cancel). Without it, the executor raises :class:`StoreError`.
+    """
+
+    what: str
+    calls: tuple[Call, ...]
+    parse: Callable[[list[Any]], T]
+    transaction: bool = False
+    fallback: Any = _NO_FALLBACK
+    fallback_event: str = ""
+    context: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.transaction and any(isinstance(call, ScriptCall) for call in self.calls):
+            # A script missing from Redis's cache fails inside MULTI while the rest commits; retrying
+            # it alone would break the transaction's all-or-nothing reading.
+            raise ValueError("a transaction carries plain commands only")
+
+
+def queue(pipe: Any, call: Call) -> None:
+    """Queue ``call`` on a pipeline (the synchronous and the asynchronous pipelines queue alike)."""
+    if isinstance(call, ScriptCall):
+        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+    else:
+        pipe.execute_command(*call.args)
+
+
+def missing_scripts(answers: Sequence[Any]) -> list[int]:
+    """The positions of answers that say Redis did not have the script (NOSCRIPT): those calls did
+    not run, so sending them again after loading the script is safe."""
+    return [i for i, answer in enumerate(answers) if isinstance(answer, redis.exceptions.NoScriptError)]
+
+
+def raise_first_error(answers: Sequence[Any]) -> None:
+    """A pipeline executed with ``raise_on_error=False`` answers errors as values: raise the first."""
+    for answer in answers:
+        if isinstance(answer, redis.RedisError):
+            raise answer
+
+
+def failed(op: Op[T], exc: redis.RedisError, where: str) -> T:
+    """What an op comes to when Redis failed: its fallback (logged), or a :class:`StoreError`.
+
+    The one place ``redis`` errors are translated.
+    """
+    if op.fallback is not _NO_FALLBACK:
+        log.warning(op.fallback_event, error=str(exc), redis=where, **(op.context or {}))
+        fallback: T = op.fallback
+        return fallback
+    raise StoreError(f"Redis at {where}: {op.what}: {exc}") from exc
+
+
+def describe(client: Any) -> str:
+    """``host:port`` of a client, for messages."""
+    kwargs = client.connection_pool.connection_kwargs
+    return f"{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '?')}"
+
+
+def _script(script: Script, keys: Iterable[str], args: Iterable[Any], what: str,
+            parse: Callable[[list[Any]], T]) -> Op[T]:
+    return Op(what, (ScriptCall(script, tuple(keys), tuple(str(a) for a in args)),), parse)
+
+
+def _only(answers: list[Any]) -> Any:
+    return answers[0]
+
+
+# -- transitions ---------------------------------------------------------------------------------
+
+
+def _transition(name: str, run_id: str) -> Callable[[list[Any]], Transition]:
+    def parse(answers: list[Any]) -> Transition:
+        return _read_transition(name, run_id, answers[0])
+
+    return parse
+
+
+def _read_transition(name: str, run_id: str, answer: Sequence[Any]) -> Transition:
+    won, found = bool(answer[0]), str(answer[1])
+    status = RunStatus.parse(found, run_id=run_id) if found else RunStatus.UNKNOWN
+    result = Transition(won=won, found=status, exists=bool(found), owner_mismatch=len(answer) > 2)
+    if won:
+        log.debug("transition", transition=name, run_id=run_id, found=found)
+    else:
+        # Nothing is lost silently: a refused transition says what it found.
+        log.info("transition_refused", transition=name, run_id=run_id, found=found or "missing",
+                 owner_mismatch=result.owner_mismatch)
+    return result
+
+
+def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | None) -> Op[Created]:
+    """Write a queued run with its request; the same idempotency key answers the run it created."""
+    run_id = uuid.uuid4().hex
+    now = time.time()
+    idem = keys.idempotency(idempotency_key or "-")
+
+    def parse(answers: list[Any]) -> Created:
+        won, value = answers[0]
+        if won:
+            log.info("run_created", run_id=run_id)
+        else:
+            log.info("run_create_deduplicated", run_id=value, idempotency_key=idempotency_key)
+        return Created(run_id=str(value), created=bool(won))
+
+    return _script(
+        _scripts.CREATE, (keys.run(run_id), idem, keys.index),
+        (run_id, json.dumps(request, sort_keys=True), repr(now), "1" if idempotency_key else "0",
+         idempotency_key or ""),
+        "create a run", parse,
+    )
+
+
+def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
+    """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner
+    and lease; in the same round trip, read what the segment needs (the request, the pending turn)."""
+    now = time.time()
+    script = _scripts.RESUME_CLAIM if resume else _scripts.CLAIM
+    name = "resume_claim" if resume else "claim"
+
+    def parse(answers: list[Any]) -> Claim:
+        transition = _read_transition(name, run_id, answers[0])
+        request, pending = answers[1]
+        return Claim(
+            won=transition.won, found=transition.found, exists=transition.exists,
+            owner_mismatch=transition.owner_mismatch,
+            request=read_json_field(request) if transition.won else None,
+            pending=read_json_field(pending) if transition.won else None,
+        )
+
+    return Op(f"{name} run {run_id}", (
+        ScriptCall(script, (keys.run(run_id), keys.leases), (owner, repr(now), repr(now + lease_s), run_id)),
+        Command(("HMGET", keys.run(run_id), "request", "pending")),
+    ), parse)
+
+
+def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> Op[Transition]:
+    """running → waiting_for_approval (owner-guarded), storing the pending turn."""
+    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases), (owner, json.dumps(pending), run_id),
+                   f"suspend run {run_id}", _transition("suspend", run_id))
+
+
+def approve(keys: Keys, run_id: str) -> Op[Transition]:
+    """Record an approval on a run waiting for one; the resume claim consumes it."""
+    return _script(_scripts.APPROVE, (keys.run(run_id),), (), f"approve run {run_id}",
+                   _transition("approve", run_id))
+
+
+def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
+           error: str = "", required_status: RunStatus | None = None) -> Op[Transition]:
+    """non-terminal → completed or failed. Owner-guarded when ``owner`` is given; limited to
+    ``required_status`` when given (``deny`` settles only a run that waits for approval)."""
+    if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
+        raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
+    return _script(
+        _scripts.SETTLE, (keys.run(run_id), keys.leases),
+        (status.value, reason.value, owner or "", repr(time.time()), error[:MAX_ERROR_CHARS],
+         "" if required_status is None else required_status.value, run_id),
+        f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
+    )
+
+
+def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Transition]:
+    """non-terminal → cancelled, writing the cancel key in the same script (the fence)."""
+    request = CancelRequest(reason=reason, requested_by=requested_by, requested_at=time.time())
+    return _script(
+        _scripts.CANCEL, (keys.run(run_id), keys.cancel(run_id), keys.leases),
+        (json.dumps(request.to_dict()), repr(request.requested_at), run_id),
+        f"cancel run {run_id}", _transition("cancel", run_id),
+    )
+
+
+def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
+    """Record a step (the store assigns its sequence) and probe the cancel key, in one script.
+
+    The answer raises :class:`RunNotFound` when the run does not exist.
+    """
+    recorded_at = time.time()
+    body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
+    counter = (
+        f"{step.tool_server}|{step.tool_outcome.value}"
+        if step.tool_server is not None and step.tool_outcome is not None
+        else ""
+    )
+
+    def parse(answers: list[Any]) -> Appended:
+        sequence, cancelled = answers[0]
+        if not sequence:
+            raise RunNotFound(run_id)
+        return Appended(step.with_sequence(int(sequence), recorded_at), cancelled=bool(cancelled))
+
+    return _script(
+        _scripts.APPEND_STEP, (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id)),
+        (json.dumps(body, separators=(",", ":")), repr(recorded_at), counter),
+        f"append a step to run {run_id}", parse,
+    )
+
+
+# -- leases --------------------------------------------------------------------------------------
+
+
+def renew_leases(keys: Keys, owners: Mapping[str, str], *, lease_s: float) -> Op[set[str]]:
+    """Extend the leases of these running runs (run id → owner) in one round trip; answers the runs
+    whose lease was not renewed (no longer running, or owned by another)."""
+    expires = repr(time.time() + lease_s)
+    ids = list(owners)
+
+    def parse(answers: list[Any]) -> set[str]:
+        return {run_id for run_id, ok in zip(ids, answers, strict=True) if not ok}
+
+    return Op("renew leases", tuple(
+        ScriptCall(_scripts.RENEW_LEASE, (keys.run(run_id), keys.leases), (owners[run_id], expires, run_id))
+        for run_id in ids
+    ), parse)
+
+
+def expired_leases(keys: Keys, *, limit: int) -> Op[list[str]]:
+    """The running runs whose lease expired by now, oldest first, at most ``limit``."""
+    return Op("read expired leases", (Command(("ZRANGEBYSCORE", keys.leases, "-inf", repr(time.time()),
+                                               "LIMIT", 0, limit)),), lambda answers: list(answers[0]))
+
+
+def reap(keys: Keys, run_id: str) -> Op[Transition]:
+    """running with an expired lease → failed (``lease_lost``); decided by one guarded script."""
+    def parse(answers: list[Any]) -> Transition:
+        transition = _read_transition("reap", run_id, answers[0])
+        if transition.won:
+            log.warning("run_lease_lost", run_id=run_id)
+        return transition
+
+    return _script(_scripts.REAP, (keys.run(run_id), keys.leases), (repr(time.time()), run_id),
+                   f"reap run {run_id}", parse)
+
+
+# -- reads ---------------------------------------------------------------------------------------
+
+
+def get(keys: Keys, run_id: str) -> Op[RunRecord]:
+    """The run with its steps and cancel request, read in one transaction; :class:`RunNotFound` when absent."""
+    def parse(answers: list[Any]) -> RunRecord:
+        fields, raw_steps, raw_cancel = answers
+        if not fields:
+            raise RunNotFound(run_id)
+        steps = tuple(read_step(run_id, raw) for raw in raw_steps)
+        return read_record(run_id, fields, steps, read_cancel_request(raw_cancel))
+
+    return Op(f"read run {run_id}", (
+        Command(("HGETALL", keys.run(run_id))),
+        Command(("LRANGE", keys.steps(run_id), 0, -1)),
+        Command(("GET", keys.cancel(run_id))),
+    ), parse, transaction=True)
+
+
+def status(keys: Keys, run_id: str) -> Op[RunStatus]:
+    """The run's status alone; :class:`RunNotFound` when absent."""
+    def parse(answers: list[Any]) -> RunStatus:
+        if answers[0] is None:
+            raise RunNotFound(run_id)
+        return RunStatus.parse(answers[0], run_id=run_id)
+
+    return Op(f"read run {run_id}", (Command(("HGET", keys.run(run_id), "status")),), parse)
+
+
+def recent_ids(keys: Keys, *, count: int) -> Op[list[str]]:
+    """The ids of the ``count`` most recently created runs, newest first."""
+    return Op("list runs", (Command(("ZREVRANGE", keys.index, 0, count - 1)),), lambda answers: list(answers[0]))
+
+
+def records(keys: Keys, run_ids: Sequence[str], *, limit: int, status: RunStatus | None) -> Op[list[RunRecord]]:
+    """These runs without their steps, in the given order, filtered by ``status``, at most ``limit``."""
+    def parse(answers: list[Any]) -> list[RunRecord]:
+        found = []
+        for run_id, fields, raw_cancel in zip(run_ids, answers[::2], answers[1::2], strict=True):
+            if not fields:
+                continue
+            record = read_record(run_id, fields, (), read_cancel_request(raw_cancel))
+            if status is None or record.status is status:
+                found.append(record)
+            if len(found) >= limit:
+                break
+        return found
+
+    calls: list[Call] = []
+    for run_id in run_ids:
+        calls += [Command(("HGETALL", keys.run(run_id))), Command(("GET", keys.cancel(run_id)))]
+    return Op("list runs", tuple(calls), parse)
+
+
+def cancel_requested(keys: Keys, run_id: str) -> Op[bool]:
+    """The probe: one read of the cancel key (EXISTS), never consuming it. Fail-soft: False."""
+    return Op(f"probe run {run_id}", (Command(("EXISTS", keys.cancel(run_id))),), lambda a: bool(a[0]),
+              fallback=False, fallback_event="cancel_probe_failed", context={"run_id": run_id})
+
+
+def cancel_request(keys: Keys, run_id: str) -> Op[CancelRequest | None]:
+    """The run's cancel request (one GET), or None. Fail-soft like the probe."""
+    return Op(f"read the cancel of run {run_id}", (Command(("GET", keys.cancel(run_id))),),
+              lambda a: read_cancel_request(a[0]),
+              fallback=None, fallback_event="cancel_read_failed", context={"run_id": run_id})
+
+
+def cancelled_among(keys: Keys, run_ids: Sequence[str]) -> Op[set[str]]:
+    """Which of these runs have a cancel key, in one MGET. Fail-soft: none."""
+    ids = list(run_ids)
+
+    def parse(answers: list[Any]) -> set[str]:
+        return {run_id for run_id, raw in zip(ids, answers[0], strict=True) if raw is not None}
+
+    return Op("poll cancel keys", (Command(("MGET", *(keys.cancel(i) for i in ids))),), parse,
+              fallback=set(), fallback_event="cancel_poll_failed", context={"runs": len(ids)})
+
+
+def server_outcomes(keys: Keys) -> Op[dict[str, dict[str, int]]]:
+    """Tool calls per MCP server and outcome, counted as steps were recorded."""
+    def parse(answers: list[Any]) -> dict[str, dict[str, int]]:
+        counts: dict[str, dict[str, int]] = {}
+        for field_name, value in answers[0].items():
+            server, _, outcome = field_name.rpartition("|")
+            counts.setdefault(server, {})[outcome] = int(value)
+        return counts
+
+    return Op("read server counts", (Command(("HGETALL", keys.servers)),), parse)
+
+
+def ping() -> Op[None]:
+    """Does Redis answer?"""
+    return Op("ping", (Command(("PING",)),), lambda _answers: None)
+

@@ -1,0 +1,117 @@
+"""The run store on ``redis.asyncio``, for everything on a worker's event loop.
+
+A worker process runs every run on one event loop; a synchronous Redis round trip there
+would stall every run on it and delay interrupts. This executor sends the same
+operations as :class:`~runbrake.shared.store.RunStore` (``shared/_store_core.py`` builds
+them and reads their answers), awaiting each round trip instead. It offers what a
+segment needs: claim, append (with the probe), probe, settle, suspend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio
+
+from runbrake.shared import _store_core as core
+from runbrake.shared.records import Appended, CancelRequest, Claim, Transition
+from runbrake.shared.settings import Settings
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep
+from runbrake.shared.store import client_options
+
+T = TypeVar("T")
+
+POOL_CONNECTIONS = 64
+"""Connections of one event loop's pool: round trips are short, so a few dozen serve hundreds of runs."""
+POOL_WAIT_S = 30.0
+"""How long a round trip waits for a free connection before it fails as a store error."""
+
+
+class AsyncRunStore:
+    """Runs, steps and cancel keys in Redis under one namespace, from an event loop.
+
+    Its connections belong to the loop that first uses them: use one instance per loop.
+    """
+
+    def __init__(self, client: redis.asyncio.Redis, namespace: str) -> None:
+        self._redis = client
+        self.namespace = namespace
+        self.keys = core.Keys(namespace)
+        self.where = core.describe(client)
+
+    @classmethod
+    def connect(cls, settings: Settings) -> AsyncRunStore:
+        """A store on ``settings.redis_url`` under ``settings.namespace``. Connects lazily.
+
+        The pool blocks when all its connections are busy: hundreds of runs on one loop may each
+        want a round trip at once (a burst of cancels records hundreds of steps), and the default
+        pool would refuse the 101st with "Too many connections" instead of making it wait its turn.
+        """
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S, **client_options(settings)
+        )
+        return cls(redis.asyncio.Redis.from_pool(pool), settings.namespace)  # the client owns (and closes) its pool
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    async def execute(self, op: core.Op[T]) -> T:
+        """Send one op (one round trip) and read its answer.
+
+        Raises:
+            StoreError: when Redis cannot be reached and the op has no fallback.
+        """
+        try:
+            answers = await self._send(op)
+        except redis.RedisError as exc:
+            return core.failed(op, exc, self.where)
+        return op.parse(answers)
+
+    async def _send(self, op: core.Op[Any]) -> list[Any]:
+        if len(op.calls) == 1 and not op.transaction:
+            return [await self._one(op.calls[0])]
+        async with self._redis.pipeline(transaction=op.transaction) as pipe:
+            for call in op.calls:
+                core.queue(pipe, call)
+            answers: list[Any] = await pipe.execute(raise_on_error=False)
+        for i in core.missing_scripts(answers):
+            answers[i] = await self._one(op.calls[i])
+        core.raise_first_error(answers)
+        return answers
+
+    async def _one(self, call: core.Call) -> Any:
+        if isinstance(call, core.Command):
+            return await self._redis.execute_command(*call.args)  # type: ignore[no-untyped-call]
+        try:
+            return await self._redis.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        except redis.exceptions.NoScriptError:
+            # Redis lost its script cache (a restart, SCRIPT FLUSH): load and send again; it did not run.
+            await self._redis.script_load(call.script.source)
+            return await self._redis.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+
+    # -- what a segment needs -------------------------------------------------------------------
+
+    async def claim(self, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Claim:
+        """Claim the run (start, or resume after approval) and read its request and pending turn."""
+        return await self.execute(core.claim(self.keys, run_id, owner, lease_s=lease_s, resume=resume))
+
+    async def append_step(self, run_id: str, step: RunStep) -> Appended:
+        """Record a step and probe the cancel key, in one round trip."""
+        return await self.execute(core.append_step(self.keys, run_id, step))
+
+    async def cancel_requested(self, run_id: str) -> bool:
+        """The probe alone (fail-soft: an unreachable Redis answers False and logs)."""
+        return await self.execute(core.cancel_requested(self.keys, run_id))
+
+    async def cancel_request(self, run_id: str) -> CancelRequest | None:
+        return await self.execute(core.cancel_request(self.keys, run_id))
+
+    async def settle(self, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str,
+                     error: str = "") -> Transition:
+        return await self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error))
+
+    async def suspend(self, run_id: str, owner: str, pending: Mapping[str, Any]) -> Transition:
+        return await self.execute(core.suspend(self.keys, run_id, owner, pending))

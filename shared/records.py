@@ -1,0 +1,167 @@
+"""What the run store answers: runs as read, transitions as decided, steps as appended.
+
+Values only: built from Redis's answers by ``shared/_store_core.py``, shared by the
+synchronous store (``shared/store.py``) and the asynchronous one (``shared/async_store.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepKind
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    """Who asked to cancel a run, why, and when (epoch seconds)."""
+
+    reason: str
+    requested_by: str
+    requested_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reason": self.reason, "requested_by": self.requested_by, "requested_at": self.requested_at}
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What a guarded transition came to: whether it happened, and the status its guard found."""
+
+    won: bool
+    found: RunStatus
+    exists: bool = True
+    owner_mismatch: bool = False
+
+    def __bool__(self) -> bool:
+        return self.won
+
+
+@dataclass(frozen=True, slots=True)
+class Claim(Transition):
+    """A claim (queued → running, or an approved resume): the transition, and when it was won, what the
+    segment needs to start, read in the same round trip: the run's request and its pending turn."""
+
+    request: Mapping[str, Any] | None = None
+    pending: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    """What a create did: the run id, and False when an idempotency key named an existing run."""
+
+    run_id: str
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """A recorded step (with its sequence) and the probe of the boundary it made: whether the run's
+    cancel key was set when the step was appended."""
+
+    step: RunStep
+    cancelled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """A run as stored, with its steps in sequence order."""
+
+    run_id: str
+    status: RunStatus
+    termination_reason: TerminationReason
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    owner: str
+    lease_expires_at: float | None
+    request: Mapping[str, Any]
+    pending: Mapping[str, Any] | None
+    error: str
+    segments: int
+    cancel: CancelRequest | None
+    steps: tuple[RunStep, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields ``runbrake show --json`` promises, steps without outcomes."""
+        return {
+            "run_id": self.run_id,
+            "status": self.status.value,
+            "termination_reason": self.termination_reason.value,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "error": self.error,
+            "cancel": None if self.cancel is None else self.cancel.to_dict(),
+            "steps": [step.to_dict() for step in self.steps],
+        }
+
+
+# -- reading stored values -----------------------------------------------------------------------
+
+
+def read_step(run_id: str, raw: str) -> RunStep:
+    """A stored step; one that cannot be read shows as an ``unknown`` step saying so, never a crash."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        return _unreadable(run_id, 0, exc)
+    try:
+        return RunStep.from_dict(data)
+    except (ValueError, TypeError, AttributeError) as exc:  # StepError is a ValueError
+        sequence = data.get("sequence", 0) if isinstance(data, dict) else 0
+        return _unreadable(run_id, int(sequence) if isinstance(sequence, int) else 0, exc)
+
+
+def _unreadable(run_id: str, sequence: int, exc: Exception) -> RunStep:
+    log.warning("step_unreadable", run_id=run_id, sequence=sequence, error=str(exc))
+    return RunStep(kind=StepKind.UNKNOWN, round=0, sequence=sequence, content=f"unreadable step: {exc}")
+
+
+def _float_or_none(value: str | None) -> float | None:
+    return float(value) if value else None
+
+
+def read_cancel_request(raw: str | None) -> CancelRequest | None:
+    """A stored cancel request, or None when there is none."""
+    if raw is None:
+        return None
+    data = json.loads(raw)
+    return CancelRequest(
+        reason=str(data.get("reason", "")),
+        requested_by=str(data.get("requested_by", "")),
+        requested_at=float(data.get("requested_at", 0.0)),
+    )
+
+
+def read_json_field(value: str | None) -> Mapping[str, Any] | None:
+    """A hash field holding a JSON object (the request, the pending turn), or None when empty."""
+    return json.loads(value) if value else None
+
+
+def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ...],
+                cancel: CancelRequest | None) -> RunRecord:
+    """A run from its hash's fields, its steps and its cancel request."""
+    return RunRecord(
+        run_id=run_id,
+        status=RunStatus.parse(fields.get("status"), run_id=run_id),
+        termination_reason=TerminationReason.parse(fields.get("termination_reason"), run_id=run_id),
+        created_at=float(fields.get("created_at") or 0.0),
+        started_at=_float_or_none(fields.get("started_at")),
+        finished_at=_float_or_none(fields.get("finished_at")),
+        owner=fields.get("owner", ""),
+        lease_expires_at=_float_or_none(fields.get("lease_expires_at")),
+        request=read_json_field(fields.get("request")) or {},
+        pending=read_json_field(fields.get("pending")),
+        error=fields.get("error", ""),
+        segments=int(fields.get("segments") or 0),
+        cancel=cancel,
+        steps=steps,
+    )

@@ -1,0 +1,93 @@
+"""The package: one import namespace (``runbrake``), every import declared, and a wheel that carries
+what ``runbrake demo`` needs."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_FOLDERS = ("shared", "broker", "worker")
+
+# Import names that differ from the distribution that provides them.
+_DISTRIBUTION_OF = {"mcp_types": "mcp-types", "prometheus_client": "prometheus-client", "dramatiq": "dramatiq"}
+
+
+def _declared() -> set[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = set()
+    for requirement in project["dependencies"]:
+        names.add(re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower())
+    return names
+
+
+def _imported_third_party() -> dict[str, set[str]]:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    found: dict[str, set[str]] = {}
+    for folder in PACKAGE_FOLDERS:
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                else:
+                    continue
+                for module in modules:
+                    top = module.split(".")[0]
+                    if top not in stdlib and top != "runbrake":
+                        found.setdefault(top, set()).add(str(path.relative_to(REPO)))
+    return found
+
+
+def test_every_third_party_module_the_package_imports_is_a_declared_dependency() -> None:
+    declared = _declared()
+
+    undeclared = {
+        module: sorted(paths) for module, paths in _imported_third_party().items()
+        if _DISTRIBUTION_OF.get(module, module).lower().replace("_", "-") not in declared
+    }
+
+    assert undeclared == {}
+
+
+def test_the_package_imports_itself_only_under_the_runbrake_namespace() -> None:
+    bare = []
+    for folder in PACKAGE_FOLDERS:
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    if node.module.split(".")[0] in PACKAGE_FOLDERS:
+                        bare.append(f"{path.relative_to(REPO)}:{node.lineno}")
+                elif isinstance(node, ast.Import):
+                    bare += [f"{path.relative_to(REPO)}:{node.lineno}" for alias in node.names
+                             if alias.name.split(".")[0] in PACKAGE_FOLDERS]
+
+    assert bare == []
+
+
+@pytest.mark.integration
+def test_the_wheel_has_one_top_level_package_and_ships_the_example_server(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )
+    [wheel] = tmp_path.glob("runbrake-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        [top_level] = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+        tops = archive.read(top_level).decode().split()
+        entry_points = archive.read(top_level.replace("top_level.txt", "entry_points.txt")).decode()
+
+    assert tops == ["runbrake"]
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"runbrake"}
+    assert "runbrake/broker/toolbox_server.py" in names
+    assert {"runbrake/shared/py.typed", "runbrake/broker/py.typed", "runbrake/worker/py.typed"} <= set(names)
+    assert "runbrake = runbrake.broker.cli:main" in entry_points
