@@ -29,10 +29,8 @@ class Script:
     source: str
     template: str
     """The source before the status and reason placeholders were filled in."""
-
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()  # noqa: S324 - Redis names scripts by SHA-1
+    sha: str
+    """What EVALSHA names the script by."""
 
 
 def _values() -> dict[str, str]:
@@ -42,7 +40,8 @@ def _values() -> dict[str, str]:
 
 
 def _script(name: str, template: str) -> Script:
-    return Script(name, Template(template).substitute(_values()), template)
+    source = Template(template).substitute(_values())
+    return Script(name, source, template, hashlib.sha1(source.encode()).hexdigest())  # noqa: S324 - Redis's naming
 
 
 _IS_TERMINAL = """

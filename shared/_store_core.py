@@ -314,6 +314,21 @@ def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
     )
 
 
+def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str) -> Op[tuple[Appended, Transition]]:
+    """Record the final step and settle the run completed (owner-guarded), in one round trip.
+
+    Redis runs the two scripts in order: when the append's probe finds the run cancelled, the settle's
+    guard finds it cancelled too and refuses.
+    """
+    append = append_step(keys, run_id, step)
+    settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner)
+
+    def parse(answers: list[Any]) -> tuple[Appended, Transition]:
+        return append.parse(answers[:1]), settle_op.parse(answers[1:])
+
+    return Op(f"complete run {run_id}", append.calls + settle_op.calls, parse)
+
+
 # -- leases --------------------------------------------------------------------------------------
 
 

@@ -113,5 +113,9 @@ class AsyncRunStore:
                      error: str = "") -> Transition:
         return await self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error))
 
+    async def complete(self, run_id: str, step: RunStep, *, owner: str) -> tuple[Appended, Transition]:
+        """Record the final step and settle the run completed, in one round trip."""
+        return await self.execute(core.complete(self.keys, run_id, step, owner=owner))
+
     async def suspend(self, run_id: str, owner: str, pending: Mapping[str, Any]) -> Transition:
         return await self.execute(core.suspend(self.keys, run_id, owner, pending))

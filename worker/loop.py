@@ -94,6 +94,9 @@ class LoopEnd:
     kind: LoopEndKind
     content: str | None = None
     state: LoopState | None = None
+    final_step: RunStep | None = None
+    """COMPLETED: the final model step, not yet recorded. The runtime records it and settles the run in
+    one round trip; the append's probe still decides (a cancel that won first refuses the settle)."""
 
 
 class ToolLoop:
@@ -131,16 +134,18 @@ class ToolLoop:
             if state.model_calls >= self._max_rounds:
                 return LoopEnd(LoopEndKind.MAX_ROUNDS)
             await self._hooks.checkpoint()
-            turn = await self._model_call(state)
+            turn, step = await self._model_call(state)
             state.model_calls += 1
             state.messages.append(Message(role="assistant", content=turn.content, tool_calls=turn.tool_calls))
             if not turn.tool_calls:
-                return LoopEnd(LoopEndKind.COMPLETED, content=turn.content)
+                return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
+            await self._hooks.record(step)
             suspended = await self._run_calls(state, list(turn.tool_calls))
             if suspended is not None:
                 return suspended
 
-    async def _model_call(self, state: LoopState) -> ModelTurn:
+    async def _model_call(self, state: LoopState) -> tuple[ModelTurn, RunStep]:
+        """The next turn and its step, not yet recorded; an interrupted or failed call is recorded here."""
         round_number = state.model_calls + 1
         started = self._clock()
         turn: ModelTurn | None = None
@@ -167,16 +172,13 @@ class ToolLoop:
             )
             raise error
         assert turn is not None
-        await self._hooks.record(
-            RunStep(
-                kind=StepKind.MODEL,
-                round=round_number,
-                duration_ms=duration_ms,
-                content=turn.content or "",
-                detail={"tool_calls": [c.to_dict() for c in turn.tool_calls]},
-            )
+        return turn, RunStep(
+            kind=StepKind.MODEL,
+            round=round_number,
+            duration_ms=duration_ms,
+            content=turn.content or "",
+            detail={"tool_calls": [c.to_dict() for c in turn.tool_calls]},
         )
-        return turn
 
     async def _run_calls(self, state: LoopState, calls: list[ToolCall]) -> LoopEnd | None:
         round_number = state.model_calls

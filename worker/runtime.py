@@ -126,7 +126,7 @@ class Runtime:
                 outcome = await self._ladder(run_id, owner, handle, claim, resume=resume)
             finally:
                 self.registry.unregister(handle)
-            log.info("run_segment_ended", outcome=outcome.value)
+            log.info("run_segment_ended", outcome=outcome.value)  # the one line a segment's end costs
             return outcome
 
     async def _ladder(self, run_id: str, owner: str, handle: RunHandle, claim: Claim, *, resume: bool) -> RunOutcome:
@@ -167,7 +167,12 @@ class Runtime:
         if end.kind is LoopEndKind.MAX_ROUNDS:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
                                 f"no final answer within {spec.max_rounds} rounds")
-        return await self._settle(run_id, owner, RunStatus.COMPLETED, TerminationReason.COMPLETED, "")
+        assert end.final_step is not None
+        appended, transition = await self._store.complete(run_id, end.final_step, owner=owner)
+        if not transition.won:
+            log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
+            return self._lost(transition.found)
+        return self._settled(RunStatus.COMPLETED, TerminationReason.COMPLETED)
 
     async def _run_loop(self, spec: RunSpec, state: LoopState, hooks: RunHooks) -> LoopEnd:
         async with Toolbox.open(
@@ -206,8 +211,12 @@ class Runtime:
         transition = await self._store.settle(run_id, status, reason, owner=owner, error=error)
         if not transition.won:
             return self._lost(transition.found)
+        return self._settled(status, reason)
+
+    @staticmethod
+    def _settled(status: RunStatus, reason: TerminationReason) -> RunOutcome:
         metrics.RUNS_FINISHED.labels(status=status.value).inc()
-        log.info("run_settled", status=status.value, reason=reason.value)
+        log.debug("run_settled", status=status.value, reason=reason.value)
         return RunOutcome.COMPLETED if status is RunStatus.COMPLETED else RunOutcome.FAILED
 
     @staticmethod
