@@ -38,6 +38,43 @@ class Settings:
     ``RUNBRAKE_METRICS_PORT``."""
     redis_timeout_s: float = 2.0
     """Socket timeout for Redis calls, in seconds. ``RUNBRAKE_REDIS_TIMEOUT_S``."""
+    catalog: str | None = None
+    """Path of the operator's catalog (TOML) of MCP servers and models a spec may name; unset: none.
+    ``RUNBRAKE_CATALOG``."""
+    allow_inline: bool = False
+    """Accept inline MCP servers and models in a spec (development and tests only: whoever enqueues then
+    chooses what the worker starts and reaches). ``RUNBRAKE_ALLOW_INLINE``."""
+    max_spec_bytes: int = 1_048_576
+    """Largest run spec accepted, in bytes (1 MiB). ``RUNBRAKE_MAX_SPEC_BYTES``."""
+    max_input_chars: int = 100_000
+    """Longest ``input`` accepted, in characters. ``RUNBRAKE_MAX_INPUT_CHARS``."""
+    max_argument_chars: int = 16_000
+    """Bound on a tool call's arguments as stored (JSON characters). ``RUNBRAKE_MAX_ARGUMENT_CHARS``."""
+    max_tool_calls_per_turn: int = 32
+    """Most tool calls one model turn may ask for; more fails the run (``too_many_tool_calls``).
+    ``RUNBRAKE_MAX_TOOL_CALLS_PER_TURN``."""
+    max_steps_cap: int = 1000
+    """Highest ``max_steps`` a spec may ask for (its default is 200). ``RUNBRAKE_MAX_STEPS_CAP``."""
+    retention_s: int = 7 * 24 * 3600
+    """How long a finished run's record is kept, in seconds (7 days); 0 keeps it forever.
+    ``RUNBRAKE_RETENTION_S``."""
+    redrive_s: int = 60
+    """A run queued this long without being claimed has its message sent again, in seconds.
+    ``RUNBRAKE_REDRIVE_S``."""
+    drain_s: int = 30
+    """On SIGTERM, how long runs in flight may go on before they are handed to another worker, in
+    seconds. ``RUNBRAKE_DRAIN_S``."""
+    api_tokens: str | None = None
+    """Path of the HTTP API's tokens file (TOML); unset: the API serves loopback only.
+    ``RUNBRAKE_API_TOKENS``."""
+    health_port: int = 0
+    """Port of the worker's /healthz and /readyz (each process adds its index); 0 turns it off.
+    ``RUNBRAKE_HEALTH_PORT``."""
+    redis_cluster: bool = False
+    """``RUNBRAKE_REDIS_URL`` names seed nodes of a Redis Cluster. ``RUNBRAKE_REDIS_CLUSTER``."""
+    queue_type: str = "classic"
+    """``classic`` or ``quorum``: how the run and cancel-request queues are declared.
+    ``RUNBRAKE_QUEUE_TYPE``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -67,7 +104,44 @@ class Settings:
             lease_s=_int(env, "RUNBRAKE_LEASE_S", defaults.lease_s, 5),
             metrics_port=_int(env, "RUNBRAKE_METRICS_PORT", defaults.metrics_port, 0, 65535),
             redis_timeout_s=_float(env, "RUNBRAKE_REDIS_TIMEOUT_S", defaults.redis_timeout_s),
+            catalog=env.get("RUNBRAKE_CATALOG") or None,
+            allow_inline=_bool(env, "RUNBRAKE_ALLOW_INLINE", defaults.allow_inline),
+            max_spec_bytes=_int(env, "RUNBRAKE_MAX_SPEC_BYTES", defaults.max_spec_bytes, 1024, 64 * 1_048_576),
+            max_input_chars=_int(env, "RUNBRAKE_MAX_INPUT_CHARS", defaults.max_input_chars, 1, 10_000_000),
+            max_argument_chars=_int(env, "RUNBRAKE_MAX_ARGUMENT_CHARS", defaults.max_argument_chars, 100, 10_000_000),
+            max_tool_calls_per_turn=_int(
+                env, "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", defaults.max_tool_calls_per_turn, 1, 1000),
+            max_steps_cap=_int(env, "RUNBRAKE_MAX_STEPS_CAP", defaults.max_steps_cap, 1, 1_000_000),
+            retention_s=_int(env, "RUNBRAKE_RETENTION_S", defaults.retention_s, 0),
+            redrive_s=_int(env, "RUNBRAKE_REDRIVE_S", defaults.redrive_s, 1),
+            drain_s=_int(env, "RUNBRAKE_DRAIN_S", defaults.drain_s, 0, 86_400),
+            api_tokens=env.get("RUNBRAKE_API_TOKENS") or None,
+            health_port=_int(env, "RUNBRAKE_HEALTH_PORT", defaults.health_port, 0, 65535),
+            redis_cluster=_bool(env, "RUNBRAKE_REDIS_CLUSTER", defaults.redis_cluster),
+            queue_type=_choice(env, "RUNBRAKE_QUEUE_TYPE", defaults.queue_type, ("classic", "quorum")),
         )
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ConfigError(name, f"must be true or false, got {raw!r}")
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name) or default
+    if raw not in choices:
+        raise ConfigError(name, f"must be one of {', '.join(choices)}, got {raw!r}")
+    return raw
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int = 10**9) -> int:
