@@ -44,6 +44,16 @@ def _script(name: str, template: str) -> Script:
     return Script(name, source, template, hashlib.sha1(source.encode()).hexdigest())  # noqa: S324 - Redis's naming
 
 
+_ANNOUNCE = """
+local function announce(run_id, status, reason)
+  redis.call('PUBLISH', ARGV[#ARGV], '{"event":"status","run_id":"' .. run_id .. '","status":"' .. status ..
+    '","termination_reason":"' .. reason .. '"}')
+end
+"""
+"""Every script that changes a status, or appends a step, says so on the namespace's events channel (its
+last ARGV): the HTTP API's one subscription per process fans events out to its clients. Published only
+for a run that exists, whose id the store generated (hex), so the id needs no escaping."""
+
 _IS_TERMINAL = """
 local function is_terminal(st)
   return """ + " and ".join(f"st ~= '$status_{s.value}'" for s in NON_TERMINAL) + """
@@ -51,8 +61,8 @@ end
 """
 
 # KEYS: run, idempotency (may be a dummy key), index.
-# ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key
-CREATE = _script("create", """
+# ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, events channel
+CREATE = _script("create", _ANNOUNCE + """
 if ARGV[4] == '1' then
   local existing = redis.call('GET', KEYS[2])
   if existing then return {0, existing} end
@@ -61,11 +71,12 @@ redis.call('HSET', KEYS[1], 'run_id', ARGV[1], 'status', '$status_queued', 'term
   'created_at', ARGV[3], 'request', ARGV[2], 'seq', 0, 'idempotency_key', ARGV[5])
 if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1]) end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
+announce(ARGV[1], '$status_queued', '')
 return {1, ARGV[1]}
 """)
 
-# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id
-CLAIM = _script("claim", """
+# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id, events channel
+CLAIM = _script("claim", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= '$status_queued' then return {0, st} end
@@ -73,11 +84,12 @@ redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'star
   'lease_expires_at', ARGV[3])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
+announce(ARGV[4], '$status_running', '')
 return {1, st}
 """)
 
-# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id
-RESUME_CLAIM = _script("resume_claim", """
+# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id, events channel
+RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= '$status_waiting_for_approval' then return {0, st} end
@@ -86,11 +98,12 @@ redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'leas
   'approval', 'consumed')
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
+announce(ARGV[4], '$status_running', '')
 return {1, st}
 """)
 
-# KEYS: run, leases.  ARGV: owner, pending_json, run_id
-SUSPEND = _script("suspend", """
+# KEYS: run, leases.  ARGV: owner, pending_json, run_id, events channel
+SUSPEND = _script("suspend", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= '$status_running' then return {0, st} end
@@ -98,6 +111,7 @@ if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {0, st, 'owner'} 
 redis.call('HSET', KEYS[1], 'status', '$status_waiting_for_approval', 'owner', '', 'lease_expires_at', '',
   'pending', ARGV[2], 'approval', '')
 redis.call('ZREM', KEYS[2], ARGV[3])
+announce(ARGV[3], '$status_waiting_for_approval', '')
 return {1, st}
 """)
 
@@ -115,8 +129,9 @@ return {1, st}
 """)
 
 # KEYS: run, leases.
-# ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id
-SETTLE = _script("settle", _IS_TERMINAL + """
+# ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
+#   events channel
+SETTLE = _script("settle", _ANNOUNCE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -125,11 +140,12 @@ if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then return
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'termination_reason', ARGV[2], 'finished_at', ARGV[4],
   'error', ARGV[5], 'lease_expires_at', '')
 redis.call('ZREM', KEYS[2], ARGV[7])
+announce(ARGV[7], ARGV[1], ARGV[2])
 return {1, st}
 """)
 
-# KEYS: run, cancel, leases.  ARGV: cancel_json, now, run_id
-CANCEL = _script("cancel", _IS_TERMINAL + """
+# KEYS: run, cancel, leases.  ARGV: cancel_json, now, run_id, events channel
+CANCEL = _script("cancel", _ANNOUNCE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -137,11 +153,12 @@ redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason',
   'finished_at', ARGV[2], 'lease_expires_at', '')
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[3])
+announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
 return {1, st}
 """)
 
 # KEYS: run, steps, servers, cancel.  ARGV: step_body_json (an object without sequence/recorded_at),
-#   now, server_outcome_field ('' when the step is not a tool step with an outcome)
+#   now, server_outcome_field ('' when the step is not a tool step with an outcome), run_id, events channel
 # Answers {sequence, cancelled}: the append and the probe of the boundary it makes are one round
 # trip (docs/architecture.md, "Cancellation: the probe"). The sequence comes from one HINCRBY inside
 # the script, so concurrent appends get unique, increasing numbers in list order. The body is
@@ -153,7 +170,9 @@ local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
 local body = ARGV[1]
 local sep = ','
 if body == '{}' then sep = '' end
-redis.call('RPUSH', KEYS[2], '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[2] .. sep .. string.sub(body, 2))
+local record = '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[2] .. sep .. string.sub(body, 2)
+redis.call('RPUSH', KEYS[2], record)
+redis.call('PUBLISH', ARGV[5], '{"event":"step","run_id":"' .. ARGV[4] .. '","step":' .. record .. '}')
 if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
 return {seq, redis.call('EXISTS', KEYS[4])}
 """)
@@ -167,10 +186,10 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 return 1
 """)
 
-# KEYS: run, leases.  ARGV: now, run_id
+# KEYS: run, leases.  ARGV: now, run_id, events channel
 # running with an expired lease → failed (lease_lost). A run no longer running leaves the lease set;
 # one whose lease was renewed meanwhile is put back at its new expiry.
-REAP = _script("reap", """
+REAP = _script("reap", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st ~= '$status_running' then
   redis.call('ZREM', KEYS[2], ARGV[2])
@@ -186,6 +205,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_failed', 'termination_reason', '$
   'finished_at', ARGV[1], 'lease_expires_at', '',
   'error', 'the worker executing the run (' .. owner .. ') stopped renewing its lease')
 redis.call('ZREM', KEYS[2], ARGV[2])
+announce(ARGV[2], '$status_failed', '$reason_lease_lost')
 return {1, st}
 """)
 

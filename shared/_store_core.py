@@ -87,6 +87,11 @@ class Keys:
     def leases(self) -> str:
         return f"{self.namespace}:leases"
 
+    @property
+    def events(self) -> str:
+        """The pub/sub channel of status changes and appended steps (docs/architecture.md, "The run store")."""
+        return f"{self.namespace}:events"
+
 
 # -- what goes on the wire -----------------------------------------------------------------------
 
@@ -224,7 +229,7 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
     return _script(
         _scripts.CREATE, (keys.run(run_id), idem, keys.index),
         (run_id, json.dumps(request, sort_keys=True), repr(now), "1" if idempotency_key else "0",
-         idempotency_key or ""),
+         idempotency_key or "", keys.events),
         "create a run", parse,
     )
 
@@ -247,14 +252,15 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
         )
 
     return Op(f"{name} run {run_id}", (
-        ScriptCall(script, (keys.run(run_id), keys.leases), (owner, repr(now), repr(now + lease_s), run_id)),
+        ScriptCall(script, (keys.run(run_id), keys.leases),
+                   (owner, repr(now), repr(now + lease_s), run_id, keys.events)),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
     ), parse)
 
 
 def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> Op[Transition]:
     """running → waiting_for_approval (owner-guarded), storing the pending turn."""
-    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases), (owner, json.dumps(pending), run_id),
+    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases), (owner, json.dumps(pending), run_id, keys.events),
                    f"suspend run {run_id}", _transition("suspend", run_id))
 
 
@@ -273,7 +279,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
     return _script(
         _scripts.SETTLE, (keys.run(run_id), keys.leases),
         (status.value, reason.value, owner or "", repr(time.time()), error[:MAX_ERROR_CHARS],
-         "" if required_status is None else required_status.value, run_id),
+         "" if required_status is None else required_status.value, run_id, keys.events),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
     )
 
@@ -283,7 +289,7 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     request = CancelRequest(reason=reason, requested_by=requested_by, requested_at=time.time())
     return _script(
         _scripts.CANCEL, (keys.run(run_id), keys.cancel(run_id), keys.leases),
-        (json.dumps(request.to_dict()), repr(request.requested_at), run_id),
+        (json.dumps(request.to_dict()), repr(request.requested_at), run_id, keys.events),
         f"cancel run {run_id}", _transition("cancel", run_id),
     )
 
@@ -309,7 +315,7 @@ def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
 
     return _script(
         _scripts.APPEND_STEP, (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id)),
-        (json.dumps(body, separators=(",", ":")), repr(recorded_at), counter),
+        (json.dumps(body, separators=(",", ":")), repr(recorded_at), counter, run_id, keys.events),
         f"append a step to run {run_id}", parse,
     )
 
@@ -361,7 +367,7 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
             log.warning("run_lease_lost", run_id=run_id)
         return transition
 
-    return _script(_scripts.REAP, (keys.run(run_id), keys.leases), (repr(time.time()), run_id),
+    return _script(_scripts.REAP, (keys.run(run_id), keys.leases), (repr(time.time()), run_id, keys.events),
                    f"reap run {run_id}", parse)
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -184,3 +187,40 @@ async def test_the_async_store_names_redis_when_it_cannot_be_reached_and_its_pro
         assert await unreachable.cancel_requested("r1") is False
     finally:
         await unreachable.aclose()
+
+
+@pytest.mark.integration
+def test_every_status_change_and_appended_step_is_announced_on_the_events_channel(store: RunStore) -> None:
+    subscriber = store.redis.pubsub(ignore_subscribe_messages=True)
+    subscriber.subscribe(store.keys.events)
+    try:
+        created = store.create({"input": "x"})
+        store.claim(created.run_id, "w1", lease_s=60)
+        store.append_step(created.run_id, RunStep(kind=StepKind.MODEL, round=1, content="hi"))
+        store.cancel(created.run_id, reason="stop", requested_by="ops")
+        store.settle(created.run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED)  # refused: announces nothing
+        events = _messages(subscriber, until=lambda got: len(got) >= 4, timeout=5.0)
+        late = _messages(subscriber, until=lambda _got: False, timeout=0.3)
+    finally:
+        subscriber.close()
+
+    assert late == []
+    assert [(e["event"], e.get("status")) for e in events] == [
+        ("status", "queued"), ("status", "running"), ("step", None), ("status", "cancelled"),
+    ]
+    assert {e["run_id"] for e in events} == {created.run_id}
+    assert events[2]["step"] == store.get(created.run_id).steps[0].to_dict()
+    assert events[3]["termination_reason"] == "cancelled"
+
+
+def _messages(
+    subscriber: Any, *, until: Callable[[list[dict[str, Any]]], bool], timeout: float
+) -> list[dict[str, Any]]:
+    """The channel's messages until ``until`` holds or ``timeout`` s pass (a bounded wait on events)."""
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while not until(got) and time.monotonic() < deadline:
+        message = subscriber.get_message(timeout=max(0.0, deadline - time.monotonic()))
+        if message is not None:
+            got.append(json.loads(message["data"]))
+    return got
