@@ -7,6 +7,7 @@ could not be reached.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import getpass
 import json
@@ -24,8 +25,18 @@ from runbrake.broker.cancel import CancelPublisher, cancel_run
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.render import render_run, render_runs, render_servers, run_json, server_health
-from runbrake.shared.errors import ConfigError, PublishError, RunNotFound, SpecError, StoreError
+from runbrake.shared.catalog import Admission, Catalog
+from runbrake.shared.errors import (
+    ConfigError,
+    IdempotencyConflict,
+    InvalidRunId,
+    PublishError,
+    RunNotFound,
+    SpecError,
+    StoreError,
+)
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.records import check_run_id
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -59,7 +70,7 @@ def user_errors(command: F) -> F:
             sys.exit(EXIT_BAD_INPUT)
         except ConfigError as exc:
             fail(f"invalid setting {exc}", EXIT_BAD_INPUT)
-        except RunNotFound as exc:
+        except (RunNotFound, IdempotencyConflict) as exc:
             fail(str(exc), EXIT_REFUSED)
         except (StoreError, PublishError) as exc:
             fail(f"{exc} (is the service running? see README: Services)", EXIT_UNAVAILABLE)
@@ -106,23 +117,44 @@ def main(ctx: click.Context) -> None:
     configure_logging("INFO" if ctx.invoked_subcommand == "worker" else "WARNING")
 
 
+class _RunId(click.ParamType[str]):
+    """A run id argument: a malformed one is bad input (exit 2), echoed at most 100 characters."""
+
+    name = "RUN_ID"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            return check_run_id(str(value))
+        except InvalidRunId as exc:
+            self.fail(str(exc), param, ctx)
+
+
+RUN_ID = _RunId()
+
+
 @main.command()
 @click.argument("spec_file", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="Print {run_id, status} as JSON.")
 @user_errors
 def enqueue(spec_file: str, as_json: bool) -> None:
     """Validate SPEC_FILE (JSON, or - for stdin), persist the run and send it to the workers."""
+    settings = settings_from_env()
+    limit = settings.max_spec_bytes
     try:
         # Bytes, not text: decoding is the spec's business, so that bad UTF-8 is a spec error, not a traceback.
-        data = sys.stdin.buffer.read() if spec_file == "-" else Path(spec_file).read_bytes()
+        # Never more than the bound (and one byte to tell), however large the file.
+        with (contextlib.nullcontext(sys.stdin.buffer) if spec_file == "-" else Path(spec_file).open("rb")) as f:
+            data = f.read(limit + 1)
     except OSError as exc:
         fail(f"cannot read {spec_file}: {exc.strerror}", EXIT_BAD_INPUT)
+    if len(data) > limit:
+        raise SpecError("spec", f"is larger than {limit} bytes (RUNBRAKE_MAX_SPEC_BYTES)")
     spec = RunSpec.from_json(data)
-    settings = settings_from_env()
+    admission = Admission.from_settings(settings)
     broker = build_broker(settings)
     with open_store(settings) as store:
         try:
-            enqueued = Producer(store, broker).enqueue(spec)
+            enqueued = Producer(store, broker, admission).enqueue(spec)
         finally:
             broker.close()
     if as_json:
@@ -135,7 +167,7 @@ def enqueue(spec_file: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("run_id")
+@click.argument("run_id", type=RUN_ID)
 @click.option("--reason", default="cancelled by operator", show_default=True, help="Why; stored with the cancel.")
 @click.option("--by", "requested_by", default=None, help="Who asks (default: user@host).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -173,7 +205,7 @@ def cancel(run_id: str, reason: str, requested_by: str | None, as_json: bool) ->
 
 
 @main.command()
-@click.argument("run_id")
+@click.argument("run_id", type=RUN_ID)
 @click.option("--json", "as_json", is_flag=True, help="Print the run and its steps as one JSON object.")
 @click.option("--lang", type=click.Choice(["en", "de"]), default="en", show_default=True, help="Label language.")
 @user_errors
@@ -218,7 +250,7 @@ def servers(as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("run_id")
+@click.argument("run_id", type=RUN_ID)
 @click.option("--by", "decided_by", default=None, help="Who decides (default: user@host).")
 @user_errors
 def approve(run_id: str, decided_by: str | None) -> None:
@@ -235,7 +267,7 @@ def approve(run_id: str, decided_by: str | None) -> None:
 
 
 @main.command()
-@click.argument("run_id")
+@click.argument("run_id", type=RUN_ID)
 @click.option("--reason", default="denied by operator", show_default=True, help="Why; recorded on the run.")
 @click.option("--by", "decided_by", default=None, help="Who decides (default: user@host).")
 @user_errors
@@ -283,3 +315,36 @@ def demo() -> None:
 def schema() -> None:
     """Print the run spec's JSON Schema (Draft 2020-12); docs/run-spec.schema.json is a copy of it."""
     click.echo(json.dumps(run_spec_json_schema(), indent=2))
+
+
+@main.group()
+def catalog() -> None:
+    """The operator's catalog of MCP servers and models (RUNBRAKE_CATALOG)."""
+
+
+@catalog.command("check")
+@click.argument("path", required=False, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print what the catalog defines as JSON.")
+@user_errors
+def catalog_check(path: str | None, as_json: bool) -> None:
+    """Load the catalog (PATH, or RUNBRAKE_CATALOG), report every problem at once (exit 2), and list what
+    it defines; secrets show as ${VAR} with whether VAR is set here, never their values."""
+    where = path or settings_from_env().catalog
+    if not where:
+        fail("no catalog: give a PATH or set RUNBRAKE_CATALOG", EXIT_BAD_INPUT)
+    described = Catalog.load(where).describe()
+    if as_json:
+        emit_json(described)
+        return
+    click.echo(f"{where}: ok")
+    for name, server in described["mcp_servers"].items():
+        target = server.get("url") or " ".join([server["command"], *server["args"]])
+        secrets = {**server.get("headers", {}), **server.get("env", {})}
+        unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
+        click.echo(f"  server {name} ({server['transport']}): {target}"
+                   + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
+                   + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
+    for name, model in described["models"].items():
+        key = model["api_key_env"]
+        state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
+        click.echo(f"  model {name}: {model['model']} at {model['base_url']}{state}")

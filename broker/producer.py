@@ -8,7 +8,8 @@ import structlog
 
 from runbrake.broker.rabbitmq import RunbrakeBroker
 from runbrake.broker.wire import Topology, run_message
-from runbrake.shared.errors import PublishError
+from runbrake.shared.catalog import Admission, Catalog
+from runbrake.shared.errors import IdempotencyConflict, PublishError
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.store import RunStore
@@ -26,12 +27,17 @@ class Enqueued:
 
 
 class Producer:
-    """Enqueues runs and resume messages."""
+    """Enqueues runs and resume messages.
 
-    def __init__(self, store: RunStore, broker: RunbrakeBroker) -> None:
+    Every spec passes ``admission`` first (the operator's catalog, the inline policy, the bounds);
+    without one, the strictest policy applies: an empty catalog, inline servers and models refused.
+    """
+
+    def __init__(self, store: RunStore, broker: RunbrakeBroker, admission: Admission | None = None) -> None:
         self._store = store
         self._broker = broker
         self._topology = Topology(store.namespace)
+        self._admission = Admission(Catalog.empty()) if admission is None else admission
 
     def enqueue(self, spec: RunSpec) -> Enqueued:
         """Persist the run (queued, with its request) and send its message.
@@ -42,10 +48,15 @@ class Producer:
         and sends nothing.
 
         Raises:
+            SpecError: the spec breaks the admission policy (nothing written or sent).
+            IdempotencyConflict: the idempotency key created a run from a different spec.
             StoreError: when Redis cannot be reached (nothing was sent).
             PublishError: when RabbitMQ did not confirm the message (the run is failed).
         """
+        self._admission.admit(spec)
         created = self._store.create(spec.raw, idempotency_key=spec.idempotency_key)
+        if created.conflict:
+            raise IdempotencyConflict(spec.idempotency_key or "", created.run_id)
         if not created.created:
             status = self._store.status(created.run_id)
             log.info("enqueue_deduplicated", run_id=created.run_id, status=status.value)

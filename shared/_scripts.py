@@ -61,15 +61,22 @@ end
 """
 
 # KEYS: run, idempotency (may be a dummy key), index.
-# ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, events channel
+# ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, request digest,
+#   events channel
+# The idempotency key holds "<run_id> <digest of the request>": the same key with another request is a
+# conflict, answered {0, run_id, 'conflict'}, never silently the other run.
 CREATE = _script("create", _ANNOUNCE + """
 if ARGV[4] == '1' then
   local existing = redis.call('GET', KEYS[2])
-  if existing then return {0, existing} end
+  if existing then
+    local id, digest = string.match(existing, '^(%S+) ?(%S*)$$')
+    if digest ~= '' and digest ~= ARGV[6] then return {0, id, 'conflict'} end
+    return {0, id}
+  end
 end
 redis.call('HSET', KEYS[1], 'run_id', ARGV[1], 'status', '$status_queued', 'termination_reason', '',
   'created_at', ARGV[3], 'request', ARGV[2], 'seq', 0, 'idempotency_key', ARGV[5])
-if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1]) end
+if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[6]) end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 announce(ARGV[1], '$status_queued', '')
 return {1, ARGV[1]}

@@ -21,6 +21,7 @@ Keys, all under the namespace (``{run_id}`` is a hash tag, so a run's keys share
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -46,6 +47,7 @@ from runbrake.shared.records import (
     read_record,
     read_step,
 )
+from runbrake.shared.redaction import scrub
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
 
@@ -218,18 +220,23 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
     now = time.time()
     idem = keys.idempotency(idempotency_key or "-")
 
+    request_json = json.dumps(request, sort_keys=True)
+    digest = hashlib.sha256(request_json.encode()).hexdigest()
+
     def parse(answers: list[Any]) -> Created:
-        won, value = answers[0]
+        won, value, *conflict = answers[0]
         if won:
             log.info("run_created", run_id=run_id)
+        elif conflict:
+            log.info("run_create_conflict", run_id=value, idempotency_key=idempotency_key)
         else:
             log.info("run_create_deduplicated", run_id=value, idempotency_key=idempotency_key)
-        return Created(run_id=str(value), created=bool(won))
+        return Created(run_id=str(value), created=bool(won), conflict=bool(conflict))
 
     return _script(
         _scripts.CREATE, (keys.run(run_id), idem, keys.index),
-        (run_id, json.dumps(request, sort_keys=True), repr(now), "1" if idempotency_key else "0",
-         idempotency_key or "", keys.events),
+        (run_id, request_json, repr(now), "1" if idempotency_key else "0", idempotency_key or "", digest,
+         keys.events),
         "create a run", parse,
     )
 
@@ -278,7 +285,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return _script(
         _scripts.SETTLE, (keys.run(run_id), keys.leases),
-        (status.value, reason.value, owner or "", repr(time.time()), error[:MAX_ERROR_CHARS],
+        (status.value, reason.value, owner or "", repr(time.time()), scrub(error[:MAX_ERROR_CHARS]),
          "" if required_status is None else required_status.value, run_id, keys.events),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
     )
@@ -315,7 +322,7 @@ def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
 
     return _script(
         _scripts.APPEND_STEP, (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id)),
-        (json.dumps(body, separators=(",", ":")), repr(recorded_at), counter, run_id, keys.events),
+        (scrub(json.dumps(body, separators=(",", ":"))), repr(recorded_at), counter, run_id, keys.events),
         f"append a step to run {run_id}", parse,
     )
 

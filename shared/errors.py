@@ -6,6 +6,9 @@
      ├── StoreError              Redis could not be reached or answered nonsense
      ├── RunNotFound             no run with that id
      ├── TransitionRefused       a guarded transition found another status
+     ├── RunBoundReached         a run reached max_steps or the tool calls a turn may ask for
+     ├── IdempotencyConflict     an idempotency key came again with a different spec
+     ├── InvalidRunId            a malformed run id
      ├── PublishError            RabbitMQ did not take (or confirm) a message
      ├── ProviderError           the model provider failed
      └── ToolTransportError      an MCP call did not produce a result
@@ -26,6 +29,10 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runbrake.shared.status import TerminationReason
 
 
 class RunbrakeError(Exception):
@@ -137,6 +144,33 @@ class TransitionRefused(RunbrakeError):
         self.run_id = run_id
         self.transition = transition
         self.found = found
+
+
+class RunBoundReached(RunbrakeError):
+    """Raised when a run reaches one of its bounds (``max_steps``, tool calls per turn); ``reason`` is
+    the termination reason it ends with."""
+
+    def __init__(self, reason: TerminationReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class IdempotencyConflict(RunbrakeError):
+    """Raised when an idempotency key that created a run comes again with a different spec."""
+
+    def __init__(self, key: str, run_id: str) -> None:
+        super().__init__(f"idempotency key {key[:100]!r} already created run {run_id} from a different spec")
+        self.key = key
+        self.run_id = run_id
+
+
+class InvalidRunId(RunbrakeError):
+    """Raised when a run id is malformed (runbrake's ids are 32 lowercase hex characters)."""
+
+    def __init__(self, value: str) -> None:
+        shown = value if len(value) <= 100 else value[:100] + "…"
+        super().__init__(f"not a run id: {shown!r} (run ids are 32 lowercase hex characters)")
+        self.value = value
 
 
 class PublishError(RunbrakeError):

@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from runbrake.shared import redaction
+
 _configured = False
 
 
@@ -31,10 +33,12 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # Last before rendering, so that exceptions formatted into text are scrubbed too (docs/security.md).
+    redact: list[structlog.types.Processor] = [redaction.processor]
     # The console renderer formats exceptions itself; JSON needs them turned into a string field.
     exceptions: list[structlog.types.Processor] = [structlog.processors.format_exc_info] if as_json else []
     structlog.configure(
-        processors=[*shared_processors, structlog.processors.StackInfoRenderer(), *exceptions, renderer],
+        processors=[*shared_processors, structlog.processors.StackInfoRenderer(), *exceptions, *redact, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
@@ -42,7 +46,7 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     handler = _StructlogOutput()
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(processors=[
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer,
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta, *redact, renderer,
         ], foreign_pre_chain=shared_processors)
     )
     root = logging.getLogger()

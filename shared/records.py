@@ -7,16 +7,32 @@ synchronous store (``shared/store.py``) and the asynchronous one (``shared/async
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
+from runbrake.shared.errors import InvalidRunId
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 
 log = structlog.get_logger(__name__)
+
+RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
+"""What a run id looks like: the store generates them (uuid4, hex)."""
+
+
+def check_run_id(value: str) -> str:
+    """``value`` when it is a well-formed run id.
+
+    Raises:
+        InvalidRunId: echoing at most 100 characters of it.
+    """
+    if not RUN_ID.fullmatch(value):
+        raise InvalidRunId(value)
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +71,12 @@ class Claim(Transition):
 
 @dataclass(frozen=True, slots=True)
 class Created:
-    """What a create did: the run id, and False when an idempotency key named an existing run."""
+    """What a create did: the run id, and False when an idempotency key named an existing run (with
+    ``conflict`` when that run was created from a different request)."""
 
     run_id: str
     created: bool
+    conflict: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ __all__ = [
 
 DEFAULT_MAX_ROUNDS: Final = 8
 DEFAULT_TOOL_TIMEOUT_S: Final = 60.0
+DEFAULT_MAX_STEPS: Final = 200
 SCHEMA_ID: Final = "urn:runbrake:run-spec"
 """The schema's ``$id``: a name, not a location (the file lives in docs/run-spec.schema.json)."""
 
@@ -64,7 +65,7 @@ _SERVERS_CONTEXT: Final = "runbrake.spec.servers"
 
 def _refuse(problem: str) -> ValueError:
     """A broken rule of runbrake's own: pydantic reports a ValueError raised in a validator as a
-    ``value_error`` at the value, and :func:`_problems` shows ``problem`` as it is."""
+    ``value_error`` at the value, and :func:`problems_of` shows ``problem`` as it is."""
     return ValueError(problem)
 
 
@@ -149,7 +150,7 @@ _SPEC_CONFIG: Final = ConfigDict(extra="forbid", strict=True, use_attribute_docs
 field docstrings as the JSON Schema's descriptions."""
 
 
-class _SpecModel(BaseModel):
+class SpecModel(BaseModel):
     """A part of the run spec with the spec's rules, immutable."""
 
     model_config = ConfigDict(**_SPEC_CONFIG, frozen=True)
@@ -281,17 +282,32 @@ ModelSpec: TypeAlias = Annotated[
 _PROVIDERS: Final = _union_tags(ModelSpec)
 
 
-class _ServerSpec(_SpecModel):
-    """What every MCP server spec has: its name, filled in from its key in mcp_servers."""
+class _ServerSpec(SpecModel):
+    """What every MCP server spec has: its name, filled in from its key in mcp_servers, and what only an
+    operator's catalog may say about it (docs/security.md): which tools are allowed, how many calls
+    may be in flight, the default time a call may take."""
 
     name: SkipJsonSchema[str] = Field(default="", exclude=True)
     """The server's key in mcp_servers (not part of the JSON object)."""
+    tools: SkipJsonSchema[tuple[_NonEmpty, ...] | None] = Field(default=None, strict=False)
+    """Catalog only: the tools a run may see and call; others are invisible to the model and refused."""
+    max_concurrency: SkipJsonSchema[Annotated[int, Field(ge=1, le=100_000)] | None] = None
+    """Catalog only: calls in flight to this server per worker process."""
+    timeout_s: SkipJsonSchema[Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] | None] = None
+    """Catalog only: the default time one call may take, in seconds."""
 
     @field_validator("name", mode="before")
     @classmethod
     def _not_in_the_json(cls, value: object, info: ValidationInfo) -> object:
         if _in_a_whole_spec(info):
             raise _refuse("unknown field (a server's name is its key in mcp_servers)")
+        return value
+
+    @field_validator("tools", "max_concurrency", "timeout_s", mode="before")
+    @classmethod
+    def _catalog_only(cls, value: object, info: ValidationInfo) -> object:
+        if _in_a_whole_spec(info):
+            raise _refuse("unknown field (only an operator's catalog sets it)")
         return value
 
 
@@ -302,6 +318,16 @@ class HttpServerSpec(_ServerSpec):
     """Streamable HTTP; may be left out when 'url' is given."""
     url: _HttpUrl
     """The server's MCP endpoint, e.g. http://127.0.0.1:3001/mcp."""
+    headers: SkipJsonSchema[dict[str, str]] = Field(default_factory=dict)
+    """Catalog only: HTTP headers sent to the server; ``${VAR}`` is expanded from the worker's environment
+    when it connects, never written anywhere."""
+
+    @field_validator("headers", mode="before")
+    @classmethod
+    def _headers_catalog_only(cls, value: object, info: ValidationInfo) -> object:
+        if _in_a_whole_spec(info):
+            raise _refuse("unknown field (only an operator's catalog sets it)")
+        return value
 
 
 class StdioServerSpec(_ServerSpec):
@@ -355,15 +381,51 @@ McpServerSpec: TypeAlias = Annotated[
 """How to reach one MCP server; a new transport is one more member here."""
 _TRANSPORTS: Final = _union_tags(McpServerSpec)
 
+_CATALOG_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _catalog_name(value: str) -> str:
+    if not _CATALOG_NAME.fullmatch(value) or "__" in value:
+        raise _refuse("catalog names are 1 to 64 letters, digits, '-' or '_', without '__'")
+    return value
+
+
+_CatalogName = Annotated[
+    str, AfterValidator(_catalog_name),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 64, "not": {"pattern": "[^A-Za-z0-9_-]|__"}}),
+]
+
+
+def _form(value: Any) -> str:
+    """Which form a reference takes: a catalog name (a string, or a list of them) or an inline definition."""
+    return "catalog" if isinstance(value, str | list | tuple) else "inline"
+
+
+ModelRef: TypeAlias = Annotated[
+    Annotated[_CatalogName, Tag("catalog")] | Annotated[ModelSpec, Tag("inline")],
+    Discriminator(_form),
+]
+"""A model: the name of one in the operator's catalog, or inline (``scripted``; ``openai`` only where
+inline definitions are allowed)."""
+
+ServersRef: TypeAlias = Annotated[
+    Annotated[tuple[_CatalogName, ...], Tag("catalog"), _LIST_AS_TUPLE]
+    | Annotated[dict[_ServerName, McpServerSpec], Tag("inline")],
+    Discriminator(_form),
+]
+"""The MCP servers: names in the operator's catalog, or inline definitions by name (development only)."""
+
 _TAGGED_UNIONS: Final[tuple[tuple[tuple[str | None, ...], frozenset[str]], ...]] = (
+    (("model",), frozenset({"catalog", "inline"})),
     (("model",), _PROVIDERS),
+    (("mcp_servers",), frozenset({"catalog", "inline"})),
     (("mcp_servers", None), _TRANSPORTS),  # None: any server name
 )
 """Where the spec has a tagged union, and its tags: pydantic puts a member's tag into an error's loc
 (``model.scripted.turns``), a level the JSON does not have."""
 
 
-class RunSpec(_SpecModel):
+class RunSpec(SpecModel):
     """A run spec: the input, the model, the MCP servers and the bounds of one run.
 
     Build one with :meth:`parse` or :meth:`from_json`: they check the references between
@@ -372,10 +434,12 @@ class RunSpec(_SpecModel):
 
     input: _Text
     """The user's message that starts the run."""
-    model: ModelSpec
-    """The model provider: 'scripted' (deterministic turns) or 'openai' (an OpenAI-compatible endpoint)."""
-    mcp_servers: dict[_ServerName, McpServerSpec] = Field(default_factory=dict)
-    """The MCP servers the run may call, by name: streamable HTTP ('url') or stdio ('command')."""
+    model: ModelRef
+    """The model: the name of one in the operator's catalog, or inline: 'scripted' (deterministic turns), or
+    'openai' (an OpenAI-compatible endpoint; inline only where RUNBRAKE_ALLOW_INLINE=true)."""
+    mcp_servers: ServersRef = ()
+    """The MCP servers the run may call: names in the operator's catalog (a list), or, only where
+    RUNBRAKE_ALLOW_INLINE=true, inline definitions by name: streamable HTTP ('url') or stdio ('command')."""
     max_rounds: Annotated[int, Field(ge=1, le=1000)] = DEFAULT_MAX_ROUNDS
     """Model calls allowed; reaching it fails the run with reason max_rounds."""
     approval_required: Annotated[
@@ -386,14 +450,27 @@ class RunSpec(_SpecModel):
     idempotency_key: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     """The same key returns the same run and sends nothing."""
     tool_timeout_s: Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] = DEFAULT_TOOL_TIMEOUT_S
-    """Seconds one tool call may take; a timeout is recorded failed."""
+    """Seconds one tool call may take (at most the catalog's timeout_s for the server); a timeout is
+    recorded failed."""
+    max_steps: Annotated[int, Field(ge=1, le=1_000_000)] = DEFAULT_MAX_STEPS
+    """Steps the run may record, all segments together (at most RUNBRAKE_MAX_STEPS_CAP); reaching it fails
+    the run with reason max_steps."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @field_validator("mcp_servers", mode="after")
     @classmethod
-    def _named(cls, servers: dict[str, McpServerSpec]) -> dict[str, McpServerSpec]:
+    def _named(
+        cls, servers: tuple[str, ...] | dict[str, McpServerSpec]
+    ) -> tuple[str, ...] | dict[str, McpServerSpec]:
+        if isinstance(servers, tuple):
+            return servers
         return {name: server.model_copy(update={"name": name}) for name, server in servers.items()}
+
+    @property
+    def server_names(self) -> tuple[str, ...]:
+        """The names of the servers the run may call, whichever form declared them."""
+        return tuple(self.mcp_servers)
 
     @property
     def raw(self) -> dict[str, Any]:
@@ -436,12 +513,15 @@ class RunSpec(_SpecModel):
             raise SpecError("spec", f"not valid JSON ({_reason(exc)})") from exc
         if not isinstance(raw, dict):
             raise SpecError("spec", "must be a JSON object")
-        servers = raw.get("mcp_servers", {})
-        declared = frozenset(servers) if isinstance(servers, dict) else None
+        servers = raw.get("mcp_servers", [])
+        declared = (
+            frozenset(servers) if isinstance(servers, dict)
+            else frozenset(s for s in servers if isinstance(s, str)) if isinstance(servers, list) else None
+        )
         try:
             spec = cls.model_validate_json(text, context={_SERVERS_CONTEXT: declared})
         except ValidationError as exc:
-            raise SpecError.from_problems(_problems(exc)) from exc
+            raise SpecError.from_problems(problems_of(exc)) from exc
         spec._raw = raw
         return spec
 
@@ -468,7 +548,7 @@ _MESSAGES: Final = {
 }
 
 
-def _problems(exc: ValidationError) -> list[FieldProblem]:
+def problems_of(exc: ValidationError) -> list[FieldProblem]:
     """pydantic's errors as runbrake's problems, each at its place in the JSON."""
     return [
         FieldProblem(loc=_json_loc(error["loc"]), msg=_message(error["type"], error["msg"], error.get("ctx", {})))

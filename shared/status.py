@@ -51,6 +51,9 @@ class TerminationReason(StrEnum):
     TIME_LIMIT = "time_limit"
     WORKER_SHUTDOWN = "worker_shutdown"
     ENQUEUE_FAILED = "enqueue_failed"
+    SPEC_REFUSED = "spec_refused"
+    MAX_STEPS = "max_steps"
+    TOO_MANY_TOOL_CALLS = "too_many_tool_calls"
     UNKNOWN = "unknown"
 
     @classmethod

@@ -56,7 +56,8 @@ class RunStep:
     error: str | None = None
     """A model step whose call failed: the provider's message."""
     detail: Mapping[str, Any] = field(default_factory=dict)
-    """Kind-specific data: a model step's tool calls, a tool step's arguments, an approval's decision."""
+    """Kind-specific data: a model step's tool calls (with their arguments: stored once, there), an
+    approval's decision."""
 
     def __post_init__(self) -> None:
         if self.kind is StepKind.TOOL:
@@ -93,7 +94,7 @@ class RunStep:
             outcome=result.outcome,
             content=result.content,
             call_id=call_id,
-            detail={"arguments": dict(arguments or {})},
+            detail={} if arguments is None else {"arguments": dict(arguments)},
             duration_ms=duration_ms,
             recorded_at=recorded_at,
         )

@@ -10,6 +10,7 @@ inside a scope the hooks hand out, so a cancel message can interrupt it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -19,7 +20,8 @@ from typing import Any, Protocol
 
 import anyio
 
-from runbrake.shared.errors import ProviderError
+from runbrake.shared.errors import ProviderError, RunBoundReached
+from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.tool_result import ToolResult
 from runbrake.worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
@@ -110,6 +112,8 @@ class ToolLoop:
         *,
         max_rounds: int,
         approval_required: frozenset[str] = frozenset(),
+        max_tool_calls_per_turn: int = 32,
+        max_argument_chars: int = 16_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._provider = provider
@@ -117,6 +121,8 @@ class ToolLoop:
         self._hooks = hooks
         self._max_rounds = max_rounds
         self._approval_required = approval_required
+        self._max_tool_calls_per_turn = max_tool_calls_per_turn
+        self._max_argument_chars = max_argument_chars
         self._clock = clock
 
     async def run(self, state: LoopState) -> LoopEnd:
@@ -140,6 +146,12 @@ class ToolLoop:
             if not turn.tool_calls:
                 return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
             await self._hooks.record(step)
+            if len(turn.tool_calls) > self._max_tool_calls_per_turn:
+                raise RunBoundReached(
+                    TerminationReason.TOO_MANY_TOOL_CALLS,
+                    f"the model asked for {len(turn.tool_calls)} tool calls in one turn; the limit is "
+                    f"{self._max_tool_calls_per_turn} (RUNBRAKE_MAX_TOOL_CALLS_PER_TURN)",
+                )
             suspended = await self._run_calls(state, list(turn.tool_calls))
             if suspended is not None:
                 return suspended
@@ -177,7 +189,8 @@ class ToolLoop:
             round=round_number,
             duration_ms=duration_ms,
             content=turn.content or "",
-            detail={"tool_calls": [c.to_dict() for c in turn.tool_calls]},
+            # The one place a call's arguments are stored (the tool step names the call by its id), bounded.
+            detail={"tool_calls": [_bounded(c.to_dict(), self._max_argument_chars) for c in turn.tool_calls]},
         )
 
     async def _run_calls(self, state: LoopState, calls: list[ToolCall]) -> LoopEnd | None:
@@ -197,7 +210,6 @@ class ToolLoop:
                     name=call.tool,
                     result=result,
                     call_id=call.id,
-                    arguments=call.arguments,
                     duration_ms=_ms(self._clock() - started),
                 )
             )
@@ -205,6 +217,14 @@ class ToolLoop:
         state.pending_calls = []
         state.approved_call_id = None
         return None
+
+
+def _bounded(call: dict[str, Any], max_chars: int) -> dict[str, Any]:
+    """A call as stored: arguments longer than ``max_chars`` (as JSON) are kept as a cut excerpt."""
+    text = json.dumps(call["arguments"], separators=(",", ":"))
+    if len(text) > max_chars:
+        call["arguments"] = {"_truncated": text[:max_chars], "_chars": len(text)}
+    return call
 
 
 def _ms(seconds: float) -> int:

@@ -17,7 +17,7 @@ from runbrake.shared.tool_result import ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_transport import McpConnection
 
-__all__ = ["execute", "not_connected"]
+__all__ = ["execute", "not_allowed", "not_connected"]
 
 
 async def execute(
@@ -57,6 +57,13 @@ def not_connected(call: ToolCall, *, max_chars: int, reason: str | None = None) 
     message = f"MCP server {call.server!r} is not connected; {call.tool} was not called"
     if reason:
         message = f"{message}: {reason}"
+    return ToolResult.error(message).with_bounded_channels(max_chars)
+
+
+def not_allowed(call: ToolCall, allowed: tuple[str, ...], *, max_chars: int) -> ToolResult:
+    """The failed result of a call to a tool the operator's catalog does not allow on that server; the
+    tool is not called."""
+    message = f"{call.server} does not allow the tool {call.tool!r} (allowed: {', '.join(allowed)}); it was not called"
     return ToolResult.error(message).with_bounded_channels(max_chars)
 
 

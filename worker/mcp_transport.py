@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -35,6 +36,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 from pydantic import ValidationError
 
+from runbrake.shared.catalog import expand
 from runbrake.shared.errors import ToolTransportError
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.worker.conversation import ToolInfo
@@ -257,15 +259,24 @@ async def _target(spec: McpServerSpec, stack: AsyncExitStack) -> Transport | Std
             # The SDK's default HTTP client builds a new SSL context per connection: ~50 ms of CPU on
             # the event loop every segment, stalling every run on it (bench/throughput.py profile).
             # One context per process, and a client per connection that this task closes.
+            # Catalog headers are expanded here, in the worker, when it connects (docs/security.md).
+            headers = {
+                name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.headers.{name}")
+                for name, value in spec.headers.items()
+            }
             http = await stack.enter_async_context(
-                httpx2.AsyncClient(verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0))
+                httpx2.AsyncClient(verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers)
             )
             return streamable_http_client(spec.url, http_client=http)
         case StdioServerSpec():
             # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
             # worker's whole environment with its credentials.
+            env = {
+                name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.env.{name}")
+                for name, value in spec.env.items()
+            }
             return StdioServerParameters(
-                command=spec.command, args=list(spec.args), env=get_default_environment() | dict(spec.env)
+                command=spec.command, args=list(spec.args), env=get_default_environment() | env
             )
         case _:
             assert_never(spec)

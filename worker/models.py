@@ -23,6 +23,7 @@ from openai.types.chat import (
     ChatCompletionMessageParam,
 )
 
+from runbrake.shared import redaction
 from runbrake.shared.errors import ProviderError
 from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
 from runbrake.worker.conversation import TOOL_NAME_SEPARATOR, Message, ModelTurn, ToolCall, ToolInfo
@@ -119,7 +120,8 @@ class OpenAIProvider:
             )
         except OpenAIError as exc:
             # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-            raise ProviderError(f"{self._spec.base_url} ({self._spec.model}): {exc}") from exc
+            # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
+            raise ProviderError(f"{self._spec.base_url} ({self._spec.model}): {_excerpt(str(exc))}") from exc
         finally:
             with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
                 await client.close()
@@ -133,7 +135,16 @@ class OpenAIProvider:
         value = os.environ.get(name)
         if not value:
             raise ProviderError(f"API key variable {name} is not set")
+        redaction.remember(value)
         return value
+
+
+_ERROR_EXCERPT_CHARS = 300
+
+
+def _excerpt(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _ERROR_EXCERPT_CHARS else text[:_ERROR_EXCERPT_CHARS] + "…"
 
 
 def provider_for(spec: ModelSpec) -> ModelProvider:

@@ -13,6 +13,7 @@ from dramatiq import Worker
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology
 from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.catalog import Admission
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
@@ -37,7 +38,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     store.ping()
     registry = ActiveRuns()
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
-    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry)
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings))
     broker = build_broker(settings)
     topology = Topology.of(settings)
     declare_run_actor(broker, runtime, settings)

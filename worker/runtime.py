@@ -23,7 +23,8 @@ import anyio
 import structlog
 
 from runbrake.shared.async_store import AsyncRunStore
-from runbrake.shared.errors import CancelRequested, ProviderError, RunbrakeError
+from runbrake.shared.catalog import Admission, AdmittedRun
+from runbrake.shared.errors import CancelRequested, ProviderError, RunBoundReached, RunbrakeError, SpecError
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import Claim
 from runbrake.shared.settings import Settings
@@ -62,9 +63,10 @@ class RunHooks:
     cancel the listener already verified needs no read at all.
     """
 
-    def __init__(self, store: AsyncRunStore, handle: RunHandle) -> None:
+    def __init__(self, store: AsyncRunStore, handle: RunHandle, *, max_steps: int) -> None:
         self._store = store
         self._handle = handle
+        self._max_steps = max_steps
         self._probed = False
         """True from a probe until the next call starts: nothing happened since that could matter."""
 
@@ -78,6 +80,9 @@ class RunHooks:
             await self._observe_cancel_latency(appended.step)
         if appended.cancelled or self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
+        if appended.step.sequence >= self._max_steps:
+            raise RunBoundReached(TerminationReason.MAX_STEPS,
+                                  f"the run recorded its {self._max_steps} steps (max_steps)")
 
     async def checkpoint(self) -> None:
         if self._handle.cancel_seen:
@@ -106,10 +111,13 @@ def new_owner() -> str:
 class Runtime:
     """Executes run segments in one worker process."""
 
-    def __init__(self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns) -> None:
+    def __init__(
+        self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission
+    ) -> None:
         self._settings = settings
         self._store = store
         self.registry = registry
+        self._admission = admission
 
     async def execute(self, run_id: str, *, resume: bool = False) -> RunOutcome:
         """Claim and run one segment of a run. Never raises for the run's own failures."""
@@ -130,9 +138,17 @@ class Runtime:
             return outcome
 
     async def _ladder(self, run_id: str, owner: str, handle: RunHandle, claim: Claim, *, resume: bool) -> RunOutcome:
-        hooks = RunHooks(self._store, handle)
         try:
-            spec = RunSpec.parse(claim.request)
+            # Checked again here: a producer can be bypassed by publishing to the queue directly.
+            # A refused spec starts no process and opens no connection (docs/security.md).
+            admitted = self._admission.admit(RunSpec.parse(claim.request))
+        except SpecError as exc:
+            log.warning("run_spec_refused", problems=[f"{p.field}: {p.msg}" for p in exc.problems])
+            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.SPEC_REFUSED,
+                                      f"spec refused: {exc}")
+        spec = admitted.spec
+        hooks = RunHooks(self._store, handle, max_steps=spec.max_steps)
+        try:
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
                 await hooks.record(
@@ -140,11 +156,14 @@ class Runtime:
                             detail={"decision": "approved", "call": state.pending_calls[0].to_dict()})
                 )
             with anyio.fail_after(self._settings.run_time_limit_s):
-                end = await self._run_loop(spec, state, hooks)
+                end = await self._run_loop(admitted, state, hooks)
         except CancelRequested:
             log.info("run_cancelled_at_boundary")
             metrics.RUNS_FINISHED.labels(status=RunStatus.CANCELLED.value).inc()
             return RunOutcome.CANCELLED
+        except RunBoundReached as exc:
+            log.warning("run_bound_reached", reason=exc.reason.value, error=str(exc))
+            return await self._settle(run_id, owner, RunStatus.FAILED, exc.reason, str(exc))
         except ProviderError as exc:
             log.warning("run_provider_failed", error=str(exc))
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.PROVIDER_FAILED, str(exc))
@@ -174,13 +193,18 @@ class Runtime:
             return self._lost(transition.found)
         return self._settled(RunStatus.COMPLETED, TerminationReason.COMPLETED)
 
-    async def _run_loop(self, spec: RunSpec, state: LoopState, hooks: RunHooks) -> LoopEnd:
+    async def _run_loop(self, admitted: AdmittedRun, state: LoopState, hooks: RunHooks) -> LoopEnd:
+        spec = admitted.spec
+        # An explicit tool_timeout_s applies up to each server's catalog timeout; without one, the catalog's.
+        timeout_s = spec.tool_timeout_s if "tool_timeout_s" in spec.raw else None
         async with Toolbox.open(
-            spec.mcp_servers, timeout_s=spec.tool_timeout_s, max_chars=self._settings.max_tool_result_chars
+            admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars
         ) as toolbox:
             loop = ToolLoop(
-                provider_for(spec.model), toolbox, hooks,
+                provider_for(admitted.model), toolbox, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
+                max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
+                max_argument_chars=self._settings.max_argument_chars,
             )
             # An exception (CancelRequested too) leaves the toolbox unwrapped: each MCP client lives in
             # a task of its own, so no task group of the SDK's lies between the loop and the ladder.

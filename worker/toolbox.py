@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Final
 
 import anyio
 import structlog
@@ -18,11 +19,32 @@ from runbrake.worker.mcp_transport import McpConnection
 log = structlog.get_logger(__name__)
 
 
+DEFAULT_TIMEOUT_S: Final = 60.0
+
+_limiters: dict[str, anyio.CapacityLimiter] = {}
+"""Per worker process (one event loop): calls in flight per catalog server, for its max_concurrency."""
+
+
+def _limiter(server: McpServerSpec) -> anyio.CapacityLimiter | None:
+    if server.max_concurrency is None:
+        return None
+    limiter = _limiters.get(server.name)
+    if limiter is None or limiter.total_tokens != server.max_concurrency:
+        limiter = _limiters[server.name] = anyio.CapacityLimiter(server.max_concurrency)
+    return limiter
+
+
 class Toolbox:
     """Runs tool calls on the segment's connections. A server that could not be reached
-    stays in the toolbox as unavailable: its calls are recorded failed and the run goes on."""
+    stays in the toolbox as unavailable: its calls are recorded failed and the run goes on.
 
-    def __init__(self, *, timeout_s: float, max_chars: int) -> None:
+    What the operator's catalog says of a server applies here: only its allowed ``tools`` are
+    shown to the model and may be called, at most ``max_concurrency`` calls are in flight per
+    process, and its ``timeout_s`` is a call's default and upper bound.
+    """
+
+    def __init__(self, servers: Mapping[str, McpServerSpec], *, timeout_s: float | None, max_chars: int) -> None:
+        self._servers = servers
         self._connections: dict[str, McpConnection] = {}
         self._unavailable: dict[str, str] = {}
         self._tools: list[ToolInfo] = []
@@ -32,10 +54,16 @@ class Toolbox:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, servers: Mapping[str, McpServerSpec], *, timeout_s: float, max_chars: int
+        cls, servers: Mapping[str, McpServerSpec], *, timeout_s: float | None, max_chars: int
     ) -> AsyncIterator[Toolbox]:
-        """Connect to every server and list its tools; closes them all on exit, in this task."""
-        toolbox = cls(timeout_s=timeout_s, max_chars=max_chars)
+        """Connect to every server and list its tools; closes them all on exit, in this task.
+
+        Args:
+            servers: the servers by name.
+            timeout_s: the run's own limit for one call, if it set one (capped by a server's timeout_s).
+            max_chars: the bound on each content channel of a result.
+        """
+        toolbox = cls(servers, timeout_s=timeout_s, max_chars=max_chars)
         async with AsyncExitStack() as stack:
             for name, spec in servers.items():
                 try:
@@ -46,7 +74,7 @@ class Toolbox:
                     toolbox._unavailable[name] = str(exc)
                     continue
                 toolbox._connections[name] = connection
-                toolbox._tools.extend(tools)
+                toolbox._tools.extend(t for t in tools if spec.tools is None or t.name in spec.tools)
             yield toolbox
 
     @property
@@ -57,6 +85,20 @@ class Toolbox:
         connection = self._connections.get(call.server)
         if connection is None:
             return mcp_tool.not_connected(call, max_chars=self._max_chars, reason=self._unavailable.get(call.server))
+        server = self._servers[call.server]
+        if server.tools is not None and call.tool not in server.tools:
+            return mcp_tool.not_allowed(call, server.tools, max_chars=self._max_chars)
+        limiter = _limiter(server)
+        if limiter is None:
+            return await self._call(connection, server, call, interrupt)
+        async with limiter:
+            return await self._call(connection, server, call, interrupt)
+
+    async def _call(
+        self, connection: McpConnection, server: McpServerSpec, call: ToolCall, interrupt: anyio.CancelScope
+    ) -> ToolResult:
+        limits = [t for t in (self._timeout_s, server.timeout_s) if t is not None]
+        timeout_s = min(limits) if limits else DEFAULT_TIMEOUT_S
         return await mcp_tool.execute(
-            connection, call, timeout_s=self._timeout_s, interrupt=interrupt, max_chars=self._max_chars
+            connection, call, timeout_s=timeout_s, interrupt=interrupt, max_chars=self._max_chars
         )

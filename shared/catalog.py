@@ -1,0 +1,315 @@
+"""The operator's catalog, and admission: which MCP servers and models a run may reach.
+
+Whoever can enqueue a run must not choose what a worker starts or where it sends its
+secrets (docs/security.md). So the operator names the servers and models in a TOML file
+(``RUNBRAKE_CATALOG``), and a spec names them::
+
+    [mcp_servers.everything]
+    url = "https://tools.internal/mcp"
+    headers = { Authorization = "Bearer ${TOOLS_TOKEN}" }
+    tools = ["get-sum", "echo"]
+    max_concurrency = 16
+    timeout_s = 60
+
+    [models.default]
+    provider = "openai"
+    base_url = "https://api.openai.com/v1"
+    model = "gpt-4.1-mini"
+    api_key_env = "OPENAI_API_KEY"
+
+``${VAR}`` in header and env values is expanded from the worker's environment when it
+connects (:func:`expand`), never before: the values are never written to Redis, logged or
+put in a step. :class:`Admission` decides whether a spec may run: at enqueue (refused:
+exit 2, nothing written) and again when a worker claims it (refused: ``spec_refused``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+from pydantic import Field, ValidationError
+
+from runbrake.shared import redaction
+from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
+from runbrake.shared.settings import Settings
+from runbrake.shared.spec import (
+    HttpServerSpec,
+    McpServerSpec,
+    ModelSpec,
+    OpenAIModel,
+    RunSpec,
+    ScriptedModel,
+    SpecModel,
+    StdioServerSpec,
+    problems_of,
+)
+
+__all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "expand", "variables_in"]
+
+_VARIABLE: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+log = structlog.get_logger(__name__)
+
+ServerSpec = HttpServerSpec | StdioServerSpec
+_DEFAULTS: Final = Settings()
+
+
+class Catalog(SpecModel):
+    """What the operator allows: MCP servers and models by name."""
+
+    mcp_servers: dict[str, McpServerSpec] = Field(default_factory=dict)
+    """The MCP servers a spec may name."""
+    models: dict[str, OpenAIModel] = Field(default_factory=dict)
+    """The models a spec may name (the ``scripted`` provider needs no entry: it reaches nothing)."""
+
+    @classmethod
+    def empty(cls) -> Catalog:
+        return cls()
+
+    @classmethod
+    def load(cls, path: str | Path) -> Catalog:
+        """Read and check a catalog file.
+
+        Raises:
+            ConfigError: naming the file and every problem in it (``RUNBRAKE_CATALOG``).
+        """
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError("RUNBRAKE_CATALOG", f"cannot read {path}: {exc.strerror}") from exc
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError("RUNBRAKE_CATALOG", f"{path} is not valid TOML: {exc}") from exc
+        return cls.parse(data, where=str(path))
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], *, where: str = "catalog") -> Catalog:
+        """Check a catalog given as a mapping (as TOML reads it).
+
+        Raises:
+            ConfigError: naming every problem, each with its place (``mcp_servers.calc.url: …``).
+        """
+        try:
+            catalog = cls.model_validate_json(json.dumps(dict(data)))
+        except ValidationError as exc:
+            problems = "; ".join(f"{p.field}: {p.msg}" for p in problems_of(exc))
+            raise ConfigError("RUNBRAKE_CATALOG", f"{where}: {problems}") from exc
+        names = [f"mcp_servers.{n}" for n in catalog.mcp_servers if not _plain(n)]
+        names += [f"models.{n}" for n in catalog.models if not _plain(n)]
+        if names:
+            raise ConfigError("RUNBRAKE_CATALOG", f"{where}: names use 1 to 64 letters, digits, '-' or '_' "
+                                                  f"(no '__'): {', '.join(names)}")
+        servers = {name: server.model_copy(update={"name": name}) for name, server in catalog.mcp_servers.items()}
+        return catalog.model_copy(update={"mcp_servers": servers})
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Catalog:
+        """The catalog ``RUNBRAKE_CATALOG`` names, or an empty one."""
+        return cls.load(settings.catalog) if settings.catalog else cls.empty()
+
+    def describe(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """What the catalog defines, secrets shown as ``${VAR}`` with whether VAR is set, never its value."""
+        env = os.environ if environ is None else environ
+
+        def secret(template: str) -> dict[str, Any]:
+            return {"template": template, "variables": {v: v in env for v in variables_in(template)}}
+
+        servers: dict[str, Any] = {}
+        for name, server in self.mcp_servers.items():
+            entry: dict[str, Any] = {"transport": server.transport, "tools": server.tools,
+                                     "max_concurrency": server.max_concurrency, "timeout_s": server.timeout_s}
+            if isinstance(server, HttpServerSpec):
+                entry["url"] = server.url
+                entry["headers"] = {k: secret(v) for k, v in server.headers.items()}
+            else:
+                entry["command"] = server.command
+                entry["args"] = list(server.args)
+                entry["env"] = {k: secret(v) for k, v in server.env.items()}
+            servers[name] = entry
+        models = {
+            name: {"provider": m.provider, "base_url": m.base_url, "model": m.model, "api_key_env": m.api_key_env,
+                   "api_key_set": None if m.api_key_env is None else m.api_key_env in env}
+            for name, m in self.models.items()
+        }
+        return {"mcp_servers": servers, "models": models}
+
+
+def _plain(name: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name)) and "__" not in name
+
+
+class CatalogFile:
+    """The catalog ``RUNBRAKE_CATALOG`` names, read again when the file changes (an operator edits it, a
+    ConfigMap is updated), so workers pick up a new server without a restart. A change that does not
+    load is logged loudly and the last good catalog stays in force."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._stamp = self._stat()
+        self._catalog = Catalog.load(self.path)
+
+    def current(self) -> Catalog:
+        stamp = self._stat()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._catalog = Catalog.load(self.path)
+                log.info("catalog_reloaded", path=str(self.path))
+            except ConfigError as exc:
+                log.error(  # noqa: TRY400 - the message says it all; a traceback adds nothing
+                    "catalog_reload_failed", path=str(self.path), error=str(exc), kept="the last good catalog")
+        return self._catalog
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return None
+        return stat.st_mtime_ns, stat.st_size
+
+
+class MissingVariable(ConfigError):
+    """Raised when a ``${VAR}`` in the catalog names a variable the worker's environment does not set."""
+
+    def __init__(self, variable: str, where: str) -> None:
+        super().__init__(variable, f"is not set in the worker's environment (needed by {where})")
+
+
+def variables_in(template: str) -> list[str]:
+    """The variables a ``${VAR}`` template names."""
+    return _VARIABLE.findall(template)
+
+
+def expand(template: str, environ: Mapping[str, str], *, where: str) -> str:
+    """``template`` with every ``${VAR}`` replaced by VAR's value.
+
+    Raises:
+        MissingVariable: naming the variable (never a value) and ``where`` it was needed.
+    """
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            raise MissingVariable(name, where)
+        redaction.remember(environ[name])
+        return environ[name]
+
+    return _VARIABLE.sub(value, template)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmittedRun:
+    """A spec that may run, with what it names resolved: the servers and the model a worker uses."""
+
+    spec: RunSpec
+    servers: Mapping[str, ServerSpec]
+    model: ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The policy a spec must meet to run: its servers and model from the catalog (inline ones only
+    where ``allow_inline``), and the bounds in the settings."""
+
+    source: Catalog | CatalogFile
+    """The catalog, or the file it is read from (and read again when it changes)."""
+    allow_inline: bool = False
+    max_spec_bytes: int = _DEFAULTS.max_spec_bytes
+    max_input_chars: int = _DEFAULTS.max_input_chars
+    max_tool_calls_per_turn: int = _DEFAULTS.max_tool_calls_per_turn
+    max_steps_cap: int = _DEFAULTS.max_steps_cap
+
+    @classmethod
+    def from_settings(cls, settings: Settings, catalog: Catalog | None = None) -> Admission:
+        """The policy of these settings (the catalog file is read unless given)."""
+        source: Catalog | CatalogFile = (
+            catalog if catalog is not None else CatalogFile(settings.catalog) if settings.catalog else Catalog.empty()
+        )
+        return cls(
+            source=source,
+            allow_inline=settings.allow_inline,
+            max_spec_bytes=settings.max_spec_bytes,
+            max_input_chars=settings.max_input_chars,
+            max_tool_calls_per_turn=settings.max_tool_calls_per_turn,
+            max_steps_cap=settings.max_steps_cap,
+        )
+
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog in force now."""
+        return self.source if isinstance(self.source, Catalog) else self.source.current()
+
+    def admit(self, spec: RunSpec) -> AdmittedRun:
+        """Resolve what ``spec`` names, or refuse it.
+
+        Raises:
+            SpecError: naming every field that breaks the policy, and the limit where a bound is broken.
+        """
+        problems: list[FieldProblem] = []
+
+        def refuse(loc: tuple[str | int, ...], msg: str) -> None:
+            problems.append(FieldProblem(loc=loc, msg=msg))
+
+        size = len(spec.to_json().encode())
+        if size > self.max_spec_bytes:
+            refuse(("spec",), f"is {size} bytes; the limit is {self.max_spec_bytes} (RUNBRAKE_MAX_SPEC_BYTES)")
+        if len(spec.input) > self.max_input_chars:
+            refuse(("input",), f"is {len(spec.input)} characters; the limit is {self.max_input_chars} "
+                               "(RUNBRAKE_MAX_INPUT_CHARS)")
+        if spec.max_steps > self.max_steps_cap:
+            refuse(("max_steps",), f"is {spec.max_steps}; the limit is {self.max_steps_cap} (RUNBRAKE_MAX_STEPS_CAP)")
+        catalog = self.catalog
+        servers = self._servers(spec, catalog, refuse)
+        model = self._model(spec, catalog, refuse)
+        if isinstance(model, ScriptedModel):
+            for i, turn in enumerate(model.turns):
+                if len(turn.tool_calls) > self.max_tool_calls_per_turn:
+                    refuse(("model", "turns", i, "tool_calls"),
+                           f"has {len(turn.tool_calls)} calls; the limit is {self.max_tool_calls_per_turn} "
+                           "(RUNBRAKE_MAX_TOOL_CALLS_PER_TURN)")
+                for j, call in enumerate(turn.tool_calls):
+                    allowed = servers.get(call.server)
+                    if allowed is not None and allowed.tools is not None and call.tool not in allowed.tools:
+                        refuse(("model", "turns", i, "tool_calls", j, "tool"),
+                               f"{call.server} allows only {', '.join(allowed.tools)}")
+        if problems:
+            raise SpecError.from_problems(problems)
+        assert model is not None
+        return AdmittedRun(spec=spec, servers=servers, model=model)
+
+    def _servers(self, spec: RunSpec, catalog: Catalog, refuse: Any) -> dict[str, ServerSpec]:
+        if isinstance(spec.mcp_servers, dict):
+            if spec.mcp_servers and not self.allow_inline:
+                refuse(("mcp_servers",), "inline servers are refused: name servers of the operator's catalog "
+                                         "(RUNBRAKE_ALLOW_INLINE=true is for development and tests only)")
+            return dict(spec.mcp_servers)
+        servers: dict[str, ServerSpec] = {}
+        for i, name in enumerate(spec.mcp_servers):
+            server = catalog.mcp_servers.get(name)
+            if server is None:
+                refuse(("mcp_servers", i), f"{name!r} is not in the catalog ({_known(catalog.mcp_servers)})")
+            else:
+                servers[name] = server
+        return servers
+
+    def _model(self, spec: RunSpec, catalog: Catalog, refuse: Any) -> ModelSpec | None:
+        if isinstance(spec.model, str):
+            model = catalog.models.get(spec.model)
+            if model is None:
+                refuse(("model",), f"{spec.model!r} is not in the catalog ({_known(catalog.models)})")
+            return model
+        if isinstance(spec.model, OpenAIModel) and not self.allow_inline:
+            refuse(("model",), "an inline openai model is refused: name a model of the operator's catalog "
+                               "(RUNBRAKE_ALLOW_INLINE=true is for development and tests only)")
+        return spec.model
+
+
+
+def _known(entries: Mapping[str, Any]) -> str:
+    names = sorted(entries)
+    return f"it has {', '.join(names)}" if names else "it names none; see RUNBRAKE_CATALOG"
