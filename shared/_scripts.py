@@ -54,6 +54,20 @@ end
 last ARGV): the HTTP API's one subscription per process fans events out to its clients. Published only
 for a run that exists, whose id the store generated (hex), so the id needs no escaping."""
 
+_RETAIN = """
+local function retain(run_id, finished_at)
+  local keep = tonumber(ARGV[#ARGV - 1])
+  if keep and keep > 0 then
+    redis.call('ZADD', KEYS[#KEYS], tonumber(finished_at) + keep, run_id)
+    for i = #KEYS - 3, #KEYS - 1 do redis.call('EXPIRE', KEYS[i], keep + 600) end
+  end
+end
+"""
+"""A run that ends is kept ``retention`` seconds (the ARGV before the channel; 0 keeps it forever): it
+enters ``<ns>:finished`` (the last KEY) at its expiry, which a worker's sweeper acts on (deleting its keys,
+its idempotency key and its index entry together); the run's own keys (the three KEYS before it: run,
+steps, cancel) also expire ten minutes later, should no sweeper run."""
+
 _IS_TERMINAL = """
 local function is_terminal(st)
   return """ + " and ".join(f"st ~= '$status_{s.value}'" for s in NON_TERMINAL) + """
@@ -135,10 +149,10 @@ redis.call('HSET', KEYS[1], 'approval', 'approved')
 return {1, st}
 """)
 
-# KEYS: run, leases.
+# KEYS: run, leases, run, steps, cancel, finished.
 # ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
-#   events channel
-SETTLE = _script("settle", _ANNOUNCE + _IS_TERMINAL + """
+#   retention_s, events channel
+SETTLE = _script("settle", _ANNOUNCE + _RETAIN + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -147,12 +161,14 @@ if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then return
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'termination_reason', ARGV[2], 'finished_at', ARGV[4],
   'error', ARGV[5], 'lease_expires_at', '')
 redis.call('ZREM', KEYS[2], ARGV[7])
+retain(ARGV[7], ARGV[4])
 announce(ARGV[7], ARGV[1], ARGV[2])
 return {1, st}
 """)
 
-# KEYS: run, cancel, leases.  ARGV: cancel_json, now, run_id, events channel
-CANCEL = _script("cancel", _ANNOUNCE + _IS_TERMINAL + """
+# KEYS: run, cancel, leases, run, steps, cancel, finished.  ARGV: cancel_json, now, run_id, retention_s,
+#   events channel
+CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -160,6 +176,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason',
   'finished_at', ARGV[2], 'lease_expires_at', '')
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[3])
+retain(ARGV[3], ARGV[2])
 announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
 return {1, st}
 """)
@@ -193,10 +210,10 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 return 1
 """)
 
-# KEYS: run, leases.  ARGV: now, run_id, events channel
+# KEYS: run, leases, run, steps, cancel, finished.  ARGV: now, run_id, retention_s, events channel
 # running with an expired lease → failed (lease_lost). A run no longer running leaves the lease set;
 # one whose lease was renewed meanwhile is put back at its new expiry.
-REAP = _script("reap", _ANNOUNCE + """
+REAP = _script("reap", _ANNOUNCE + _RETAIN + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st ~= '$status_running' then
   redis.call('ZREM', KEYS[2], ARGV[2])
@@ -212,6 +229,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_failed', 'termination_reason', '$
   'finished_at', ARGV[1], 'lease_expires_at', '',
   'error', 'the worker executing the run (' .. owner .. ') stopped renewing its lease')
 redis.call('ZREM', KEYS[2], ARGV[2])
+retain(ARGV[2], ARGV[1])
 announce(ARGV[2], '$status_failed', '$reason_lease_lost')
 return {1, st}
 """)

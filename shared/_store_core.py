@@ -61,9 +61,14 @@ MAX_ERROR_CHARS: Final = 2000
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """The Redis keys of one namespace."""
+    """The Redis keys of one namespace, and how long its finished runs are kept (0: forever)."""
 
     namespace: str
+    retention_s: int = 0
+
+    def retention(self, run_id: str) -> tuple[str, str, str, str]:
+        """The keys a run's end touches to keep it for its retention: its own three, and the finished set."""
+        return self.run(run_id), self.steps(run_id), self.cancel(run_id), self.finished
 
     def run(self, run_id: str) -> str:
         return f"{self.namespace}:run:{{{run_id}}}"
@@ -88,6 +93,11 @@ class Keys:
     @property
     def leases(self) -> str:
         return f"{self.namespace}:leases"
+
+    @property
+    def finished(self) -> str:
+        """Finished runs by the time their retention ends (the sweeper's work list)."""
+        return f"{self.namespace}:finished"
 
     @property
     def events(self) -> str:
@@ -284,9 +294,9 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return _script(
-        _scripts.SETTLE, (keys.run(run_id), keys.leases),
+        _scripts.SETTLE, (keys.run(run_id), keys.leases, *keys.retention(run_id)),
         (status.value, reason.value, owner or "", repr(time.time()), scrub(error[:MAX_ERROR_CHARS]),
-         "" if required_status is None else required_status.value, run_id, keys.events),
+         "" if required_status is None else required_status.value, run_id, keys.retention_s, keys.events),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
     )
 
@@ -295,8 +305,8 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     """non-terminal → cancelled, writing the cancel key in the same script (the fence)."""
     request = CancelRequest(reason=reason, requested_by=requested_by, requested_at=time.time())
     return _script(
-        _scripts.CANCEL, (keys.run(run_id), keys.cancel(run_id), keys.leases),
-        (json.dumps(request.to_dict()), repr(request.requested_at), run_id, keys.events),
+        _scripts.CANCEL, (keys.run(run_id), keys.cancel(run_id), keys.leases, *keys.retention(run_id)),
+        (json.dumps(request.to_dict()), repr(request.requested_at), run_id, keys.retention_s, keys.events),
         f"cancel run {run_id}", _transition("cancel", run_id),
     )
 
@@ -374,7 +384,8 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
             log.warning("run_lease_lost", run_id=run_id)
         return transition
 
-    return _script(_scripts.REAP, (keys.run(run_id), keys.leases), (repr(time.time()), run_id, keys.events),
+    return _script(_scripts.REAP, (keys.run(run_id), keys.leases, *keys.retention(run_id)),
+                   (repr(time.time()), run_id, keys.retention_s, keys.events),
                    f"reap run {run_id}", parse)
 
 
@@ -466,6 +477,32 @@ def server_outcomes(keys: Keys) -> Op[dict[str, dict[str, int]]]:
         return counts
 
     return Op("read server counts", (Command(("HGETALL", keys.servers)),), parse)
+
+
+def expired_runs(keys: Keys, *, limit: int) -> Op[list[str]]:
+    """Finished runs whose retention ended by now, at most ``limit``."""
+    return Op("read expired runs", (Command(("ZRANGEBYSCORE", keys.finished, "-inf", repr(time.time()),
+                                             "LIMIT", 0, limit)),), lambda answers: list(answers[0]))
+
+
+def idempotency_keys(keys: Keys, run_ids: Sequence[str]) -> Op[list[str]]:
+    """The idempotency keys these runs were created with ("" where none)."""
+    return Op("read idempotency keys", tuple(Command(("HGET", keys.run(i), "idempotency_key")) for i in run_ids),
+              lambda answers: [a or "" for a in answers])
+
+
+def forget(keys: Keys, runs: Mapping[str, str]) -> Op[int]:
+    """Delete these runs (run id → idempotency key): their keys, idempotency keys and index entries together."""
+    calls: list[Call] = []
+    for run_id, idempotency_key in runs.items():
+        doomed = [keys.run(run_id), keys.steps(run_id), keys.cancel(run_id)]
+        if idempotency_key:
+            doomed.append(keys.idempotency(idempotency_key))
+        calls += [Command(("DEL", *doomed))]
+    ids = list(runs)
+    if ids:
+        calls += [Command(("ZREM", keys.index, *ids)), Command(("ZREM", keys.finished, *ids))]
+    return Op("forget expired runs", tuple(calls), lambda answers: len(ids))
 
 
 def ping() -> Op[None]:

@@ -36,10 +36,10 @@ class AsyncRunStore:
     Its connections belong to the loop that first uses them: use one instance per loop.
     """
 
-    def __init__(self, client: redis.asyncio.Redis, namespace: str) -> None:
+    def __init__(self, client: redis.asyncio.Redis, namespace: str, *, retention_s: int = 0) -> None:
         self._redis = client
         self.namespace = namespace
-        self.keys = core.Keys(namespace)
+        self.keys = core.Keys(namespace, retention_s)
         self.where = core.describe(client)
 
     @classmethod
@@ -53,7 +53,8 @@ class AsyncRunStore:
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S, **client_options(settings)
         )
-        return cls(redis.asyncio.Redis.from_pool(pool), settings.namespace)  # the client owns (and closes) its pool
+        # The client owns (and closes) its pool.
+        return cls(redis.asyncio.Redis.from_pool(pool), settings.namespace, retention_s=settings.retention_s)
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -41,16 +41,17 @@ def client_options(settings: Settings) -> dict[str, Any]:
 class RunStore:
     """Runs, steps and cancel keys in Redis under one namespace (synchronous)."""
 
-    def __init__(self, client: redis.Redis, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, namespace: str, *, retention_s: int = 0) -> None:
         self._redis = client
         self.namespace = namespace
-        self.keys = core.Keys(namespace)
+        self.keys = core.Keys(namespace, retention_s)
         self.where = core.describe(client)
 
     @classmethod
     def connect(cls, settings: Settings) -> RunStore:
         """A store on ``settings.redis_url`` under ``settings.namespace``. Connects lazily."""
-        return cls(redis.Redis.from_url(settings.redis_url, **client_options(settings)), settings.namespace)
+        client = redis.Redis.from_url(settings.redis_url, **client_options(settings))
+        return cls(client, settings.namespace, retention_s=settings.retention_s)
 
     @property
     def redis(self) -> redis.Redis:
@@ -186,6 +187,16 @@ class RunStore:
     def ping(self) -> None:
         """Raises StoreError when Redis does not answer."""
         self.execute(core.ping())
+
+    def sweep_expired(self, *, limit: int = 500) -> list[str]:
+        """Delete the finished runs whose retention ended: every key of a run, its idempotency key and its
+        index entries go together. Returns the runs deleted."""
+        due = self.execute(core.expired_runs(self.keys, limit=limit))
+        if not due:
+            return []
+        idempotency = self.execute(core.idempotency_keys(self.keys, due))
+        self.execute(core.forget(self.keys, dict(zip(due, idempotency, strict=True))))
+        return list(due)
 
     def delete_namespace(self) -> int:
         """Delete every key under this namespace (tests and the demo clean up with this)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pika
 import pytest
@@ -34,10 +35,15 @@ def _unavailable(what: str, exc: BaseException) -> None:
 
 
 @pytest.fixture
-def namespace(monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh ``RUNBRAKE_NAMESPACE`` for this test, also set in the environment for subprocesses."""
+def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """A fresh ``RUNBRAKE_NAMESPACE`` for this test, and a catalog of its own (``RUNBRAKE_CATALOG``, empty
+    until the test adds servers: tests/catalog_helpers.py), both also set for subprocesses."""
     ns = f"test-{uuid.uuid4().hex[:12]}"
     monkeypatch.setenv("RUNBRAKE_NAMESPACE", ns)
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text("")
+    monkeypatch.setenv("RUNBRAKE_CATALOG", str(catalog))
+    monkeypatch.delenv("RUNBRAKE_ALLOW_INLINE", raising=False)
     return ns
 
 

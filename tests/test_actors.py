@@ -7,7 +7,8 @@ from dramatiq.brokers.stub import StubBroker
 
 from runbrake.broker.rabbitmq import default_middleware
 from runbrake.broker.wire import RUN_ACTOR, Topology
-from runbrake.shared import RunStore, Settings, StoreError
+from runbrake.shared import AsyncRunStore, Settings, StoreError
+from runbrake.shared.catalog import Admission, Catalog
 from runbrake.worker.actors import STORE_OUTAGE_RETRIES, declare_run_actor, retry_store_outages
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import Runtime
@@ -24,7 +25,7 @@ def test_only_a_store_outage_is_retried_and_only_so_often() -> None:
 def test_the_run_actor_is_declared_on_the_namespaced_queue_with_explicit_limits() -> None:
     settings = Settings(namespace="wiring", run_time_limit_s=120)
     broker = StubBroker(middleware=default_middleware())
-    runtime = Runtime(settings, RunStore.connect(settings), ActiveRuns())
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), ActiveRuns(), Admission(Catalog.empty()))
 
     actor = declare_run_actor(broker, runtime, settings)
 

@@ -23,6 +23,7 @@ import pytest
 
 from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason, ToolResult
+from tests.catalog_helpers import add_to_catalog
 from tests.mcp_helpers import free_port
 from tests.worker_helpers import (
     WorkerProcess,
@@ -70,14 +71,21 @@ def write_spec(path: Path, data: object) -> Path:
 
 
 def valid_spec() -> dict[str, Any]:
+    """A spec naming the catalog server ``calc`` (written into the test's catalog when it has one)."""
+    if "RUNBRAKE_CATALOG" in os.environ:
+        add_to_catalog({"calc": _DEAD_SERVER})
     return {
         "input": "What is 2 + 3?",
         "model": {"provider": "scripted", "turns": [
             {"tool_calls": [{"server": "calc", "tool": "get-sum", "arguments": {"a": 2, "b": 3}}]},
             {"content": "It is 5."},
         ]},
-        "mcp_servers": {"calc": _DEAD_SERVER},
+        "mcp_servers": ["calc"],
     }
+
+
+UNKNOWN_ID = "0123456789abcdef0123456789abcdef"
+"""A well-formed run id that names no run."""
 
 
 def queued_messages(settings: Settings) -> int | None:
@@ -347,8 +355,9 @@ def test_runs_json_lists_recent_runs_newest_first_and_filters_by_status(store: R
 # -- configuration and services ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [["show", "X"], ["runs"], ["servers"], ["cancel", "X"], ["approve", "X"],
-                                     ["deny", "X"], ["enqueue", "SPEC"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("command", [["show", UNKNOWN_ID], ["runs"], ["servers"], ["cancel", UNKNOWN_ID],
+                                     ["approve", UNKNOWN_ID], ["deny", UNKNOWN_ID], ["enqueue", "SPEC"]],
+                         ids=lambda c: c[0])
 def test_an_unreachable_redis_exits_3_with_a_message_naming_redis(
     command: list[str], namespace: str, tmp_path: Path
 ) -> None:
@@ -362,6 +371,6 @@ def test_an_unreachable_redis_exits_3_with_a_message_naming_redis(
 def test_a_bad_namespace_exits_2_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RUNBRAKE_NAMESPACE", "bad name!")
 
-    result = runbrake("show", "X")
+    result = runbrake("show", UNKNOWN_ID)
 
     assert_clean_failure(result, 2, "RUNBRAKE_NAMESPACE")

@@ -9,6 +9,7 @@ import pytest
 
 from runbrake.broker.producer import Producer
 from runbrake.shared import RunSpec, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome, step_outcome
+from tests.catalog_helpers import add_to_catalog
 from tests.mcp_helpers import (
     Toolbox,
     matching_events,
@@ -28,12 +29,10 @@ TOOLBOX_TOOLS = {"toolbox__get-sum", "toolbox__fail", "toolbox__slow", "toolbox_
 
 
 def openai_spec(stub: OpenAIStub, toolbox: Toolbox) -> RunSpec:
-    assert toolbox.spec.url is not None
-    return RunSpec.parse({
-        "input": "What is 2 + 3?",
-        "model": {"provider": "openai", "base_url": stub.base_url, "model": "stub"},
-        "mcp_servers": {"toolbox": {"url": toolbox.spec.url}},
-    })
+    """A run of the catalog model ``stub`` (the local OpenAI-compatible server) and server ``toolbox``."""
+    add_to_catalog({"toolbox": toolbox.spec}, models={"stub": {"provider": "openai", "base_url": stub.base_url,
+                                                                "model": "stub"}})
+    return RunSpec.parse({"input": "What is 2 + 3?", "model": "stub", "mcp_servers": ["toolbox"]})
 
 
 def tool_names(request: dict[str, Any]) -> set[str]:

@@ -23,7 +23,7 @@ async def unreachable_store() -> AsyncIterator[AsyncRunStore]:
 @pytest.mark.anyio
 async def test_the_probe_fabricates_no_cancel_when_redis_is_unreachable(unreachable_store: AsyncRunStore) -> None:
     handle = ActiveRuns().register("run-1", "owner-1")
-    hooks = RunHooks(unreachable_store, handle)
+    hooks = RunHooks(unreachable_store, handle, max_steps=200)
 
     with capture_logs() as logs:
         await hooks.checkpoint()  # does not raise: a store hiccup is not a cancel
@@ -37,7 +37,7 @@ async def test_a_cancel_the_listener_verified_stops_the_run_without_asking_redis
 ) -> None:
     handle = ActiveRuns().register("run-1", "owner-1")
     handle.cancel_seen = True
-    hooks = RunHooks(unreachable_store, handle)
+    hooks = RunHooks(unreachable_store, handle, max_steps=200)
 
     with capture_logs() as logs, pytest.raises(CancelRequested):
         await hooks.checkpoint()

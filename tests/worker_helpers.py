@@ -26,7 +26,9 @@ import redis
 
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
-from runbrake.shared import McpServerSpec, RunRecord, RunSpec, RunStore, Settings
+from runbrake.shared import RunRecord, RunSpec, RunStore, Settings
+from runbrake.shared.catalog import Admission
+from tests.catalog_helpers import add_to_catalog
 from tests.polling import poll_until
 
 STARTUP_TIMEOUT_S = 30.0
@@ -125,22 +127,16 @@ def worker_fixture(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
 @pytest.fixture(name="producer")
 def producer_fixture(store: RunStore, rabbitmq: Settings) -> Iterator[Producer]:
     broker = build_broker(rabbitmq)
-    yield Producer(store, broker)
+    yield Producer(store, broker, Admission.from_settings(rabbitmq))
     broker.close()
 
 
 def spec(servers: Mapping[str, Any], turns: list[dict[str, Any]], **extra: Any) -> RunSpec:
-    """A scripted run spec over these MCP server specs (name → McpServerSpec or raw dict)."""
-    raw_servers = {
-        name: value if isinstance(value, dict) else _server_dict(value) for name, value in servers.items()
-    }
+    """A scripted run spec over these MCP servers (name → McpServerSpec or its dict), which are written into
+    the test's catalog; the spec names them."""
+    add_to_catalog(servers)
     return RunSpec.parse({"input": "test run", "model": {"provider": "scripted", "turns": turns},
-                          "mcp_servers": raw_servers, **extra})
-
-
-def _server_dict(server: McpServerSpec) -> dict[str, Any]:
-    """The server spec as it appears in a run spec's JSON (its name is the key, not a field)."""
-    return server.model_dump(mode="json")
+                          "mcp_servers": list(servers), **extra})
 
 
 def call(tool: str, server: str = "toolbox", **arguments: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.registry import ActiveRuns
+from runbrake.worker.retention import Sweeper
 from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -51,9 +52,11 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     listener = CancelListener(settings, store, registry)
     backstop = Backstop(settings, store, registry)
     leases = LeaseKeeper(settings, store, registry)
+    sweeper = Sweeper(settings, store)
     listener.start()
     backstop.start()
     leases.start()
+    sweeper.start()
     # worker_timeout: how often idle consumers wake up; 200 ms makes a stop take a fraction of a second.
     worker = Worker(broker, queues=queues, worker_threads=threads, worker_timeout=200)
     # A prefetched message is a run nobody executes yet: hold at most one per thread.
@@ -74,6 +77,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     listener.stop()
     backstop.stop()
     leases.stop()
+    sweeper.stop()
     listener.join(5)
     broker.close()
     store.close()

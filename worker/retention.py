@@ -1,0 +1,52 @@
+"""Retention: a finished run's record is kept ``RUNBRAKE_RETENTION_S`` (7 days by default; 0 keeps it
+forever), then deleted whole (docs/security.md, "How long records are kept").
+
+The scripts that end a run (settle, cancel, reap) enter it into ``<ns>:finished`` at the time its
+retention ends, and set the run's own keys to expire a little later. One :class:`Sweeper` thread per
+worker process deletes what is due: the run's keys, its idempotency key and its entry in the index of
+runs, together, so ``runbrake runs`` never lists a run whose record is gone. Sweepers of several
+processes may delete the same run: deleting is idempotent.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+
+from runbrake.shared.errors import StoreError
+from runbrake.shared.settings import Settings
+from runbrake.shared.store import RunStore
+
+log = structlog.get_logger(__name__)
+
+MAX_SWEEP_INTERVAL_S = 30.0
+
+
+class Sweeper(threading.Thread):
+    """Deletes the finished runs whose retention ended, every few seconds (at most every half retention)."""
+
+    def __init__(self, settings: Settings, store: RunStore) -> None:
+        super().__init__(name="runbrake-retention-sweeper", daemon=True)
+        self._interval_s = min(MAX_SWEEP_INTERVAL_S, max(0.5, settings.retention_s / 2))
+        self._enabled = settings.retention_s > 0
+        self._store = store
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while self._enabled and not self._stopping.wait(self._interval_s):
+            self.sweep()
+
+    def sweep(self) -> int:
+        """Delete what is due now; a store outage is logged and tried again next time. Returns the count."""
+        try:
+            deleted = self._store.sweep_expired()
+        except StoreError as exc:
+            log.warning("retention_sweep_failed", error=str(exc))
+            return 0
+        if deleted:
+            log.info("runs_expired", count=len(deleted))
+        return len(deleted)
+
+    def stop(self) -> None:
+        self._stopping.set()
