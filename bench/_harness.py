@@ -41,6 +41,7 @@ import pika
 import pika.exceptions
 
 from runbrake.broker.wire import delete_topology
+from runbrake.shared.catalog import Admission
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus
@@ -313,10 +314,15 @@ class Bench:
     def __init__(self, name: str, *, env: Mapping[str, str] | None = None, keep: bool = False) -> None:
         self.name = name
         self.namespace = f"bench-{secrets.token_hex(6)}"
-        self.env = {**os.environ, **(env or {}), "RUNBRAKE_NAMESPACE": self.namespace}
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"runbrake-{name}-"))
+        # The benchmarks run as production does: the spec names a server of the operator's catalog.
+        self.catalog = self.workdir / "catalog.toml"
+        self.catalog.write_text("", encoding="utf-8")
+        self.env = {**os.environ, **(env or {}), "RUNBRAKE_NAMESPACE": self.namespace,
+                    "RUNBRAKE_CATALOG": str(self.catalog)}
+        self.env.pop("RUNBRAKE_ALLOW_INLINE", None)
         self.settings = Settings.from_env(self.env)
         self.store = RunStore.connect(self.settings)
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"runbrake-{name}-"))
         self.keep = keep
         self._processes: list[ManagedProcess] = []
         self._closers: list[Callable[[], object]] = []
@@ -391,8 +397,18 @@ class Bench:
                 process.stop()
                 self._processes.remove(process)
                 continue
-            return ToolboxServer(process, f"http://127.0.0.1:{port}/mcp", JsonLines(events))
+            url = f"http://127.0.0.1:{port}/mcp"
+            self.use_server(url)
+            return ToolboxServer(process, url, JsonLines(events))
         raise BenchError(f"the toolbox server did not start; see {log_path}")
+
+    def use_server(self, url: str) -> None:
+        """Name the MCP server at ``url`` in the catalog as ``toolbox`` (what the specs here call)."""
+        self.catalog.write_text(f"[mcp_servers.{SERVER_NAME}]\nurl = {json.dumps(url)}\n", encoding="utf-8")
+
+    def admission(self) -> Admission:
+        """What a producer checks specs against: this benchmark's catalog and settings."""
+        return Admission.from_settings(self.settings)
 
     def start_worker(self, *, threads: int, noop: bool = False) -> Worker:
         """``python -m runbrake.worker --threads N [--noop]`` here; returns once it logged worker_started."""
@@ -457,7 +473,8 @@ def quick_run_arguments(index: int, *, echo_argument: str = "text") -> tuple[dic
 def quick_run_spec(server: ToolboxServer | str, index: int, *, echo_argument: str = "text") -> RunSpec:
     """Three rounds with two quick MCP tool calls: get-sum, then echo, then the final answer.
 
-    ``server`` is the toolbox server, or the URL of another MCP server (streamable HTTP) with those tools."""
+    ``server`` is the toolbox server, or the URL of another MCP server (streamable HTTP) with those tools;
+    either way the spec names the catalog's ``toolbox`` (:meth:`Bench.use_server`)."""
     get_sum, echo = quick_run_arguments(index, echo_argument=echo_argument)
     return RunSpec.parse({
         "input": f"quick run {index}",
@@ -466,7 +483,7 @@ def quick_run_spec(server: ToolboxServer | str, index: int, *, echo_argument: st
             {"tool_calls": [{"server": SERVER_NAME, "tool": "echo", "arguments": echo}]},
             {"content": "done"},
         ]},
-        "mcp_servers": {SERVER_NAME: {"url": server} if isinstance(server, str) else server.server_spec()},
+        "mcp_servers": [SERVER_NAME],
     })
 
 

@@ -149,7 +149,7 @@ def slow_spec(server: ToolboxServer, seconds: float) -> RunSpec:
             {"tool_calls": [{"server": SERVER_NAME, "tool": "slow", "arguments": {"seconds": seconds}}]},
             {"content": "not reached"},
         ]},
-        "mcp_servers": {SERVER_NAME: server.server_spec()},
+        "mcp_servers": [SERVER_NAME],
         "tool_timeout_s": max(120.0, seconds + 60.0),
     })
 
@@ -511,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = bench.start_toolbox()
         broker = build_broker(bench.settings)
         bench.on_close(broker.close)
-        producer = Producer(bench.store, broker)
+        producer = Producer(bench.store, broker, bench.admission())
         publisher = CancelPublisher(bench.settings)
         bench.on_close(publisher.close)
         publisher.publish("bench-warm-up")  # connects and declares the exchange; no run has this id

@@ -297,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             toolbox = bench.start_toolbox()
             url, server_pid = toolbox.url, toolbox.process.pid
         endpoint = Endpoint(url, choose_echo_argument(url), external=bool(args.server), pid=server_pid)
+        bench.use_server(url)
         print(f"starting the workers (runbrake and the peer, {args.threads} threads each)…")
         bench.on_close(lambda: delete_peer_queues(bench.settings), after_processes=True)
         runbrake_worker = bench.start_worker(threads=args.threads)
@@ -307,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.on_close(peer_broker.close)
         sides: dict[str, Side] = {
             "peer": PeerSide(bench, peer_worker, peer_broker, endpoint, producers=args.producers),
-            "runbrake": RunbrakeSide(bench, runbrake_worker, Producer(bench.store, runbrake_broker), endpoint,
+            "runbrake": RunbrakeSide(bench, runbrake_worker,
+                                     Producer(bench.store, runbrake_broker, bench.admission()), endpoint,
                                      producers=args.producers),
         }
         if args.warmup:

@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = bench.start_toolbox()
         broker = build_broker(bench.settings)
         bench.on_close(broker.close)
-        producer = Producer(bench.store, broker)
+        producer = Producer(bench.store, broker, bench.admission())
         print(f"no-op ceiling: {args.noop} messages queued, then a worker (--threads {args.threads} --noop) "
               "drains them…")
         noop, worker = noop_backlog_phase(

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import IO, Any
 
 import click
@@ -32,6 +33,7 @@ from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.render import render_run
 from runbrake.broker.wire import delete_topology
+from runbrake.shared.catalog import Admission
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -90,12 +92,16 @@ def part_one(store: RunStore) -> None:
     click.echo(render_run(record, "de"))
 
 
-def _spec(port: int, turns: list[dict[str, Any]], text: str) -> RunSpec:
-    return RunSpec.parse({
-        "input": text,
-        "model": {"provider": "scripted", "turns": turns},
-        "mcp_servers": {"calc": {"url": f"http://127.0.0.1:{port}/mcp"}},
-    })
+def _spec(turns: list[dict[str, Any]], text: str) -> RunSpec:
+    # The spec names the catalog's server; it cannot say where it is or how to start it (docs/security.md).
+    return RunSpec.parse({"input": text, "model": {"provider": "scripted", "turns": turns}, "mcp_servers": ["calc"]})
+
+
+def _catalog(port: int, where: Path) -> Path:
+    """The demo's catalog: its one MCP server, ``calc``, with an allowlist of its tools."""
+    where.write_text(f'[mcp_servers.calc]\nurl = "http://127.0.0.1:{port}/mcp"\n'
+                     'tools = ["get-sum", "fail", "slow", "echo"]\n', encoding="utf-8")
+    return where
 
 
 def _call(tool: str, **arguments: Any) -> dict[str, Any]:
@@ -105,32 +111,35 @@ def _call(tool: str, **arguments: Any) -> dict[str, Any]:
 def part_two(settings: Settings, store: RunStore) -> int:
     heading("Part 2: runs on a worker, tools on a real MCP server")
     port = _free_port()
-    env = {**os.environ, "RUNBRAKE_NAMESPACE": settings.namespace}
-    broker = build_broker(settings)
-    producer = Producer(store, broker)
-    publisher = CancelPublisher(settings)
     with ExitStack() as stack:
+        catalog = _catalog(port, Path(stack.enter_context(tempfile.TemporaryDirectory())) / "catalog.toml")
+        settings = dataclasses.replace(settings, catalog=str(catalog), allow_inline=False)
+        env = {**os.environ, "RUNBRAKE_NAMESPACE": settings.namespace, "RUNBRAKE_CATALOG": str(catalog)}
+        env.pop("RUNBRAKE_ALLOW_INLINE", None)
+        broker = build_broker(settings)
+        producer = Producer(store, broker, Admission.from_settings(settings))
+        publisher = CancelPublisher(settings)
         stack.callback(broker.close)
         stack.callback(publisher.close)
         server = stack.enter_context(_process("MCP server", [sys.executable, "-m", TOOLBOX, "--transport", "http",
                                                              "--port", str(port)], env))
         _wait(lambda: _port_open(port), "the MCP server to listen", server)
 
-        queued = producer.enqueue(_spec(port, [{"content": "never runs"}], "cancelled while queued")).run_id
+        queued = producer.enqueue(_spec([{"content": "never runs"}], "cancelled while queued")).run_id
         result = cancel_run(store, publisher, queued, reason="demo: not needed any more", requested_by="demo")
         click.echo(f"run C enqueued and cancelled while queued (fence won: {result.won}); no worker runs yet")
 
         worker = stack.enter_context(
             _process("worker", [sys.executable, "-m", "runbrake.worker", "--threads", "4"], env))
-        completes = producer.enqueue(_spec(port, [
+        completes = producer.enqueue(_spec([
             {"tool_calls": [_call("get-sum", a=2, b=3)]}, {"content": "2 + 3 is 5."}], "What is 2 + 3?")).run_id
-        fails = producer.enqueue(_spec(port, [
+        fails = producer.enqueue(_spec([
             {"tool_calls": [_call("fail", message="upstream said no"), _call("get-sum", a=1, b=1)]},
             {"content": "One tool failed; 1 + 1 is 2."}], "Try both tools")).run_id
-        between = producer.enqueue(_spec(port, [
+        between = producer.enqueue(_spec([
             {"tool_calls": [_call("get-sum", a=20, b=22)]},
             {"delay_ms": 20_000, "content": "a slow model that never gets to answer"}], "Stop between rounds")).run_id
-        mid_tool = producer.enqueue(_spec(port, [
+        mid_tool = producer.enqueue(_spec([
             {"tool_calls": [_call("slow", seconds=30)]}, {"content": "never"}], "Stop a 30 s tool call")).run_id
 
         records = {

@@ -29,6 +29,7 @@ to stderr.
 from __future__ import annotations
 
 import argparse
+import hmac
 import itertools
 import json
 import os
@@ -41,8 +42,41 @@ from typing import Any
 import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-mcp = MCPServer("toolbox", log_level="WARNING")
+
+class _ToolboxServer(MCPServer):
+    """The MCP server, with an optional bearer-token check in front of its HTTP app (``--bearer-env``):
+    what an internal tool server looks like to a catalog entry with ``headers``."""
+
+    bearer: str | None = None
+
+    def streamable_http_app(self, **kwargs: Any) -> Starlette:
+        app = super().streamable_http_app(**kwargs)
+        if self.bearer is not None:
+            app.add_middleware(_RequireBearer, token=self.bearer)
+        return app
+
+
+class _RequireBearer:
+    """Refuse (401) every HTTP request without ``Authorization: Bearer <token>``; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                await PlainTextResponse("missing or wrong bearer token", status_code=401)(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+
+mcp = _ToolboxServer("toolbox", log_level="WARNING")
 
 _call_numbers = itertools.count(1)
 _events_path: Path | None = None
@@ -110,8 +144,12 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP only (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8765, help="HTTP only (default: 8765)")
     parser.add_argument("--events", type=Path, help="append one JSON line per tool event to this file")
+    parser.add_argument("--bearer-env", metavar="VAR",
+                        help="HTTP only: refuse requests without 'Authorization: Bearer <the value of VAR>'")
     options = parser.parse_args()
     _events_path = options.events
+    if options.bearer_env:
+        mcp.bearer = os.environ[options.bearer_env]
     if options.transport == "stdio":
         mcp.run()
     else:

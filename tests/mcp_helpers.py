@@ -58,15 +58,19 @@ def stdio_toolbox(events: Path, *, name: str = SERVER_NAME) -> Toolbox:
 
 
 @contextmanager
-def http_toolbox(events: Path, *, name: str = SERVER_NAME) -> Iterator[Toolbox]:
-    """Start a toolbox server over streamable HTTP, wait until it accepts connections, stop it afterwards."""
+def http_toolbox(
+    events: Path, *, name: str = SERVER_NAME, args: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> Iterator[Toolbox]:
+    """Start a toolbox server over streamable HTTP (with extra ``args``, in ``env``), wait until it accepts
+    connections, stop it afterwards."""
     stderr_path = events.with_suffix(".stderr")
     for _ in range(3):  # another process may take the free port between probe and bind
         port = free_port()
         with stderr_path.open("wb") as stderr:
             process = subprocess.Popen(
                 [sys.executable, *TOOLBOX_SERVER, "--transport", "http", "--port", str(port),
-                 "--events", str(events)],
+                 "--events", str(events), *args],
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,

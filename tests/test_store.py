@@ -590,11 +590,22 @@ def test_cancel_writes_the_status_and_the_cancel_key_in_one_script(store: RunSto
     assert any(c.upper().startswith("HSET ") and "cancelled" in c for c in in_script), in_script
 
 
-def test_the_cancel_key_has_no_ttl(store: RunStore) -> None:
+def test_the_cancel_key_lives_exactly_as_long_as_its_run(store: RunStore) -> None:
     run_id = run_in(store, RUNNING)
     assert store.cancel(run_id, reason="stop", requested_by="ops")
 
+    ttl = store.redis.ttl(store.cancel_key(run_id))
+    assert ttl == store.redis.ttl(store.run_key(run_id))
+    assert ttl > store.keys.retention_s  # the sweeper deletes both at the end of retention; the TTL is a net
+
+
+def test_without_retention_the_cancel_key_has_no_ttl(store: RunStore) -> None:
+    keeping = RunStore(store.redis, store.namespace, retention_s=0)
+    run_id = run_in(keeping, RUNNING)
+    assert keeping.cancel(run_id, reason="stop", requested_by="ops")
+
     assert store.redis.ttl(store.cancel_key(run_id)) == -1
+    assert store.redis.ttl(store.run_key(run_id)) == -1
 
 
 def test_probing_the_cancel_key_never_consumes_it(store: RunStore) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import dramatiq
+import structlog
 
 from runbrake.broker.rabbitmq import RunbrakeBroker
 from runbrake.broker.wire import NOOP_ACTOR, RUN_ACTOR, Topology
-from runbrake.shared.errors import StoreError
+from runbrake.shared.errors import RunbrakeError, StoreError
+from runbrake.shared.records import RUN_ID
 from runbrake.shared.settings import Settings
 from runbrake.worker.runtime import Runtime
+
+log = structlog.get_logger(__name__)
 
 
 def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settings) -> Any:
@@ -25,6 +29,11 @@ def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settin
     """
 
     async def execute_run(run_id: str, resume: bool = False) -> None:
+        if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id) or not isinstance(resume, bool):
+            # Anyone with access to the queue can publish; a message that cannot name a run is
+            # dead-lettered once (this error is not retried) instead of looking like a store outage.
+            log.error("run_message_malformed", run_id=repr(run_id)[:100], resume=repr(resume)[:20])
+            raise MalformedMessage(f"a run message must carry a run id, not {type(run_id).__name__}")
         await runtime.execute(run_id, resume=resume)
 
     return dramatiq.actor(
@@ -37,6 +46,10 @@ def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settin
         time_limit=(settings.run_time_limit_s + 60) * 1000,
         notify_shutdown=True,
     )(execute_run)
+
+
+class MalformedMessage(RunbrakeError):
+    """Raised for a run message whose arguments cannot name a run; never retried."""
 
 
 STORE_OUTAGE_RETRIES = 30

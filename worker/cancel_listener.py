@@ -64,6 +64,12 @@ class CancelListener(threading.Thread):
                 log.warning("cancel_listener_disconnected", error=repr(exc), retry_in_s=backoff)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            except Exception:
+                # Nothing a message carries should get here (bodies are bounded and decoded defensively);
+                # if something does, the listener starts over rather than leave every cancel to the backstop.
+                log.exception("cancel_listener_crashed", retry_in_s=backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
             finally:
                 self.ready.clear()
                 self._close()

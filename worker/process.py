@@ -28,6 +28,7 @@ from runbrake.worker.runtime import Runtime
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_GRACE_MS = 10_000
+WATCHDOG_INTERVAL_S = 5.0
 
 
 def run_worker_process(settings: Settings, *, threads: int, index: int = 0, include_noop: bool = False) -> None:
@@ -72,7 +73,12 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     worker.start()
     listener.ready.wait(10)
     log.info("worker_started", threads=threads, queues=sorted(queues), listener_ready=listener.ready.is_set())
-    stop.wait()
+    while not stop.wait(WATCHDOG_INTERVAL_S):
+        if not listener.is_alive():
+            # Should never happen (the listener survives its own errors); if it does, say so loudly.
+            log.critical("cancel_listener_died", action="starting a new one")
+            listener = CancelListener(settings, store, registry)
+            listener.start()
     worker.stop(timeout=SHUTDOWN_GRACE_MS)
     listener.stop()
     backstop.stop()
