@@ -13,10 +13,11 @@ import getpass
 import json
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, ClassVar, NoReturn, TypeVar, cast
 
 import click
 
@@ -235,14 +236,30 @@ def runs(status: str | None, limit: int, as_json: bool) -> None:
         click.echo(render_runs(records))
 
 
+class _Duration(click.ParamType[float]):
+    """A time window such as ``90s``, ``30m``, ``1h``, ``7d``, in seconds."""
+
+    name = "DURATION"
+    _UNITS: ClassVar[dict[str, int]] = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        text = str(value).strip()
+        if not (len(text) > 1 and text[-1] in self._UNITS and text[:-1].isdigit() and int(text[:-1]) > 0):
+            self.fail(f"{text[:50]!r} is not a duration like 90s, 30m, 1h or 7d", param, ctx)
+        return float(int(text[:-1]) * self._UNITS[text[-1]])
+
+
 @main.command()
+@click.option("--since", type=_Duration(), default=None,
+              help="Only calls of this recent window, e.g. 1h (whole hours; counted for 8 days).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @user_errors
-def servers(as_json: bool) -> None:
-    """Per MCP server: ok, failed and cancelled tool calls, and a failure rate that does not count
-    cancellations (a server is flaky because of its failures, not because operators cancelled runs)."""
+def servers(since: float | None, as_json: bool) -> None:
+    """Per MCP server (by catalog name): ok, failed, argument errors and cancelled tool calls, and a
+    failure rate that counts neither cancellations nor argument errors (a server is flaky because of its
+    own failures, not because operators cancelled runs or callers sent bad arguments)."""
     with open_store(settings_from_env()) as store:
-        health = server_health(store.server_outcomes())
+        health = server_health(store.server_outcomes(since=None if since is None else time.time() - since))
     if as_json:
         emit_json(health)
     else:

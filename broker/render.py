@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from runbrake.shared._store_core import ARGUMENT_ERROR
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.store import RunRecord
@@ -82,20 +83,22 @@ def render_runs(records: list[RunRecord]) -> str:
 
 
 def server_health(counts: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
-    """Per server: the counts by outcome, and ``failure_rate`` = failed / (ok + failed). Cancelled calls
+    """Per server (by its catalog name): the counts by outcome, argument errors apart from failures, and
+    ``failure_rate`` = failed / (ok + failed). Cancelled calls and argument errors (the caller's mistakes)
     are counted, shown, and left out of the rate; ``None`` when nothing completed or failed yet."""
     health = []
     for server in sorted(counts):
         by_outcome = {outcome.value: counts[server].get(outcome.value, 0) for outcome in ToolOutcome}
         decided = by_outcome["ok"] + by_outcome["failed"]
         rate = by_outcome["failed"] / decided if decided else None
-        health.append({"server": server, **by_outcome, "failure_rate": rate})
+        health.append({"server": server, **by_outcome, "argument_errors": counts[server].get(ARGUMENT_ERROR, 0),
+                       "failure_rate": rate})
     return health
 
 
 def render_servers(health: list[dict[str, Any]]) -> str:
-    headers = ["server", "ok", "failed", "cancelled", "failure rate"]
-    rows = [[h["server"], str(h["ok"]), str(h["failed"]), str(h["cancelled"]),
+    headers = ["server", "ok", "failed", "argument errors", "cancelled", "failure rate"]
+    rows = [[h["server"], str(h["ok"]), str(h["failed"]), str(h["argument_errors"]), str(h["cancelled"]),
              "-" if h["failure_rate"] is None else f"{h['failure_rate']:.1%}"] for h in health]
     return "\n".join(_table(headers, rows)) if rows else "(no tool calls recorded)"
 

@@ -181,8 +181,9 @@ announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
 return {1, st}
 """)
 
-# KEYS: run, steps, servers, cancel.  ARGV: step_body_json (an object without sequence/recorded_at),
-#   now, server_outcome_field ('' when the step is not a tool step with an outcome), run_id, events channel
+# KEYS: run, steps, servers, cancel, servers this hour (kept 8 days).
+# ARGV: step_body_json (an object without sequence/recorded_at), now, server_outcome_field ('' when
+#   the step is not a tool step with an outcome), run_id, events channel
 # Answers {sequence, cancelled}: the append and the probe of the boundary it makes are one round
 # trip (docs/architecture.md, "Cancellation: the probe"). The sequence comes from one HINCRBY inside
 # the script, so concurrent appends get unique, increasing numbers in list order. The body is
@@ -197,7 +198,11 @@ if body == '{}' then sep = '' end
 local record = '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[2] .. sep .. string.sub(body, 2)
 redis.call('RPUSH', KEYS[2], record)
 redis.call('PUBLISH', ARGV[5], '{"event":"step","run_id":"' .. ARGV[4] .. '","step":' .. record .. '}')
-if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
+if ARGV[3] ~= '' then
+  redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+  redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
+  redis.call('EXPIRE', KEYS[5], 691200)
+end
 return {seq, redis.call('EXISTS', KEYS[4])}
 """)
 

@@ -56,6 +56,8 @@ log = structlog.get_logger("runbrake.shared.store")
 T = TypeVar("T")
 
 _STEP_SYSTEM_FIELDS: Final = ("sequence", "recorded_at")
+ARGUMENT_ERROR: Final = "argument_error"
+"""The per-server counter of failed calls whose arguments were at fault."""
 MAX_ERROR_CHARS: Final = 2000
 
 
@@ -93,6 +95,10 @@ class Keys:
     @property
     def leases(self) -> str:
         return f"{self.namespace}:leases"
+
+    def servers_hour(self, when: float) -> str:
+        """Tool calls per server and outcome in the hour ``when`` falls in (for ``runbrake servers --since``)."""
+        return f"{self.namespace}:servers:{int(when // 3600)}"
 
     @property
     def finished(self) -> str:
@@ -318,11 +324,11 @@ def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
     """
     recorded_at = time.time()
     body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
-    counter = (
-        f"{step.tool_server}|{step.tool_outcome.value}"
-        if step.tool_server is not None and step.tool_outcome is not None
-        else ""
-    )
+    counter = ""
+    if step.tool_server is not None and step.tool_outcome is not None:
+        # Argument errors are the caller's mistake: counted apart, so they do not make a server look flaky.
+        outcome = ARGUMENT_ERROR if step.detail.get("failure") == "arguments" else step.tool_outcome.value
+        counter = f"{step.tool_server}|{outcome}"
 
     def parse(answers: list[Any]) -> Appended:
         sequence, cancelled = answers[0]
@@ -331,7 +337,8 @@ def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
         return Appended(step.with_sequence(int(sequence), recorded_at), cancelled=bool(cancelled))
 
     return _script(
-        _scripts.APPEND_STEP, (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id)),
+        _scripts.APPEND_STEP,
+        (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id), keys.servers_hour(recorded_at)),
         (scrub(json.dumps(body, separators=(",", ":"))), repr(recorded_at), counter, run_id, keys.events),
         f"append a step to run {run_id}", parse,
     )
@@ -467,16 +474,25 @@ def cancelled_among(keys: Keys, run_ids: Sequence[str]) -> Op[set[str]]:
               fallback=set(), fallback_event="cancel_poll_failed", context={"runs": len(ids)})
 
 
-def server_outcomes(keys: Keys) -> Op[dict[str, dict[str, int]]]:
-    """Tool calls per MCP server and outcome, counted as steps were recorded."""
+def server_outcomes(keys: Keys, *, since: float | None = None) -> Op[dict[str, dict[str, int]]]:
+    """Tool calls per MCP server and outcome, counted as steps were recorded: all of them, or those of the
+    hours since ``since`` (epoch seconds; whole hours, the one ``since`` falls in included)."""
+    if since is None:
+        sources: tuple[str, ...] = (keys.servers,)
+    else:
+        first, last = int(since // 3600), int(time.time() // 3600)
+        sources = tuple(keys.servers_hour(hour * 3600) for hour in range(first, last + 1))
+
     def parse(answers: list[Any]) -> dict[str, dict[str, int]]:
         counts: dict[str, dict[str, int]] = {}
-        for field_name, value in answers[0].items():
-            server, _, outcome = field_name.rpartition("|")
-            counts.setdefault(server, {})[outcome] = int(value)
+        for answer in answers:
+            for field_name, value in answer.items():
+                server, _, outcome = field_name.rpartition("|")
+                by_outcome = counts.setdefault(server, {})
+                by_outcome[outcome] = by_outcome.get(outcome, 0) + int(value)
         return counts
 
-    return Op("read server counts", (Command(("HGETALL", keys.servers)),), parse)
+    return Op("read server counts", tuple(Command(("HGETALL", key)) for key in sources), parse)
 
 
 def expired_runs(keys: Keys, *, limit: int) -> Op[list[str]]:

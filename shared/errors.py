@@ -195,6 +195,7 @@ class ToolTransportError(RunbrakeError):
         self.server = server
         self.tool = tool
         self._cancellation = False
+        self._invalid_arguments = False
 
     @classmethod
     def for_cancelled_call(cls, *, server: str, tool: str) -> ToolTransportError:
@@ -207,6 +208,18 @@ class ToolTransportError(RunbrakeError):
     def is_cancellation(self) -> bool:
         """True only for an error built by :meth:`for_cancelled_call`."""
         return self._cancellation
+
+    @classmethod
+    def for_invalid_arguments(cls, message: str, *, server: str, tool: str) -> ToolTransportError:
+        """The server refused the call's arguments (JSON-RPC -32602): the caller's mistake, not the server's."""
+        error = cls(message, server=server, tool=tool)
+        error._invalid_arguments = True
+        return error
+
+    @property
+    def is_invalid_arguments(self) -> bool:
+        """True only for an error built by :meth:`for_invalid_arguments`."""
+        return self._invalid_arguments
 
 
 class CancelRequested(BaseException):

@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from runbrake.shared.outcome import ToolOutcome
-from runbrake.shared.tool_result import ToolResult
+from runbrake.shared.tool_result import Failure, ToolResult
 
 log = structlog.get_logger(__name__)
 
@@ -94,7 +94,8 @@ class RunStep:
             outcome=result.outcome,
             content=result.content,
             call_id=call_id,
-            detail={} if arguments is None else {"arguments": dict(arguments)},
+            detail=({} if arguments is None else {"arguments": dict(arguments)})
+            | ({"failure": result.failure.value} if result.failure is Failure.ARGUMENTS else {}),
             duration_ms=duration_ms,
             recorded_at=recorded_at,
         )

@@ -169,8 +169,9 @@ class RunStore:
         ids = self.execute(core.recent_ids(self.keys, count=scan if status else limit))
         return self.execute(core.records(self.keys, ids, limit=limit, status=status)) if ids else []
 
-    def server_outcomes(self) -> dict[str, dict[str, int]]:
-        return self.execute(core.server_outcomes(self.keys))
+    def server_outcomes(self, *, since: float | None = None) -> dict[str, dict[str, int]]:
+        """Tool calls per server and outcome; with ``since`` (epoch seconds), those of the hours since then."""
+        return self.execute(core.server_outcomes(self.keys, since=since))
 
     def cancel_requested(self, run_id: str) -> bool:
         """The probe (fail-soft: an unreachable Redis answers False and logs)."""

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 from runbrake.shared.outcome import ToolOutcome
+
+
+class Failure(StrEnum):
+    """Whose mistake a failed tool call was: per-server health counts argument errors apart."""
+
+    SERVER = "server"
+    """The server failed: it said so, died, timed out or broke the protocol."""
+    ARGUMENTS = "arguments"
+    """The call was wrong: arguments the server refused (JSON-RPC -32602), a tool it does not offer."""
+
 
 _TRUNCATION_MARK = "\n…[truncated {dropped} chars]"
 
@@ -29,10 +40,14 @@ class ToolResult:
     """References (URIs) to what the call produced; empty unless ok."""
     write_target: str | None = None
     """Where the call wrote, when it did; None unless ok."""
+    failure: Failure | None = None
+    """Whose mistake a failed call was (the server's, or the arguments'); None unless failed."""
 
     def __post_init__(self) -> None:
         if self.outcome is not ToolOutcome.OK and (self.artifacts or self.write_target is not None):
             raise ValueError(f"a {self.outcome.value} tool result carries no artifacts and no write target")
+        if (self.failure is not None) != (self.outcome is ToolOutcome.FAILED):
+            raise ValueError("a failed tool result says whose failure it was, and only a failed one does")
 
     @classmethod
     def ok(
@@ -47,9 +62,10 @@ class ToolResult:
         return cls(ToolOutcome.OK, content, structured, artifacts, write_target)
 
     @classmethod
-    def error(cls, message: str) -> ToolResult:
-        """A call that failed: the tool said so, the protocol broke, the server died or timed out."""
-        return cls(ToolOutcome.FAILED, message)
+    def error(cls, message: str, *, failure: Failure | None = None) -> ToolResult:
+        """A call that failed: the tool said so, the protocol broke, the server died or timed out
+        (``Failure.SERVER``, the default), or its arguments were refused (``Failure.ARGUMENTS``)."""
+        return cls(ToolOutcome.FAILED, message, failure=failure or Failure.SERVER)
 
     @classmethod
     def cancelled(cls, message: str) -> ToolResult:

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.integration
 
 _CONSOLE_SCRIPT = Path(sys.executable).parent / "runbrake"
 _COMMAND = [str(_CONSOLE_SCRIPT)] if _CONSOLE_SCRIPT.exists() else [sys.executable, "-c",
-                                                                       "from broker.cli import main; main()"]
+                                                                       "from runbrake.broker.cli import main; main()"]
 GATED = "get-sum"
 
 

@@ -290,26 +290,31 @@ def test_the_cancel_latency_and_the_cancelled_tool_call_are_counted_in_the_metri
     assert ("runbrake_tool_calls_total", (("outcome", "failed"), ("server", "toolbox"))) not in samples
 
 
-def test_server_health_counts_cancelled_calls_apart_from_failures(
+def test_server_health_counts_cancelled_calls_and_argument_errors_apart_from_failures(
     toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, publisher: CancelPublisher,
 ) -> None:
     run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-        {"tool_calls": [call("get-sum", a=1, b=2), call("fail", message="boom"), call("slow", seconds=30)]},
+        {"tool_calls": [call("get-sum", a=1, b=2), call("fail", message="boom"), call("no-such-tool"),
+                        call("slow", seconds=30)]},
         {"content": "never reached"},
     ]))
     wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
     _cancel(store, publisher, run.run_id)
     assert _segment_ended(worker, run.run_id) == "cancelled"
 
-    shown = subprocess.run(
-        [sys.executable, "-c", "from broker.cli import main; main()", "servers", "--json"],
+    shown, recent = (subprocess.run(
+        [sys.executable, "-c", "from runbrake.broker.cli import main; main()", "servers", "--json", *window],
         capture_output=True, text=True, timeout=30, check=False,
-    )
+    ) for window in ([], ["--since", "1h"]))
 
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout) == [
-        {"server": "toolbox", "ok": 1, "failed": 1, "cancelled": 1, "failure_rate": 0.5},
+        {"server": "toolbox", "ok": 1, "failed": 1, "argument_errors": 1, "cancelled": 1, "failure_rate": 0.5},
     ]
+    assert json.loads(recent.stdout) == json.loads(shown.stdout)
+    tools = [(s.tool_name, s.tool_outcome, s.detail.get("failure")) for s in store.get(run.run_id).steps
+             if s.kind is StepKind.TOOL]
+    assert tools[2] == ("no-such-tool", ToolOutcome.FAILED, "arguments")  # refused before any call was sent
 
 
 # -- helpers ------------------------------------------------------------------------------------

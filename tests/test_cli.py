@@ -32,7 +32,7 @@ from tests.worker_helpers import (
 
 _CONSOLE_SCRIPT = Path(sys.executable).parent / "runbrake"
 _COMMAND = [str(_CONSOLE_SCRIPT)] if _CONSOLE_SCRIPT.exists() else [sys.executable, "-c",
-                                                                       "from broker.cli import main; main()"]
+                                                                       "from runbrake.broker.cli import main; main()"]
 _CLI_TIMEOUT_S = 30.0
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _DEAD_SERVER = {"url": "http://127.0.0.1:9/mcp"}

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from runbrake.shared import ToolOutcome, ToolResult
+from runbrake.shared.tool_result import Failure
 
 # The content channels the bounding transform may shorten; every other field must pass through as is.
 CHANNELS = frozenset({"content", "structured"})
@@ -16,7 +17,9 @@ CHANNELS = frozenset({"content", "structured"})
 # Every field of ToolResult. When this test fails because a field was added, check that
 # ``with_bounded_channels`` carries it (or bounds it, if it is a content channel), then add it here
 # and to ``NON_DEFAULT`` below.
-EXPECTED_FIELDS = frozenset({"outcome", "content", "structured", "artifacts", "write_target"})
+EXPECTED_FIELDS = frozenset({"outcome", "content", "structured", "artifacts", "write_target", "failure"})
+FAILED_ONLY = frozenset({"failure"})
+"""Fields only a failed result sets; the failed carry test below covers them."""
 
 # A non-default value for every field the transform must carry unchanged (an ok result, so that
 # artifacts and write target are allowed).
@@ -119,7 +122,7 @@ def test_the_fields_of_tool_result_are_exactly_the_ones_the_bounding_transform_w
 
 def test_every_non_channel_field_has_a_non_default_value_in_the_carry_test() -> None:
     """The carry test below must set every field the transform does not bound."""
-    assert set(NON_DEFAULT) == EXPECTED_FIELDS - CHANNELS
+    assert set(NON_DEFAULT) == EXPECTED_FIELDS - CHANNELS - FAILED_ONLY
     for f in dataclasses.fields(ToolResult):
         if f.name in NON_DEFAULT and f.default is not dataclasses.MISSING:
             assert NON_DEFAULT[f.name] != f.default, f"{f.name} must differ from its default"
@@ -130,11 +133,26 @@ def test_bounding_carries_every_non_channel_field_unchanged() -> None:
 
     bounded = original.with_bounded_channels(10)
 
-    carried = {f.name for f in dataclasses.fields(ToolResult)} - CHANNELS
+    carried = {f.name for f in dataclasses.fields(ToolResult)} - CHANNELS - FAILED_ONLY
     assert carried  # the loop below must check something
     for name in carried:
         assert getattr(bounded, name) == getattr(original, name), f"{name} did not survive the transform"
     assert bounded.content != original.content  # the channels really were bounded
+
+
+def test_bounding_a_failed_result_carries_whose_failure_it_was() -> None:
+    original = ToolResult.error("e" * 50, failure=Failure.ARGUMENTS)
+
+    bounded = original.with_bounded_channels(10)
+
+    assert (bounded.outcome, bounded.failure) == (ToolOutcome.FAILED, Failure.ARGUMENTS)
+    assert ToolResult.error("x").failure is Failure.SERVER
+
+
+@pytest.mark.parametrize("outcome", [ToolOutcome.OK, ToolOutcome.CANCELLED])
+def test_only_a_failed_result_says_whose_failure_it_was(outcome: ToolOutcome) -> None:
+    with pytest.raises(ValueError, match="only a failed one"):
+        ToolResult(outcome, "x", failure=Failure.SERVER)
 
 
 @pytest.mark.parametrize("build", [ToolResult.cancelled, ToolResult.error], ids=["cancelled", "failed"])

@@ -13,11 +13,11 @@ import anyio
 from mcp_types import CallToolResult, ContentBlock, EmbeddedResource, ResourceLink, TextContent, TextResourceContents
 
 from runbrake.shared.errors import ToolTransportError
-from runbrake.shared.tool_result import ToolResult
+from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_transport import McpConnection
 
-__all__ = ["execute", "not_allowed", "not_connected"]
+__all__ = ["execute", "not_allowed", "not_connected", "not_offered"]
 
 
 async def execute(
@@ -45,7 +45,10 @@ async def execute(
     try:
         answer = await connection.call(call.tool, call.arguments, timeout_s=timeout_s, interrupt=interrupt)
     except ToolTransportError as exc:
-        result = ToolResult.cancelled(str(exc)) if exc.is_cancellation else ToolResult.error(str(exc))
+        if exc.is_cancellation:
+            result = ToolResult.cancelled(str(exc))
+        else:
+            result = ToolResult.error(str(exc), failure=Failure.ARGUMENTS if exc.is_invalid_arguments else None)
     else:
         result = _from_answer(answer)
     return result.with_bounded_channels(max_chars)
@@ -64,7 +67,13 @@ def not_allowed(call: ToolCall, allowed: tuple[str, ...], *, max_chars: int) -> 
     """The failed result of a call to a tool the operator's catalog does not allow on that server; the
     tool is not called."""
     message = f"{call.server} does not allow the tool {call.tool!r} (allowed: {', '.join(allowed)}); it was not called"
-    return ToolResult.error(message).with_bounded_channels(max_chars)
+    return ToolResult.error(message, failure=Failure.ARGUMENTS).with_bounded_channels(max_chars)
+
+
+def not_offered(call: ToolCall, *, max_chars: int) -> ToolResult:
+    """The failed result of a call to a tool its server did not list; the tool is not called."""
+    message = f"{call.server} offers no tool {call.tool!r}; it was not called"
+    return ToolResult.error(message, failure=Failure.ARGUMENTS).with_bounded_channels(max_chars)
 
 
 def _from_answer(answer: CallToolResult) -> ToolResult:

@@ -33,7 +33,7 @@ from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerP
 from mcp.client import Transport
 from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import CallToolResult
+from mcp_types import INVALID_PARAMS, CallToolResult
 from pydantic import ValidationError
 
 from runbrake.shared.catalog import expand
@@ -221,6 +221,11 @@ class McpConnection:
         except Exception as exc:
             if not _is_transport_fault(exc):
                 raise
+            if isinstance(exc, MCPError) and exc.code == INVALID_PARAMS:
+                raise ToolTransportError.for_invalid_arguments(
+                    f"MCP server {self.server!r} refused the arguments of {tool}: {_describe(exc)}",
+                    server=self.server, tool=tool,
+                ) from exc
             raise self._error(exc, f"call to {tool} failed", tool=tool) from exc
         if result is not None:
             # The call completed: a cancel that came after the answer cut nothing off, so the

@@ -48,6 +48,7 @@ class Toolbox:
         self._connections: dict[str, McpConnection] = {}
         self._unavailable: dict[str, str] = {}
         self._tools: list[ToolInfo] = []
+        self._offered: set[tuple[str, str]] = set()
         self._timeout_s = timeout_s
         self._max_chars = max_chars
 
@@ -75,6 +76,7 @@ class Toolbox:
                     continue
                 toolbox._connections[name] = connection
                 toolbox._tools.extend(t for t in tools if spec.tools is None or t.name in spec.tools)
+                toolbox._offered.update((name, t.name) for t in tools)
             yield toolbox
 
     @property
@@ -88,6 +90,8 @@ class Toolbox:
         server = self._servers[call.server]
         if server.tools is not None and call.tool not in server.tools:
             return mcp_tool.not_allowed(call, server.tools, max_chars=self._max_chars)
+        if (call.server, call.tool) not in self._offered:
+            return mcp_tool.not_offered(call, max_chars=self._max_chars)
         limiter = _limiter(server)
         if limiter is None:
             return await self._call(connection, server, call, interrupt)
