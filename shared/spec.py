@@ -303,7 +303,8 @@ class _ServerSpec(SpecModel):
             raise _refuse("unknown field (a server's name is its key in mcp_servers)")
         return value
 
-    @field_validator("tools", "max_concurrency", "timeout_s", mode="before")
+    # check_fields=False: 'headers' belongs to the HTTP server only.
+    @field_validator("tools", "max_concurrency", "timeout_s", "headers", mode="before", check_fields=False)
     @classmethod
     def _catalog_only(cls, value: object, info: ValidationInfo) -> object:
         if _in_a_whole_spec(info):
@@ -321,13 +322,6 @@ class HttpServerSpec(_ServerSpec):
     headers: SkipJsonSchema[dict[str, str]] = Field(default_factory=dict)
     """Catalog only: HTTP headers sent to the server; ``${VAR}`` is expanded from the worker's environment
     when it connects, never written anywhere."""
-
-    @field_validator("headers", mode="before")
-    @classmethod
-    def _headers_catalog_only(cls, value: object, info: ValidationInfo) -> object:
-        if _in_a_whole_spec(info):
-            raise _refuse("unknown field (only an operator's catalog sets it)")
-        return value
 
 
 class StdioServerSpec(_ServerSpec):
