@@ -92,11 +92,12 @@ redis.call('HSET', KEYS[1], 'run_id', ARGV[1], 'status', '$status_queued', 'term
   'created_at', ARGV[3], 'request', ARGV[2], 'seq', 0, 'idempotency_key', ARGV[5])
 if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[6]) end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
 announce(ARGV[1], '$status_queued', '')
 return {1, ARGV[1]}
 """)
 
-# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id, events channel
+# KEYS: run, leases, unclaimed.  ARGV: owner, now, lease_expires_at, run_id, events channel
 CLAIM = _script("claim", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -109,7 +110,7 @@ announce(ARGV[4], '$status_running', '')
 return {1, st}
 """)
 
-# KEYS: run, leases.  ARGV: owner, now, lease_expires_at, run_id, events channel
+# KEYS: run, leases, unclaimed.  ARGV: owner, now, lease_expires_at, run_id, events channel
 RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -136,9 +137,10 @@ announce(ARGV[3], '$status_waiting_for_approval', '')
 return {1, st}
 """)
 
-# KEYS: run.  ARGV: (none)
+# KEYS: run, unclaimed.  ARGV: now, run_id
 # A decision is taken once; approving an approved run again answers won so a lost resume message
-# can be sent again (the resume claim makes a duplicate a no-op).
+# can be sent again (the resume claim makes a duplicate a no-op). An approved run waits for its resume
+# message in the unclaimed set, like a queued run for its start message.
 APPROVE = _script("approve", """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -146,10 +148,11 @@ if st ~= '$status_waiting_for_approval' then return {0, st} end
 local decided = redis.call('HGET', KEYS[1], 'approval')
 if decided ~= false and decided ~= '' and decided ~= 'approved' then return {0, st} end
 redis.call('HSET', KEYS[1], 'approval', 'approved')
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
 return {1, st}
 """)
 
-# KEYS: run, leases, run, steps, cancel, finished.
+# KEYS: run, leases, unclaimed, run, steps, cancel, finished.
 # ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
 #   retention_s, events channel
 SETTLE = _script("settle", _ANNOUNCE + _RETAIN + _IS_TERMINAL + """
@@ -161,12 +164,13 @@ if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then return
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'termination_reason', ARGV[2], 'finished_at', ARGV[4],
   'error', ARGV[5], 'lease_expires_at', '')
 redis.call('ZREM', KEYS[2], ARGV[7])
+redis.call('ZREM', KEYS[3], ARGV[7])
 retain(ARGV[7], ARGV[4])
 announce(ARGV[7], ARGV[1], ARGV[2])
 return {1, st}
 """)
 
-# KEYS: run, cancel, leases, run, steps, cancel, finished.  ARGV: cancel_json, now, run_id, retention_s,
+# KEYS: run, cancel, leases, unclaimed, run, steps, cancel, finished.  ARGV: cancel_json, now, run_id, retention_s,
 #   events channel
 CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -176,6 +180,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason',
   'finished_at', ARGV[2], 'lease_expires_at', '')
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[3])
+redis.call('ZREM', KEYS[4], ARGV[3])
 retain(ARGV[3], ARGV[2])
 announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
 return {1, st}
@@ -240,5 +245,26 @@ return {1, st}
 """)
 
 
-ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, REAP)
+# KEYS: unclaimed, run.  ARGV: run_id, cutoff, now
+# Take the re-drive of one run whose message was sent before ``cutoff`` and that nobody claimed: answers
+# 'start' (queued) or 'resume' (approved, waiting for its resume), and restarts its clock so that one
+# worker re-sends it once per interval; a run that moved on leaves the set ('').
+REDRIVE = _script("redrive", """
+local sent = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not sent or tonumber(sent) > tonumber(ARGV[2]) then return '' end
+local st = redis.call('HGET', KEYS[2], 'status')
+local kind = ''
+if st == '$status_queued' then kind = 'start' end
+if st == '$status_waiting_for_approval' and redis.call('HGET', KEYS[2], 'approval') == 'approved' then
+  kind = 'resume'
+end
+if kind == '' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+else
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+end
+return kind
+""")
+
+ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, REAP, REDRIVE)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

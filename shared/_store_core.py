@@ -101,6 +101,12 @@ class Keys:
         return f"{self.namespace}:servers:{int(when // 3600)}"
 
     @property
+    def unclaimed(self) -> str:
+        """Runs waiting for a worker (queued, or approved and waiting for their resume), scored by when their
+        message was last sent: the re-drive's work list."""
+        return f"{self.namespace}:unclaimed"
+
+    @property
     def finished(self) -> str:
         """Finished runs by the time their retention ends (the sweeper's work list)."""
         return f"{self.namespace}:finished"
@@ -250,7 +256,7 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
         return Created(run_id=str(value), created=bool(won), conflict=bool(conflict))
 
     return _script(
-        _scripts.CREATE, (keys.run(run_id), idem, keys.index),
+        _scripts.CREATE, (keys.run(run_id), idem, keys.index, keys.unclaimed),
         (run_id, request_json, repr(now), "1" if idempotency_key else "0", idempotency_key or "", digest,
          keys.events),
         "create a run", parse,
@@ -275,7 +281,7 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
         )
 
     return Op(f"{name} run {run_id}", (
-        ScriptCall(script, (keys.run(run_id), keys.leases),
+        ScriptCall(script, (keys.run(run_id), keys.leases, keys.unclaimed),
                    (owner, repr(now), repr(now + lease_s), run_id, keys.events)),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
     ), parse)
@@ -289,7 +295,8 @@ def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> 
 
 def approve(keys: Keys, run_id: str) -> Op[Transition]:
     """Record an approval on a run waiting for one; the resume claim consumes it."""
-    return _script(_scripts.APPROVE, (keys.run(run_id),), (), f"approve run {run_id}",
+    return _script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed), (repr(time.time()), run_id),
+                   f"approve run {run_id}",
                    _transition("approve", run_id))
 
 
@@ -300,7 +307,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return _script(
-        _scripts.SETTLE, (keys.run(run_id), keys.leases, *keys.retention(run_id)),
+        _scripts.SETTLE, (keys.run(run_id), keys.leases, keys.unclaimed, *keys.retention(run_id)),
         (status.value, reason.value, owner or "", repr(time.time()), scrub(error[:MAX_ERROR_CHARS]),
          "" if required_status is None else required_status.value, run_id, keys.retention_s, keys.events),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
@@ -311,7 +318,8 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     """non-terminal → cancelled, writing the cancel key in the same script (the fence)."""
     request = CancelRequest(reason=reason, requested_by=requested_by, requested_at=time.time())
     return _script(
-        _scripts.CANCEL, (keys.run(run_id), keys.cancel(run_id), keys.leases, *keys.retention(run_id)),
+        _scripts.CANCEL,
+        (keys.run(run_id), keys.cancel(run_id), keys.leases, keys.unclaimed, *keys.retention(run_id)),
         (json.dumps(request.to_dict()), repr(request.requested_at), run_id, keys.retention_s, keys.events),
         f"cancel run {run_id}", _transition("cancel", run_id),
     )
@@ -517,8 +525,21 @@ def forget(keys: Keys, runs: Mapping[str, str]) -> Op[int]:
         calls += [Command(("DEL", *doomed))]
     ids = list(runs)
     if ids:
-        calls += [Command(("ZREM", keys.index, *ids)), Command(("ZREM", keys.finished, *ids))]
+        calls += [Command(("ZREM", keys.index, *ids)), Command(("ZREM", keys.finished, *ids)),
+                  Command(("ZREM", keys.unclaimed, *ids))]
     return Op("forget expired runs", tuple(calls), lambda answers: len(ids))
+
+
+def unclaimed_since(keys: Keys, *, cutoff: float, limit: int) -> Op[list[str]]:
+    """Runs whose message was sent before ``cutoff`` (epoch seconds) and that nobody claimed since."""
+    return Op("read unclaimed runs", (Command(("ZRANGEBYSCORE", keys.unclaimed, "-inf", repr(cutoff),
+                                               "LIMIT", 0, limit)),), lambda answers: list(answers[0]))
+
+
+def take_redrive(keys: Keys, run_id: str, *, cutoff: float) -> Op[str]:
+    """Take the re-drive of one unclaimed run: ``start``, ``resume``, or ``""`` when it is not due or moved on."""
+    return _script(_scripts.REDRIVE, (keys.unclaimed, keys.run(run_id)), (run_id, repr(cutoff), repr(time.time())),
+                   f"re-drive run {run_id}", lambda answers: str(answers[0] or ""))
 
 
 def ping() -> Op[None]:

@@ -12,6 +12,7 @@ This one serves the CLI, the cancel listener's thread and the lease keeper.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -188,6 +189,17 @@ class RunStore:
     def ping(self) -> None:
         """Raises StoreError when Redis does not answer."""
         self.execute(core.ping())
+
+    def redrive_due(self, *, older_than_s: float, limit: int = 100) -> list[tuple[str, bool]]:
+        """Take the re-drive of runs nobody claimed within ``older_than_s`` of their message: (run id,
+        resume) for each this call took; another worker's call takes none of the same in the same interval."""
+        cutoff = time.time() - older_than_s
+        taken = []
+        for run_id in self.execute(core.unclaimed_since(self.keys, cutoff=cutoff, limit=limit)):
+            kind = self.execute(core.take_redrive(self.keys, run_id, cutoff=cutoff))
+            if kind:
+                taken.append((run_id, kind == "resume"))
+        return taken
 
     def sweep_expired(self, *, limit: int = 500) -> list[str]:
         """Delete the finished runs whose retention ended: every key of a run, its idempotency key and its

@@ -12,10 +12,12 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import pika
 import pytest
 
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
+from runbrake.broker.wire import Topology
 from runbrake.shared import (
     PublishError,
     RunStatus,
@@ -227,3 +229,23 @@ def test_enqueue_is_fail_closed_when_rabbitmq_does_not_take_the_message(store: R
     [record] = store.recent()
     assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.ENQUEUE_FAILED)
     assert "RabbitMQ" in record.error
+
+
+def test_runs_whose_messages_were_lost_are_redriven_and_complete(
+    toolbox_http: Toolbox, producer: Producer, store: RunStore, start_worker: Callable[..., WorkerProcess],
+    settings: Settings,
+) -> None:
+    runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"content": f"run {i}"}])).run_id
+            for i in range(10)]
+    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    try:
+        purged = connection.channel().queue_purge(Topology.of(settings).run_queue).method.message_count
+    finally:
+        connection.close()
+    assert purged == 10  # every message is gone: only Redis still knows these runs wait
+
+    worker = start_worker(RUNBRAKE_REDRIVE_S="2")
+    records = [wait_for_run(store, run_id, timeout=30) for run_id in runs]
+
+    assert [r.status for r in records] == [RunStatus.COMPLETED] * 10
+    assert {e["run_id"] for e in worker.logged("run_redriven")} == set(runs)

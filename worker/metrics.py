@@ -18,6 +18,10 @@ MESSAGES_SKIPPED = Counter(
     "runbrake_messages_skipped_total", "Run messages acked as no-ops (duplicate, stale or no longer queued).",
     registry=REGISTRY,
 )
+RUNS_REDRIVEN = Counter(
+    "runbrake_runs_redriven_total", "Run messages sent again because nobody claimed the run within RUNBRAKE_REDRIVE_S.",
+    registry=REGISTRY,
+)
 CANCEL_LATENCY = Histogram(
     "runbrake_cancel_latency_seconds", "From the cancel request to the interrupted call being recorded.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),

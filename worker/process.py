@@ -10,6 +10,7 @@ from types import FrameType
 import structlog
 from dramatiq import Worker
 
+from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology
 from runbrake.shared.async_store import AsyncRunStore
@@ -21,6 +22,7 @@ from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.leases import LeaseKeeper
+from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.retention import Sweeper
 from runbrake.worker.runtime import Runtime
@@ -54,10 +56,12 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     backstop = Backstop(settings, store, registry)
     leases = LeaseKeeper(settings, store, registry)
     sweeper = Sweeper(settings, store)
+    redriver = Redriver(settings, store, Producer(store, broker))
     listener.start()
     backstop.start()
     leases.start()
     sweeper.start()
+    redriver.start()
     # worker_timeout: how often idle consumers wake up; 200 ms makes a stop take a fraction of a second.
     worker = Worker(broker, queues=queues, worker_threads=threads, worker_timeout=200)
     # A prefetched message is a run nobody executes yet: hold at most one per thread.
@@ -84,6 +88,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     backstop.stop()
     leases.stop()
     sweeper.stop()
+    redriver.stop()
     listener.join(5)
     broker.close()
     store.close()
