@@ -19,6 +19,7 @@ from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
+from runbrake.worker.health import WorkerHealth
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import Runtime
@@ -48,6 +49,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     if settings.metrics_port:
         metrics.serve(settings.metrics_port + index)
     listener = CancelListener(settings, store, registry)
+    metrics.watch_process(registry, listener.ready)
     backstop = Backstop(settings, store, registry)
     leases = LeaseKeeper(settings, store, registry)
     listener.start()
@@ -58,14 +60,17 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     # A prefetched message is a run nobody executes yet: hold at most one per thread.
     worker.queue_prefetch = threads
     stop = threading.Event()
+    draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("worker_stopping", signal=signal.Signals(signum).name)
+        draining.set()
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     worker.start()
+    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
     listener.ready.wait(10)
     log.info("worker_started", threads=threads, queues=sorted(queues), listener_ready=listener.ready.is_set())
     stop.wait()
@@ -73,6 +78,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     listener.stop()
     backstop.stop()
     leases.stop()
+    health.stop()
     listener.join(5)
     broker.close()
     store.close()
