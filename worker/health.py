@@ -170,8 +170,19 @@ class ServiceChecks(threading.Thread):
                 self.check_once()
                 self._stopping.wait(self._interval_s)
         finally:
-            self._stop_sampling(release=True)
-            self._close()
+            self.close()
+
+    def close(self) -> None:
+        """Resign as the queue-depth sampler (the lock is released, so another process takes over at its
+        next check) and close the RabbitMQ connection. From the thread that ran the checks: the thread
+        does it on its way out; a caller of :meth:`check_once` does it itself."""
+        self._stop_sampling(release=True)
+        self._close()
+
+    @property
+    def sampling(self) -> bool:
+        """This process holds the sampler lock and exports ``runbrake_queue_depth``."""
+        return self._sampling
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping.set()
