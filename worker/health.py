@@ -167,7 +167,11 @@ class ServiceChecks(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self.check_once()
+                try:
+                    self.check_once()
+                except Exception:  # the thread goes on: a dead one would leave /readyz stale for good
+                    log.exception("service_checks_round_failed")
+                    self._close()
                 self._stopping.wait(self._interval_s)
         finally:
             self.close()

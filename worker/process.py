@@ -69,8 +69,9 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    worker.start()
+    # Before consuming: a health port already taken fails the process before it takes a run.
     health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
+    worker.start()
     listener.ready.wait(10)
     log.info("worker_started", threads=threads, queues=sorted(queues), listener_ready=listener.ready.is_set())
     stop.wait()
