@@ -20,7 +20,14 @@ from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology, run_message
 from runbrake.shared import RunStore, Settings
 from runbrake.worker import metrics
-from runbrake.worker.health import Check, HealthEndpoints, ServiceChecks, event_loop_check, serve
+from runbrake.worker.health import (
+    CHECK_INTERVAL_S,
+    Check,
+    HealthEndpoints,
+    ServiceChecks,
+    event_loop_check,
+    serve,
+)
 from tests.mcp_helpers import free_port
 from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess
@@ -241,12 +248,23 @@ def test_a_worker_serves_healthz_readyz_and_the_gauges(
     alive = _get(f"http://127.0.0.1:{health_port}/healthz")
     queue = Topology(store.namespace).run_queue
     worker.wait_for_log("queue_depth_sampler_elected", queue=queue)
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        samples = {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(response.read().decode())
-            for sample in family.samples
-        }
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+            return {
+                (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(response.read().decode())
+                for sample in family.samples
+            }
+
+    # The first sample may find the queue not declared yet (the worker's consumer declares it); the next
+    # round, one check interval later, has it.
+    def with_depth() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        found = scrape()
+        return found if ("runbrake_queue_depth", (("queue", queue),)) in found else None
+
+    samples = poll_until(with_depth, timeout=3 * CHECK_INTERVAL_S, interval=0.2,
+                         failure=lambda: f"no runbrake_queue_depth sample: {scrape()}")
 
     assert ready[1]["ok"] is True
     assert set(ready[1]["checks"]) == ALL_READY
