@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services lint typecheck test demo bench wheel-check clean
+.PHONY: setup services lint typecheck test demo bench wheel-check lock manifests clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -12,10 +12,13 @@ PACKAGE_FILES := $(sort $(wildcard shared/*.py broker/*.py worker/*.py broker/*/
 PACKAGE_LIST := $(VENV)/.package-files
 $(shell mkdir -p $(VENV) && (echo "$(PACKAGE_FILES)" | cmp -s - $(PACKAGE_LIST) || echo "$(PACKAGE_FILES)" > $(PACKAGE_LIST)))
 
-$(VENV)/.installed: pyproject.toml $(PACKAGE_LIST)
+# The venv gets the same pinned versions as the image (deploy/constraints.txt, written by `make lock`).
+CONSTRAINTS := deploy/constraints.txt
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) $(PACKAGE_LIST)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]" --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet -e ".[dev]" --constraint $(CONSTRAINTS) --config-settings editable_mode=strict
 	touch $@
 
 setup: $(VENV)/.installed
@@ -49,6 +52,30 @@ wheel-check: setup services
 	cd $(WHEEL_DIR) && venv/bin/runbrake schema > schema.json && venv/bin/python -c \
 		"import json; assert json.load(open('schema.json'))['\$$schema'].endswith('2020-12/schema')"
 	cd $(WHEEL_DIR) && venv/bin/runbrake demo
+
+# Pin runbrake's dependencies (and theirs) for the image and the venv: install the project alone into a
+# scratch venv and freeze it. Run it after changing [project].dependencies in pyproject.toml, with the
+# Python the image uses (deploy/Dockerfile); tests/test_image.py checks that the pins and pyproject agree.
+LOCK_DIR := $(or $(TMPDIR),/tmp)/runbrake-lock
+lock:
+	rm -rf $(LOCK_DIR) && $(PYTHON) -m venv $(LOCK_DIR)
+	$(LOCK_DIR)/bin/python -m pip install --quiet --upgrade pip
+	$(LOCK_DIR)/bin/python -m pip install --quiet .
+	{ printf '%s\n' \
+		"# Pinned versions of runbrake's dependencies and theirs: the image (deploy/Dockerfile) and" \
+		"# 'make setup' install with --constraint this file. Written by 'make lock' (pip install . and" \
+		"# pip freeze in a scratch venv, runbrake itself left out); do not edit by hand." \
+		"# python: $$($(LOCK_DIR)/bin/python -c 'import platform; print(platform.python_version(), platform.system().lower(), platform.machine())')"; \
+	  $(LOCK_DIR)/bin/python -m pip freeze --exclude runbrake; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf $(LOCK_DIR)
+	@echo "wrote $(CONSTRAINTS); run 'make setup' to install the new pins"
+
+# The image's lint and the Kubernetes manifests' checks alone (make test runs them too): kubectl kustomize
+# renders deploy/k8s/base and deploy/k8s/overlays/production, every object is validated against the
+# Kubernetes API's schemas or the vendored CRD schemas, and the manifests are checked against the code.
+manifests: setup
+	$(PY) -m pytest -q tests/test_image.py tests/test_manifests.py
 
 bench: setup services
 	$(PY) -m bench.throughput

@@ -13,15 +13,21 @@
   (Dramatiq's default is 20 with backoff); the run actor retries only store outages
   (``worker/actors.py``), and a cancelled run is never retried. ``TimeLimit`` set per
   actor, ``AsyncIO`` for the async actor.
+- ``RUNBRAKE_QUEUE_TYPE=quorum`` declares the run queue and its ``.DQ``/``.XQ`` twins as quorum
+  queues (replicated across the RabbitMQ cluster's nodes). Dramatiq declares the ``.XQ`` twin with
+  arguments of its own, so that declaration is overridden too. Quorum queues refuse
+  ``x-max-priority`` on RabbitMQ before 3.12; this broker never sets it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, RabbitmqBroker
+from dramatiq.common import xq_name
 from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
 
+from runbrake.broker.wire import queue_type_arguments
 from runbrake.shared.settings import Settings
 
 
@@ -35,11 +41,22 @@ class RunbrakeBroker(RabbitmqBroker):
             middleware=middleware if middleware is not None else default_middleware(),
         )
         self._consumer_timeout_ms = (settings.run_time_limit_s + 300) * 1000
+        self._type_arguments = queue_type_arguments(settings.queue_type)
 
     def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
         arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)  # type: ignore[no-untyped-call]
         arguments["x-consumer-timeout"] = self._consumer_timeout_ms
+        arguments.update(self._type_arguments)
         return arguments
+
+    def _declare_xq_queue(self, queue_name: str) -> Any:
+        if not self._type_arguments:
+            return super()._declare_xq_queue(queue_name)  # type: ignore[no-untyped-call]
+        # Dramatiq's own declaration of the dead-letter twin, plus the queue type.
+        return self.channel.queue_declare(
+            queue=xq_name(queue_name), durable=True,
+            arguments={"x-message-ttl": DEAD_MESSAGE_TTL, **self._type_arguments},
+        )
 
 
 def default_middleware() -> list[Middleware]:

@@ -13,6 +13,8 @@ Per namespace ``<ns>`` (``RUNBRAKE_NAMESPACE``):
     <ns>.cancel          durable fanout  cancel wake-ups {"run_id": …}; each worker process binds
                                          an exclusive, server-named, auto-delete queue to it
     <ns>.noop[.DQ|.XQ]   durable queue   the benchmarks' no-op actor (a broker ceiling)
+
+The durable queues are classic, or quorum queues with ``RUNBRAKE_QUEUE_TYPE=quorum``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,17 @@ class Topology:
         queue: str = channel.queue_declare(queue="", exclusive=True, auto_delete=True).method.queue
         channel.queue_bind(queue=queue, exchange=self.cancel_exchange)
         return queue
+
+
+def queue_type_arguments(queue_type: str) -> dict[str, str]:
+    """The declaration arguments ``RUNBRAKE_QUEUE_TYPE`` adds to the namespace's durable queues.
+
+    ``classic`` adds none, so a queue declared before the setting existed stays equivalent.
+    ``quorum`` asks for a replicated quorum queue. RabbitMQ refuses to redeclare an existing queue
+    with another type (``PRECONDITION_FAILED``): switching needs the old queues deleted first
+    (README.md, "Operating"). A listener's exclusive cancel queue is always classic.
+    """
+    return {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
 
 
 # -- run messages --------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ _MAX_BACKOFF_S = 10.0
 class CancelListener(threading.Thread):
     """Consumes cancel messages and interrupts the runs this process executes. Reconnects with backoff."""
 
-    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
+    def __init__(
+        self, settings: Settings, store: RunStore, registry: ActiveRuns, *, ready: threading.Event | None = None
+    ) -> None:
         super().__init__(name="runbrake-cancel-listener", daemon=True)
         self._settings = settings
         self._store = store
@@ -41,7 +43,7 @@ class CancelListener(threading.Thread):
         self._stopping = threading.Event()
         self._connection: pika.BlockingConnection | None = None
         self._channel: pika.adapters.blocking_connection.BlockingChannel | None = None
-        self.ready = threading.Event()
+        self.ready = threading.Event() if ready is None else ready
         """Set while the listener's queue is bound and consuming."""
 
     def run(self) -> None:

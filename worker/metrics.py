@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+import threading
+from collections.abc import Sized
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -27,6 +30,27 @@ CANCEL_LATENCY = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
     registry=REGISTRY,
 )
+
+RUNS_IN_FLIGHT = Gauge(
+    "runbrake_runs_in_flight", "Runs this worker process is executing (its registry of active runs).",
+    registry=REGISTRY,
+)
+CANCEL_LISTENER_CONNECTED = Gauge(
+    "runbrake_cancel_listener_connected", "1 while this process's cancel listener is bound and consuming, else 0.",
+    registry=REGISTRY,
+)
+QUEUE_DEPTH = Gauge(
+    "runbrake_queue_depth",
+    "Messages ready in the queue (not counting those delivered and unacked), sampled every few seconds by "
+    "the one worker process that holds the <ns>:queue-depth-sampler lock; other processes export no sample.",
+    ["queue"], registry=REGISTRY,
+)
+
+
+def watch_process(active_runs: Sized, listener_ready: threading.Event) -> None:
+    """Read the in-flight and listener gauges from the process's registry and listener at scrape time."""
+    RUNS_IN_FLIGHT.set_function(lambda: len(active_runs))
+    CANCEL_LISTENER_CONNECTED.set_function(lambda: 1.0 if listener_ready.is_set() else 0.0)
 
 
 def serve(port: int) -> None:

@@ -21,6 +21,7 @@ from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
+from runbrake.worker.health import WorkerHealth
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
@@ -53,6 +54,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     if settings.metrics_port:
         metrics.serve(settings.metrics_port + index)
     listener = CancelListener(settings, store, registry)
+    metrics.watch_process(registry, listener.ready)
     backstop = Backstop(settings, store, registry)
     leases = LeaseKeeper(settings, store, registry)
     sweeper = Sweeper(settings, store)
@@ -67,13 +69,17 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     # A prefetched message is a run nobody executes yet: hold at most one per thread.
     worker.queue_prefetch = threads
     stop = threading.Event()
+    draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("worker_stopping", signal=signal.Signals(signum).name)
+        draining.set()
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Before consuming: a health port already taken fails the process before it takes a run.
+    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
     worker.start()
     listener.ready.wait(10)
     log.info("worker_started", threads=threads, queues=sorted(queues), listener_ready=listener.ready.is_set())
@@ -81,7 +87,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
         if not listener.is_alive():
             # Should never happen (the listener survives its own errors); if it does, say so loudly.
             log.critical("cancel_listener_died", action="starting a new one")
-            listener = CancelListener(settings, store, registry)
+            listener = CancelListener(settings, store, registry, ready=listener.ready)
             listener.start()
     worker.stop(timeout=SHUTDOWN_GRACE_MS)
     listener.stop()
@@ -89,6 +95,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     leases.stop()
     sweeper.stop()
     redriver.stop()
+    health.stop()
     listener.join(5)
     broker.close()
     store.close()
