@@ -129,11 +129,12 @@ class StoreError(RunbrakeError):
 
 
 class RunNotFound(RunbrakeError):
-    """Raised when no run exists under the given id."""
+    """Raised when no run exists under the given id; ``where`` says where it was looked for, when known."""
 
-    def __init__(self, run_id: str) -> None:
-        super().__init__(f"no run with id {run_id!r}")
+    def __init__(self, run_id: str, *, where: str = "") -> None:
+        super().__init__(f"no run with id {run_id!r}" + (f" ({where})" if where else ""))
         self.run_id = run_id
+        self.where = where
 
 
 class TransitionRefused(RunbrakeError):

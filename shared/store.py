@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import redis
 
 from runbrake.shared import _store_core as core
+from runbrake.shared.errors import RunNotFound
 from runbrake.shared.records import CancelRequest, Claim, Created, RunRecord, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -159,11 +160,23 @@ class RunStore:
     # -- reads ----------------------------------------------------------------------------------
 
     def get(self, run_id: str) -> RunRecord:
-        """The run with its steps and cancel request (RunNotFound when absent)."""
-        return self.execute(core.get(self.keys, run_id))
+        """The run with its steps and cancel request (RunNotFound, saying where it looked, when absent)."""
+        try:
+            return self.execute(core.get(self.keys, run_id))
+        except RunNotFound:
+            raise RunNotFound(run_id, where=self.location) from None
 
     def status(self, run_id: str) -> RunStatus:
-        return self.execute(core.status(self.keys, run_id))
+        try:
+            return self.execute(core.status(self.keys, run_id))
+        except RunNotFound:
+            raise RunNotFound(run_id, where=self.location) from None
+
+    @property
+    def location(self) -> str:
+        """Where this store looks, for messages: ``namespace N in Redis host:port/db``."""
+        db = self._redis.connection_pool.connection_kwargs.get("db", 0)
+        return f"namespace {self.namespace!r} in Redis {self.where}/{db}"
 
     def recent(self, *, limit: int = 20, status: RunStatus | None = None, scan: int = 1000) -> list[RunRecord]:
         """The most recent runs (without steps), newest first; filtered by status among the last ``scan``."""

@@ -16,6 +16,7 @@ from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology, queue_type_arguments
 from runbrake.shared import RunStatus, RunStore, Settings, TerminationReason
+from runbrake.shared.catalog import Admission
 from tests.mcp_helpers import Toolbox
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -44,7 +45,7 @@ def test_a_quorum_worker_completes_a_run_from_quorum_queues_and_listens_on_a_cla
     listener_queue = worker.wait_for_log("cancel_listener_connected")[0]["queue"]
     broker = build_broker(quorum)
     try:
-        run = Producer(store, broker).enqueue(spec({"toolbox": toolbox_http.spec}, [
+        run = Producer(store, broker, Admission.from_settings(quorum)).enqueue(spec({"toolbox": toolbox_http.spec}, [
             {"tool_calls": [call("get-sum", a=2, b=3)]}, {"content": "It is 5."},
         ]))
         record = wait_for_run(store, run.run_id)

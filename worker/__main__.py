@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from runbrake.shared.settings import Settings
 from runbrake.worker.process import run_worker_process
@@ -14,7 +15,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8, help="Dramatiq worker threads")
     parser.add_argument("--noop", action="store_true", help="also consume the benchmark's no-op queue")
     args = parser.parse_args()
-    run_worker_process(Settings.from_env(), threads=args.threads, index=args.index, include_noop=args.noop)
+    sys.exit(run_worker_process(Settings.from_env(), threads=args.threads, index=args.index, include_noop=args.noop))
 
 
 if __name__ == "__main__":

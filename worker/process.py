@@ -3,10 +3,13 @@ the lease keeper."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from types import FrameType
 
+import pika
+import pika.exceptions
 import structlog
 from dramatiq import Worker
 
@@ -15,6 +18,7 @@ from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
+from runbrake.shared.errors import StoreError
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
@@ -34,13 +38,25 @@ SHUTDOWN_GRACE_MS = 10_000
 WATCHDOG_INTERVAL_S = 5.0
 
 
-def run_worker_process(settings: Settings, *, threads: int, index: int = 0, include_noop: bool = False) -> None:
+EXIT_UNAVAILABLE = 3
+"""Redis or RabbitMQ could not be reached (or refused the credentials) at start."""
+
+
+def run_worker_process(settings: Settings, *, threads: int, index: int = 0, include_noop: bool = False) -> int:
     """Run until SIGTERM or SIGINT, then stop: stop consuming, interrupt the segments in flight
-    (each records ``worker_shutdown``), close the listener."""
+    (each records ``worker_shutdown``), close the listener. Returns the exit code: 3 at once, with one
+    log line, when Redis or RabbitMQ cannot be reached at start (a wrong password included)."""
     configure_logging()
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)
-    store.ping()
+    try:
+        store.ping()
+        _check_rabbitmq(settings)
+    except (StoreError, pika.exceptions.AMQPError) as exc:
+        log.error(  # noqa: TRY400 - one clear line, not a traceback: the cause is in the message
+            "worker_cannot_start", error=str(exc) or repr(exc), namespace=settings.namespace)
+        store.close()
+        return EXIT_UNAVAILABLE
     registry = ActiveRuns()
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
     runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings))
@@ -100,3 +116,18 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     broker.close()
     store.close()
     log.info("worker_stopped")
+    return 0
+
+
+def _check_rabbitmq(settings: Settings) -> None:
+    """Connect once and go: a wrong password fails here, not in an endless reconnect loop."""
+    parameters = pika.URLParameters(settings.rabbitmq_url)
+    parameters.connection_attempts = 1
+    # pika logs each failed step itself, several lines with tracebacks; the caller says it in one.
+    pika_log = logging.getLogger("pika")
+    level, pika_log.level = pika_log.level, logging.CRITICAL
+    try:
+        connection = pika.BlockingConnection(parameters)
+    finally:
+        pika_log.setLevel(level)
+    connection.close()

@@ -126,7 +126,13 @@ class Runtime:
             claim = await self._store.claim(run_id, owner, lease_s=self._settings.lease_s, resume=resume)
             if not claim.won:
                 metrics.MESSAGES_SKIPPED.inc()
-                log.info("run_message_skipped", found=claim.found.value if claim.exists else "missing")
+                if claim.exists:
+                    log.info("run_message_skipped", found=claim.found.value)
+                else:
+                    # Not a duplicate: no such run where this worker looks. Producer and worker may be
+                    # pointed at different Redis databases or namespaces; say where this one looked.
+                    log.warning("run_message_skipped", found="missing", namespace=self._store.namespace,
+                                redis=self._store.where)
                 return RunOutcome.SKIPPED
             log.info("run_claimed", owner=owner)
             handle = self.registry.register(run_id, owner)

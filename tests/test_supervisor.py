@@ -1,0 +1,64 @@
+"""The supervisor supervises: a worker process that dies is restarted and logged; workers that cannot
+reach their services say so in one line and exit 3 instead of retrying forever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runbrake.shared import Settings
+from tests.worker_helpers import WorkerProcess, worker_env
+
+pytestmark = pytest.mark.integration
+
+RUNBRAKE = str(Path(sys.executable).parent / "runbrake")
+WRONG_PASSWORD = {"RUNBRAKE_RABBITMQ_URL": "amqp://guest:not-the-password@127.0.0.1:5672/"}
+
+
+def test_a_worker_with_a_wrong_rabbitmq_password_exits_3_with_one_clear_line(rabbitmq: Settings) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runbrake.worker", "--threads", "2"], env=worker_env(**WRONG_PASSWORD),
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+    assert result.returncode == 3, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) <= 3, lines
+    assert "worker_cannot_start" in result.stderr
+    assert "not-the-password" not in result.stderr  # the URL's password is redacted from the log
+
+
+def test_the_supervisor_gives_up_on_children_that_keep_dying_at_start_and_exits_3(rabbitmq: Settings) -> None:
+    result = subprocess.run(
+        [RUNBRAKE, "worker", "--processes", "2", "--threads", "1"], env=worker_env(**WRONG_PASSWORD),
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "worker_processes_keep_dying" in result.stderr
+    assert result.stderr.count("worker_process_restarted") >= 2
+
+
+def test_the_supervisor_restarts_a_child_that_died_and_logs_its_exit_status(
+    rabbitmq: Settings, tmp_path: Path
+) -> None:
+    supervisor = WorkerProcess(tmp_path / "supervisor.log", worker_env(),
+                               command=[RUNBRAKE, "worker", "--processes", "2", "--threads", "1"], started=2)
+    try:
+        [started] = supervisor.wait_for_log("workers_started")
+        victim = started["pids"][0]
+        os.kill(victim, signal.SIGKILL)
+
+        [exited] = supervisor.wait_for_log("worker_process_exited", timeout=10)
+        supervisor.wait_for_log("worker_process_restarted", timeout=15)
+        supervisor.wait_for_log("worker_started", count=3, timeout=30)
+    finally:
+        code = supervisor.stop()
+
+    assert (exited["pid"], exited["exit_status"]) == (victim, -signal.SIGKILL)
+    assert code == 0
