@@ -188,15 +188,21 @@ return {1, st}
 
 # KEYS: run, steps, servers, cancel, servers this hour (kept 8 days).
 # ARGV: step_body_json (an object without sequence/recorded_at), now, server_outcome_field ('' when
-#   the step is not a tool step with an outcome), run_id, events channel
-# Answers {sequence, cancelled}: the append and the probe of the boundary it makes are one round
+#   the step is not a tool step with an outcome), run_id, events channel, step token
+# Answers {sequence, cancelled}. A token already appended answers its sequence again and appends
+# nothing: a write retried after a lost answer (docs/architecture.md, "Store outages") is recorded once.
+# The append and the probe of the boundary it makes are one round
 # trip (docs/architecture.md, "Cancellation: the probe"). The sequence comes from one HINCRBY inside
 # the script, so concurrent appends get unique, increasing numbers in list order. The body is
 # spliced as text: cjson would turn [] into {}. HEXISTS on the run, not EXISTS: EXISTS is the
 # probe's one command, so a count of EXISTS on cancel keys counts probes.
 APPEND_STEP = _script("append_step", """
 if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return {0, 0} end
+if redis.call('HGET', KEYS[1], 'last_step') == ARGV[6] then
+  return {tonumber(redis.call('HGET', KEYS[1], 'seq')), redis.call('EXISTS', KEYS[4])}
+end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
+redis.call('HSET', KEYS[1], 'last_step', ARGV[6])
 local body = ARGV[1]
 local sep = ','
 if body == '{}' then sep = '' end

@@ -325,10 +325,11 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     )
 
 
-def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
+def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "") -> Op[Appended]:
     """Record a step (the store assigns its sequence) and probe the cancel key, in one script.
 
-    The answer raises :class:`RunNotFound` when the run does not exist.
+    The answer raises :class:`RunNotFound` when the run does not exist. ``token`` names this append: sent
+    again (a retry after a lost answer), it is recorded once.
     """
     recorded_at = time.time()
     body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
@@ -347,18 +348,19 @@ def append_step(keys: Keys, run_id: str, step: RunStep) -> Op[Appended]:
     return _script(
         _scripts.APPEND_STEP,
         (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id), keys.servers_hour(recorded_at)),
-        (scrub(json.dumps(body, separators=(",", ":"))), repr(recorded_at), counter, run_id, keys.events),
+        (scrub(json.dumps(body, separators=(",", ":"))), repr(recorded_at), counter, run_id, keys.events,
+         token or uuid.uuid4().hex),
         f"append a step to run {run_id}", parse,
     )
 
 
-def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str) -> Op[tuple[Appended, Transition]]:
+def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str = "") -> Op[tuple[Appended, Transition]]:
     """Record the final step and settle the run completed (owner-guarded), in one round trip.
 
     Redis runs the two scripts in order: when the append's probe finds the run cancelled, the settle's
     guard finds it cancelled too and refuses.
     """
-    append = append_step(keys, run_id, step)
+    append = append_step(keys, run_id, step, token=token)
     settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner)
 
     def parse(answers: list[Any]) -> tuple[Appended, Transition]:

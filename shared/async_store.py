@@ -99,9 +99,9 @@ class AsyncRunStore:
         """Claim the run (start, or resume after approval) and read its request and pending turn."""
         return await self.execute(core.claim(self.keys, run_id, owner, lease_s=lease_s, resume=resume))
 
-    async def append_step(self, run_id: str, step: RunStep) -> Appended:
-        """Record a step and probe the cancel key, in one round trip."""
-        return await self.execute(core.append_step(self.keys, run_id, step))
+    async def append_step(self, run_id: str, step: RunStep, *, token: str = "") -> Appended:
+        """Record a step and probe the cancel key, in one round trip (once per ``token``)."""
+        return await self.execute(core.append_step(self.keys, run_id, step, token=token))
 
     async def cancel_requested(self, run_id: str) -> bool:
         """The probe alone (fail-soft: an unreachable Redis answers False and logs)."""
@@ -114,9 +114,11 @@ class AsyncRunStore:
                      error: str = "") -> Transition:
         return await self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error))
 
-    async def complete(self, run_id: str, step: RunStep, *, owner: str) -> tuple[Appended, Transition]:
+    async def complete(
+        self, run_id: str, step: RunStep, *, owner: str, token: str = ""
+    ) -> tuple[Appended, Transition]:
         """Record the final step and settle the run completed, in one round trip."""
-        return await self.execute(core.complete(self.keys, run_id, step, owner=owner))
+        return await self.execute(core.complete(self.keys, run_id, step, owner=owner, token=token))
 
     async def suspend(self, run_id: str, owner: str, pending: Mapping[str, Any]) -> Transition:
         return await self.execute(core.suspend(self.keys, run_id, owner, pending))

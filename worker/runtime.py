@@ -16,15 +16,24 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from enum import StrEnum
+from typing import TypeVar
 
 import anyio
 import structlog
 
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission, AdmittedRun
-from runbrake.shared.errors import CancelRequested, ProviderError, RunBoundReached, RunbrakeError, SpecError
+from runbrake.shared.errors import (
+    CancelRequested,
+    ProviderError,
+    RunBoundReached,
+    RunbrakeError,
+    SpecError,
+    StoreError,
+)
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import Claim
 from runbrake.shared.settings import Settings
@@ -39,6 +48,8 @@ from runbrake.worker.registry import ActiveRuns, RunHandle
 from runbrake.worker.toolbox import Toolbox
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 class RunOutcome(StrEnum):
@@ -63,15 +74,18 @@ class RunHooks:
     cancel the listener already verified needs no read at all.
     """
 
-    def __init__(self, store: AsyncRunStore, handle: RunHandle, *, max_steps: int) -> None:
+    def __init__(self, store: AsyncRunStore, handle: RunHandle, *, max_steps: int, lease_s: float = 60.0) -> None:
         self._store = store
         self._handle = handle
         self._max_steps = max_steps
+        self._lease_s = lease_s
         self._probed = False
         """True from a probe until the next call starts: nothing happened since that could matter."""
 
     async def record(self, step: RunStep) -> None:
-        appended = await self._store.append_step(self._handle.run_id, step)
+        token = uuid.uuid4().hex
+        appended = await durably(lambda: self._store.append_step(self._handle.run_id, step, token=token),
+                                 within_s=self._lease_s, what="append_step")
         self._probed = True
         outcome = step_outcome(step)
         if step.kind is StepKind.TOOL and step.tool_server is not None:
@@ -101,6 +115,29 @@ class RunHooks:
         request = await self._store.cancel_request(self._handle.run_id)
         if request is not None:
             metrics.CANCEL_LATENCY.observe(max(0.0, step.recorded_at - request.requested_at))
+
+
+async def durably(write: Callable[[], Awaitable[T]], *, within_s: float, what: str) -> T:
+    """``write()``, tried again with backoff while Redis cannot be reached, for up to ``within_s`` (the
+    lease: a worker that keeps its run's record must not give up sooner than others would reap it).
+
+    A step is kept and written when Redis is back, rather than dropped with the run failed for a blip
+    (docs/architecture.md, "Store outages"); writes retried this way are idempotent.
+
+    Raises:
+        StoreError: when Redis stayed unreachable for ``within_s``.
+    """
+    deadline = anyio.current_time() + within_s
+    backoff = 0.05
+    while True:
+        try:
+            return await write()
+        except StoreError as exc:
+            if anyio.current_time() + backoff > deadline:
+                raise
+            log.warning("store_write_retrying", write=what, error=str(exc), retry_in_s=backoff)
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
 
 def new_owner() -> str:
@@ -153,7 +190,7 @@ class Runtime:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.SPEC_REFUSED,
                                       f"spec refused: {exc}")
         spec = admitted.spec
-        hooks = RunHooks(self._store, handle, max_steps=spec.max_steps)
+        hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s)
         try:
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
@@ -193,7 +230,10 @@ class Runtime:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
                                 f"no final answer within {spec.max_rounds} rounds")
         assert end.final_step is not None
-        appended, transition = await self._store.complete(run_id, end.final_step, owner=owner)
+        final, token = end.final_step, uuid.uuid4().hex
+        appended, transition = await durably(
+            lambda: self._store.complete(run_id, final, owner=owner, token=token),
+            within_s=self._settings.lease_s, what="complete")
         if not transition.won:
             log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
             return self._lost(transition.found)
@@ -238,7 +278,9 @@ class Runtime:
     async def _settle(
         self, run_id: str, owner: str, status: RunStatus, reason: TerminationReason, error: str
     ) -> RunOutcome:
-        transition = await self._store.settle(run_id, status, reason, owner=owner, error=error)
+        transition = await durably(
+            lambda: self._store.settle(run_id, status, reason, owner=owner, error=error),
+            within_s=self._settings.lease_s, what="settle")
         if not transition.won:
             return self._lost(transition.found)
         return self._settled(status, reason)

@@ -1,0 +1,58 @@
+"""A Redis outage shorter than the lease fails no run: steps finished during it are kept by the worker and
+written when Redis is back, and nobody reaps a lease for time during which nobody could renew."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import build_broker
+from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
+from runbrake.shared.catalog import Admission
+from tests.chaos.conftest import PrivateRedis
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_redis_blip_during_tool_calls_fails_no_run_and_loses_no_step(
+    private_redis: PrivateRedis, toolbox_http: Toolbox, rabbitmq: Settings,
+    start_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("RUNBRAKE_REDIS_URL", private_redis.url)
+    monkeypatch.setenv("RUNBRAKE_REDIS_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("RUNBRAKE_LEASE_S", "10")
+    settings = Settings.from_env()
+    store = RunStore.connect(settings)
+    broker = build_broker(settings)
+    worker = start_worker()
+    try:
+        producer = Producer(store, broker, Admission.from_settings(settings))
+        runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+            {"tool_calls": [call("slow", seconds=2)]}, {"content": "done"}])).run_id for _ in range(5)]
+        wait_for_event(toolbox_http.events, "started", tool="slow", count=5, timeout=20)
+
+        os.kill(private_redis.process.pid, signal.SIGSTOP)  # Redis stops answering; the calls finish meanwhile
+        try:
+            wait_for_event(toolbox_http.events, "finished", tool="slow", count=5, timeout=20)
+            worker.wait_for_log("store_write_retrying", timeout=10)
+        finally:
+            os.kill(private_redis.process.pid, signal.SIGCONT)
+
+        records = [wait_for_run(store, run_id, timeout=30) for run_id in runs]
+    finally:
+        broker.close()
+        store.delete_namespace()
+        store.close()
+
+    assert [r.status for r in records] == [RunStatus.COMPLETED] * 5
+    assert all([(s.kind, s.tool_outcome) for s in r.steps] == [
+        (StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.OK), (StepKind.MODEL, None)] for r in records)
+    assert worker.logged("run_lease_lost") == []
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 5  # nothing ran twice
