@@ -157,9 +157,10 @@ class CatalogFile:
     def current(self) -> Catalog:
         stamp = self._stat()
         if stamp != self._stamp:
-            self._stamp = stamp
             try:
                 self._catalog = Catalog.load(self.path)
+                # Only a catalog that loaded moves the stamp: one caught half-written is read again next time.
+                self._stamp = stamp
                 log.info("catalog_reloaded", path=str(self.path))
             except ConfigError as exc:
                 log.error(  # noqa: TRY400 - the message says it all; a traceback adds nothing

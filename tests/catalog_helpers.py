@@ -32,7 +32,10 @@ def add_to_catalog(
         data.setdefault("mcp_servers", {})[name] = _entry(server)
     for name, model in (models or {}).items():
         data.setdefault("models", {})[name] = _entry(model)
-    target.write_text(to_toml(data))
+    # Atomically, as an operator's deploy should: a worker reading it meanwhile sees the old or the new file.
+    staged = target.with_suffix(".staged")
+    staged.write_text(to_toml(data))
+    staged.replace(target)
 
 
 def _entry(value: Any) -> dict[str, Any]:
