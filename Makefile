@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
 # new tree: the list of package files is kept in a file that changes only when the list does.
-PACKAGE_FILES := $(sort $(wildcard shared/*.py broker/*.py worker/*.py broker/*/*.py worker/*/*.py))
+PACKAGE_FILES := $(sort $(wildcard shared/*.py broker/*.py worker/*.py broker/*/*.py worker/*/*.py broker/page/*))
 PACKAGE_LIST := $(VENV)/.package-files
 $(shell mkdir -p $(VENV) && (echo "$(PACKAGE_FILES)" | cmp -s - $(PACKAGE_LIST) || echo "$(PACKAGE_FILES)" > $(PACKAGE_LIST)))
 

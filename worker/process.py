@@ -19,6 +19,7 @@ from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
+from runbrake.worker.cancel_requests import CancelRequestConsumer
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import Runtime
@@ -50,6 +51,8 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     listener = CancelListener(settings, store, registry)
     backstop = Backstop(settings, store, registry)
     leases = LeaseKeeper(settings, store, registry)
+    requests = CancelRequestConsumer(settings, store)  # docs/messages.md, "Cancel requests"
+    requests.start()
     listener.start()
     backstop.start()
     leases.start()
@@ -71,9 +74,11 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     stop.wait()
     worker.stop(timeout=SHUTDOWN_GRACE_MS)
     listener.stop()
+    requests.stop()
     backstop.stop()
     leases.stop()
     listener.join(5)
+    requests.join(5)
     broker.close()
     store.close()
     log.info("worker_stopped")
