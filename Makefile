@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services lint typecheck test demo bench wheel-check clean
+.PHONY: setup services browser lint typecheck test demo bench wheel-check clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -23,13 +23,27 @@ setup: $(VENV)/.installed
 services:
 	@bash deploy/ensure-services.sh
 
+# The runs page's tests drive Debian's chromium headless through Playwright (never Playwright's own
+# browser download). Installed here when missing; says exactly what is missing when it cannot be.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { \
+		echo "browser: $(CHROMIUM) is missing; installing Debian's chromium package (apt-get install -y chromium)"; \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			(apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null \
+			|| { echo "browser: apt-get could not install chromium; the runs page tests need $(CHROMIUM)" >&2; exit 1; }; \
+		else \
+			echo "browser: cannot install chromium here (needs root and apt-get); install Debian's chromium package so that $(CHROMIUM) exists" >&2; exit 1; \
+		fi; }
+	@test -x $(CHROMIUM) || { echo "browser: $(CHROMIUM) still missing after installing chromium" >&2; exit 1; }
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
 	$(VENV)/bin/mypy
 
-test: setup services lint typecheck
+test: setup services browser lint typecheck
 	$(PY) -m pytest
 
 demo: setup services
