@@ -67,6 +67,7 @@ wheel-check: setup services
 bench: setup services
 	$(PY) -m bench.throughput
 	$(PY) -m bench.cancel_latency
+	$(PY) -m bench.api
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache *.egg-info
