@@ -87,7 +87,8 @@ def _detail(step: RunStep, lang: Lang = "en") -> str:
         if names and step.content:
             text = f"{step.content} ({calls_label} {names})"
     else:
-        text = f"{step.detail.get('decision', '')}: {step.content}"
+        decision = str(step.detail.get("decision", ""))
+        text = f"{label(f'decision.{decision}', lang) if decision else ''}: {step.content}"
         if step.detail.get("decided_by"):
             text += f" ({label('run.by', lang)} {step.detail['decided_by']})"
     text = " ".join(text.split())
@@ -98,7 +99,7 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
     """The run's header and its timeline as a text table with an Outcome column."""
     reason = record.termination_reason
     lines = [
-        f"run {record.run_id}",
+        f"{label('run.run', lang)} {record.run_id}",
         f"  {label('run.status', lang)}: {label(f'status.{record.status.value}', lang)}"
         + (f"   {label('run.reason', lang)}: {label(f'reason.{reason.value}', lang)}" if reason else ""),
         f"  {label('run.created', lang)}: {_when(record.created_at)}   {label('run.started', lang)}: "

@@ -118,6 +118,7 @@ def test_show_prints_the_call_a_waiting_run_waits_for_and_speaks_german_througho
     assert "gestartet:" in german.stdout
     assert "beendet:" in german.stdout
     assert "ruft auf calc.get-sum" in german.stdout
+    assert german.stdout.startswith(f"Lauf {run_id}")
     for english_word in ("started:", "finished:", "waiting_for_approval", " calls "):
         assert english_word not in german.stdout
     assert as_json["pending_call"] == {"tool_server": "calc", "tool_name": "get-sum", "tool_call_id": "c1",

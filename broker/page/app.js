@@ -190,7 +190,7 @@ function listView() {
     el("td", {}, run.termination_reason ? label("reason." + run.termination_reason) : ""),
     el("td", {}, when(run.created_at))));
     main.append(el("table", {}, el("thead", {}, el("tr", {},
-      el("th", {}, "run"), el("th", {}, label("run.status")), el("th", {}, label("run.reason")),
+      el("th", {}, label("run.run")), el("th", {}, label("run.status")), el("th", {}, label("run.reason")),
       el("th", {}, t("runs.created")))), el("tbody", {}, rows)));
   }
 
@@ -258,7 +258,7 @@ function runView(runId) {
       return text;
     }
     const d = step.detail || {};
-    return (d.decision || "") + ": " + step.content + (d.decided_by ? " (" + label("run.by") + " " + d.decided_by + ")" : "");
+    return (d.decision ? label("decision." + d.decision) : "") + ": " + step.content + (d.decided_by ? " (" + label("run.by") + " " + d.decided_by + ")" : "");
   }
 
   function stepRow(step) {
@@ -323,7 +323,7 @@ function runView(runId) {
   function render() {
     main.replaceChildren();
     main.append(el("p", {}, el("a", { href: "#/" }, "← " + t("back"))));
-    main.append(el("h1", {}, "run ", el("code", {}, runId)));
+    main.append(el("h1", {}, label("run.run") + " ", el("code", {}, runId)));
     if (state.error) { main.append(el("p", { class: "error", "data-testid": "error" }, state.error)); return; }
     const run = state.run || {};
     const facts = el("dl", { class: "facts" },
