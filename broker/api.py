@@ -410,9 +410,7 @@ def _routes(app: FastAPI) -> None:
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         """Prometheus text: request counts and latencies, event clients."""
-        state = _state(request)
-        state.metrics.event_clients.set(state.hub.clients)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 _SSE_HEADERS: Final = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}

@@ -146,6 +146,7 @@ class EventHub:
             client = redis.asyncio.Redis.from_url(
                 self._settings.redis_url, decode_responses=True,
                 socket_connect_timeout=min(self._settings.redis_timeout_s, 1.0), health_check_interval=30,
+                client_name=f"runbrake-api-events-{self._settings.namespace}",  # findable in CLIENT LIST
             )
             pubsub = client.pubsub()
             try:
@@ -161,14 +162,16 @@ class EventHub:
             except (redis.RedisError, OSError) as exc:
                 self._ready.clear()
                 log.warning("event_hub_disconnected", error=str(exc), retry_in_s=backoff)
-                await asyncio.sleep(backoff)  # backoff before reconnecting, not a synchronisation
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            else:
+                log.warning("event_hub_subscription_ended", retry_in_s=backoff)
             finally:
                 self._ready.clear()
                 with contextlib.suppress(redis.RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
                 with contextlib.suppress(redis.RedisError, OSError):
                     await client.aclose()
+            await asyncio.sleep(backoff)  # backoff before reconnecting, not a synchronisation
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     def dispatch(self, raw: str) -> None:
         """Hand one published message to the clients that want it; the frame is encoded once for all."""

@@ -293,6 +293,29 @@ def test_a_client_that_does_not_read_is_dropped_and_the_others_keep_their_stream
     assert "runbrake_api_event_clients_dropped_total 1.0" in metrics
 
 
+def test_when_the_subscription_breaks_streams_reread_their_run_and_miss_nothing(
+    api: ApiProcess, store: RunStore, settings: Settings
+) -> None:
+    run_id = store.create(valid_spec()).run_id
+    store.claim(run_id, "w", lease_s=60)
+    name = f"runbrake-api-events-{settings.namespace}"
+    with Client(api.url) as client:
+        stream = client.events(run_id, read_timeout_s=30)
+        assert next(stream).event == "status"
+        [hub] = [c for c in store.redis.client_list() if c.get("name") == name]
+        store.redis.client_kill_filter(_id=hub["id"])  # this API's subscription only
+        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=1, content="while it was gone"))
+        events = [next(stream) for _ in range(2)]
+        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="after"))
+        after = next(stream)
+
+    # Published while the hub reconnected or delivered live: either way exactly once, in order.
+    steps = [e for e in (*events, after) if e.event == "step"]
+    assert [e.id for e in steps] == ["1", "2"]
+    assert {e.event for e in events} <= {"step", "status"}
+    assert api.log().count("event_hub_subscribed") == 2
+
+
 # -- cancel, approve, deny -------------------------------------------------------------------------
 
 
