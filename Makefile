@@ -3,12 +3,12 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services lint typecheck test demo bench wheel-check lock manifests clean
+.PHONY: setup services browser lint typecheck test demo bench wheel-check lock manifests clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
 # new tree: the list of package files is kept in a file that changes only when the list does.
-PACKAGE_FILES := $(sort $(wildcard shared/*.py broker/*.py worker/*.py broker/*/*.py worker/*/*.py))
+PACKAGE_FILES := $(sort $(wildcard shared/*.py broker/*.py worker/*.py broker/*/*.py worker/*/*.py broker/page/*))
 PACKAGE_LIST := $(VENV)/.package-files
 $(shell mkdir -p $(VENV) && (echo "$(PACKAGE_FILES)" | cmp -s - $(PACKAGE_LIST) || echo "$(PACKAGE_FILES)" > $(PACKAGE_LIST)))
 
@@ -26,13 +26,27 @@ setup: $(VENV)/.installed
 services:
 	@bash deploy/ensure-services.sh
 
+# The runs page's tests drive Debian's chromium headless through Playwright (never Playwright's own
+# browser download). Installed here when missing; says exactly what is missing when it cannot be.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { \
+		echo "browser: $(CHROMIUM) is missing; installing Debian's chromium package (apt-get install -y chromium)"; \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			(apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null \
+			|| { echo "browser: apt-get could not install chromium; the runs page tests need $(CHROMIUM)" >&2; exit 1; }; \
+		else \
+			echo "browser: cannot install chromium here (needs root and apt-get); install Debian's chromium package so that $(CHROMIUM) exists" >&2; exit 1; \
+		fi; }
+	@test -x $(CHROMIUM) || { echo "browser: $(CHROMIUM) still missing after installing chromium" >&2; exit 1; }
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
 	$(VENV)/bin/mypy
 
-test: setup services lint typecheck
+test: setup services browser lint typecheck
 	$(PY) -m pytest
 
 demo: setup services
@@ -81,6 +95,7 @@ bench: setup services
 	$(PY) -m bench.throughput
 	$(PY) -m bench.cancel_latency
 	$(PY) -m bench.overhead
+	$(PY) -m bench.api
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache *.egg-info

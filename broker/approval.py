@@ -2,9 +2,10 @@
 
 A decision is a guarded transition like any other (docs/architecture.md, "The run
 lifecycle"): it applies only to a run ``waiting_for_approval``, and a cancel while
-waiting wins like anywhere else. Approving records the decision and sends a resume
-message; a worker claims the resume, records the approval step and runs the call.
-Denying fails the run (``approval_denied``) and records the denial as its last step.
+waiting wins like anywhere else. Approving records the decision as a step (the call,
+who decided and why) and sends a resume message; a worker claims the resume and runs
+the call. Denying fails the run (``approval_denied``) and records the denial as its
+last step.
 """
 
 from __future__ import annotations
@@ -36,21 +37,31 @@ class Decision:
         return cls(run_id, transition.won, transition.found, transition.exists)
 
 
-def approve_run(store: RunStore, producer: Producer, run_id: str, *, decided_by: str) -> Decision:
-    """Approve the call ``run_id`` waits for and send the resume message.
+def approve_run(store: RunStore, producer: Producer, run_id: str, *, decided_by: str, reason: str = "") -> Decision:
+    """Approve the call ``run_id`` waits for, record the approval as a step, and send the resume message.
 
-    Approving an approved run again sends the resume again (a lost message can be replaced;
-    the resume claim makes a duplicate a no-op).
+    Approving an approved run again records nothing and sends the resume again (a lost message can be
+    replaced; the resume claim makes a duplicate a no-op).
 
     Raises:
         StoreError: when Redis cannot be reached.
         PublishError: when RabbitMQ did not take the resume message (the approval stands;
             approving again sends it again).
     """
-    decision = Decision.of(run_id, store.approve(run_id))
-    if decision.decided:
-        log.info("run_approved", run_id=run_id, decided_by=decided_by)
-        producer.send(run_id, resume=True)
+    transition, first = store.approve_once(run_id)
+    decision = Decision.of(run_id, transition)
+    if not decision.decided:
+        return decision
+    if first:
+        # Recorded before the resume message is sent, so it precedes every step of the resumed segment.
+        pending = store.get(run_id).pending or {}
+        store.append_step(run_id, RunStep(
+            kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason or "approved",
+            detail={"decision": "approved", "decided_by": decided_by, "reason": reason,
+                    "call": (pending.get("pending_calls") or [None])[0]},
+        ))
+        log.info("run_approved", run_id=run_id, decided_by=decided_by, reason=reason)
+    producer.send(run_id, resume=True)
     return decision
 
 
@@ -69,7 +80,8 @@ def deny_run(store: RunStore, run_id: str, *, decided_by: str, reason: str) -> D
     pending = store.get(run_id).pending or {}
     store.append_step(run_id, RunStep(
         kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason,
-        detail={"decision": "denied", "decided_by": decided_by, "call": (pending.get("pending_calls") or [None])[0]},
+        detail={"decision": "denied", "decided_by": decided_by, "reason": reason,
+                "call": (pending.get("pending_calls") or [None])[0]},
     ))
     log.info("run_denied", run_id=run_id, decided_by=decided_by, reason=reason)
     return decision

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import getpass
+import ipaddress
 import json
 import socket
 import sys
@@ -25,7 +26,7 @@ from runbrake.broker.approval import Decision, approve_run, deny_run
 from runbrake.broker.cancel import CancelPublisher, cancel_run
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.render import render_run, render_runs, render_servers, run_json, server_health
+from runbrake.broker.render import render_run, render_runs, render_servers, run_json, run_summary, server_health
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
     ConfigError,
@@ -115,7 +116,7 @@ def main(ctx: click.Context) -> None:
     2 bad input (nothing written or sent), 3 a service could not be reached.
     """
     # A worker reports what it does; the one-shot commands speak only up when something is wrong.
-    configure_logging("INFO" if ctx.invoked_subcommand == "worker" else "WARNING")
+    configure_logging("INFO" if ctx.invoked_subcommand in ("worker", "serve") else "WARNING")
 
 
 class _RunId(click.ParamType[str]):
@@ -231,7 +232,7 @@ def runs(status: str | None, limit: int, as_json: bool) -> None:
     with open_store(settings_from_env()) as store:
         records = store.recent(limit=limit, status=RunStatus(status) if status else None)
     if as_json:
-        emit_json([{k: v for k, v in run_json(r).items() if k != "steps"} for r in records])
+        emit_json([run_summary(r) for r in records])
     else:
         click.echo(render_runs(records))
 
@@ -268,15 +269,17 @@ def servers(since: float | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("run_id", type=RUN_ID)
+@click.option("--reason", default="", help="Why; recorded on the approval step.")
 @click.option("--by", "decided_by", default=None, help="Who decides (default: user@host).")
 @user_errors
-def approve(run_id: str, decided_by: str | None) -> None:
+def approve(run_id: str, reason: str, decided_by: str | None) -> None:
     """Approve the tool call RUN_ID waits for; a worker resumes the run."""
     settings = settings_from_env()
     broker = build_broker(settings)
     with open_store(settings) as store:
         try:
-            decision = approve_run(store, Producer(store, broker), run_id, decided_by=decided_by or whoami())
+            decision = approve_run(store, Producer(store, broker), run_id, decided_by=decided_by or whoami(),
+                                   reason=reason)
         finally:
             broker.close()
     _refused_unless_decided(decision)
@@ -317,6 +320,47 @@ def worker(processes: int, threads: int) -> None:
     with open_store(settings) as store:
         store.ping()
     sys.exit(run_workers(settings, processes=processes, threads=threads))
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback needs RUNBRAKE_API_TOKENS.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@user_errors
+def serve(host: str, port: int) -> None:
+    """Serve the HTTP API and the runs page (docs/http-api.md). Stateless: run as many as you like."""
+    import uvicorn  # noqa: PLC0415 - only serve needs the server
+
+    from runbrake.broker.api import create_app  # noqa: PLC0415
+    from runbrake.broker.auth import Tokens, TokensFileError  # noqa: PLC0415
+
+    settings = settings_from_env()
+    tokens = None
+    if settings.api_tokens:
+        try:
+            tokens = Tokens.load(settings.api_tokens)
+        except TokensFileError as exc:
+            fail(f"RUNBRAKE_API_TOKENS: {exc}", EXIT_BAD_INPUT)
+        click.echo(f"runbrake serve: {len(tokens.names)} token(s) from {settings.api_tokens}", err=True)
+    elif not _is_loopback(host):
+        fail(f"refusing to serve on {host} without RUNBRAKE_API_TOKENS: without tokens anyone who reaches the "
+             "port could enqueue and cancel runs; set RUNBRAKE_API_TOKENS (docs/http-api.md, \"Tokens\") or "
+             "listen on 127.0.0.1", EXIT_BAD_INPUT)
+    else:
+        click.echo("runbrake serve: no RUNBRAKE_API_TOKENS, so no authentication: serving on loopback only", err=True)
+    click.echo(f"runbrake serve: http://{host if ':' not in host else f'[{host}]'}:{port}/ "
+               f"(namespace {settings.namespace})", err=True)
+    uvicorn.run(create_app(settings, tokens), host=host, port=port, log_level="warning", access_log=False,
+                lifespan="on", timeout_graceful_shutdown=5)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @main.command()

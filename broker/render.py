@@ -2,23 +2,67 @@
 
 from __future__ import annotations
 
+import json
+import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from runbrake.shared._store_core import ARGUMENT_ERROR
 from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.store import RunRecord
 from runbrake.shared.timeline import Lang, label, outcome_label, step_outcome
 
 _DETAIL_WIDTH = 60
+MAX_ARGUMENTS_CHARS: Final = 4000
+"""How much of a pending call's arguments ``show`` and ``pending_call`` carry (as JSON text)."""
 
 
 def run_json(record: RunRecord) -> dict[str, Any]:
-    """The object ``show --json`` prints (README.md, "Using it"): the run, then steps with their outcome."""
+    """The object ``show --json`` prints (README.md, "Using it"): the run, then steps with their outcome;
+    ``pending_call`` (the call a waiting run waits on) and ``progress`` (the call in flight's latest MCP
+    progress report) are null when there is none."""
     data = record.to_dict()
     data["steps"] = [step_json(step) for step in record.steps]
+    data["pending_call"] = pending_call(record)
+    data["progress"] = current_progress(record)
     return data
+
+
+def run_summary(record: RunRecord) -> dict[str, Any]:
+    """A run in a listing (``runbrake runs --json``, ``GET /v1/runs``): ``show --json`` without the steps."""
+    return {k: v for k, v in record.to_dict().items() if k != "steps"}
+
+
+def pending_call(record: RunRecord) -> dict[str, Any] | None:
+    """The call a run waiting for approval waits on: server, tool, call id and arguments. ``arguments_text``
+    is the arguments as JSON, cut at MAX_ARGUMENTS_CHARS (``arguments`` is then null)."""
+    if record.status is not RunStatus.WAITING_FOR_APPROVAL or not record.pending:
+        return None
+    calls = record.pending.get("pending_calls") or []
+    call = calls[0] if calls and isinstance(calls[0], dict) else None
+    if call is None:
+        return None
+    arguments = call.get("arguments") or {}
+    text = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+    cut = len(text) > MAX_ARGUMENTS_CHARS
+    return {
+        "tool_server": call.get("server"), "tool_name": call.get("tool"), "tool_call_id": call.get("id"),
+        "arguments": None if cut else arguments,
+        "arguments_text": text[: MAX_ARGUMENTS_CHARS - 1] + "…" if cut else text,
+    }
+
+
+def current_progress(record: RunRecord) -> dict[str, Any] | None:
+    """The latest progress report of the call in flight, or None: only while the run is running, and
+    only for a call whose step has not been recorded yet (a stale report is never shown)."""
+    progress = record.progress
+    if record.status is not RunStatus.RUNNING or not progress:
+        return None
+    if any(s.tool_call_id == progress.get("tool_call_id") for s in record.steps if s.kind is StepKind.TOOL):
+        return None
+    return dict(progress)
 
 
 def step_json(step: RunStep) -> dict[str, Any]:
@@ -33,47 +77,72 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
-def _detail(step: RunStep) -> str:
+def _detail(step: RunStep, lang: Lang = "en") -> str:
+    calls_label = label("run.calls", lang)
     if step.kind is StepKind.TOOL:
         text = f"{step.tool_server}.{step.tool_name}: {step.content}"
     elif step.kind is StepKind.MODEL:
         calls = step.detail.get("tool_calls") or []
         names = ", ".join(f"{c['server']}.{c['tool']}" for c in calls)
-        text = step.error or step.content or (f"calls {names}" if names else "")
+        text = step.error or step.content or (f"{calls_label} {names}" if names else "")
         if names and step.content:
-            text = f"{step.content} (calls {names})"
+            text = f"{step.content} ({calls_label} {names})"
     else:
-        text = f"{step.detail.get('decision', '')}: {step.content}"
+        decision = str(step.detail.get("decision", ""))
+        text = f"{label(f'decision.{decision}', lang) if decision else ''}: {step.content}"
+        if step.detail.get("decided_by"):
+            text += f" ({label('run.by', lang)} {step.detail['decided_by']})"
     text = " ".join(text.split())
     return text if len(text) <= _DETAIL_WIDTH else text[: _DETAIL_WIDTH - 1] + "…"
 
 
 def render_run(record: RunRecord, lang: Lang = "en") -> str:
     """The run's header and its timeline as a text table with an Outcome column."""
+    reason = record.termination_reason
     lines = [
-        f"run {record.run_id}",
-        f"  {label('run.status', lang)}: {record.status.value}"
-        + (f"   {label('run.reason', lang)}: {record.termination_reason.value}" if record.termination_reason else ""),
-        f"  {label('run.created', lang)}: {_when(record.created_at)}   started: {_when(record.started_at)}"
-        f"   finished: {_when(record.finished_at)}",
+        f"{label('run.run', lang)} {record.run_id}",
+        f"  {label('run.status', lang)}: {label(f'status.{record.status.value}', lang)}"
+        + (f"   {label('run.reason', lang)}: {label(f'reason.{reason.value}', lang)}" if reason else ""),
+        f"  {label('run.created', lang)}: {_when(record.created_at)}   {label('run.started', lang)}: "
+        f"{_when(record.started_at)}   {label('run.finished', lang)}: {_when(record.finished_at)}",
     ]
     if record.cancel is not None:
         lines.append(
-            f"  {label('run.cancel', lang)}: {record.cancel.reason!r} by {record.cancel.requested_by}"
-            f" at {_when(record.cancel.requested_at)}"
+            f"  {label('run.cancel', lang)}: {record.cancel.reason!r} {label('run.by', lang)} "
+            f"{record.cancel.requested_by} {label('run.at', lang)} {_when(record.cancel.requested_at)}"
         )
     if record.error:
-        lines.append(f"  error: {record.error}")
+        lines.append(f"  {label('run.error', lang)}: {record.error}")
+    waiting_on = pending_call(record)
+    if waiting_on is not None:
+        lines.append(f"  {label('run.pending_call', lang)}: {waiting_on['tool_server']}.{waiting_on['tool_name']}"
+                     f" {waiting_on['arguments_text']}")
     headers = [label(k, lang) for k in
                ("column.sequence", "column.round", "column.kind", "column.duration", "column.outcome", "column.detail")]
     rows = [
         [str(s.sequence), str(s.round), label(f"kind.{s.kind.value}", lang), str(s.duration_ms),
-         outcome_label(step_outcome(s), lang), _detail(s)]
+         outcome_label(step_outcome(s), lang), _detail(s, lang)]
         for s in record.steps
     ]
+    in_flight = current_progress(record)
+    if in_flight is not None:
+        rows.append(_in_flight_row(record, in_flight, lang))
     lines.append("")
     lines.extend(_table(headers, rows))
     return "\n".join(lines)
+
+
+def _in_flight_row(record: RunRecord, progress: dict[str, Any], lang: Lang) -> list[str]:
+    """The call in flight as a timeline row: no sequence yet, its elapsed time, its latest progress."""
+    started = progress.get("started_at")
+    elapsed = max(0, round((time.time() - started) * 1000)) if isinstance(started, int | float) else 0
+    done, total, message = progress.get("progress"), progress.get("total"), progress.get("message")
+    amount = "" if done is None else f"{done:g}" + ("" if total is None else f"/{total:g}")
+    text = " ".join(part for part in (amount, message or "") if part)
+    detail = " ".join(f"{progress.get('tool_server')}.{progress.get('tool_name')}: {text}".split())
+    round_number = record.steps[-1].round if record.steps else 0
+    return ["…", str(round_number), label("kind.tool", lang), str(elapsed), label("run.in_flight", lang),
+            detail if len(detail) <= _DETAIL_WIDTH else detail[: _DETAIL_WIDTH - 1] + "…"]
 
 
 def render_runs(records: list[RunRecord]) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -122,10 +122,17 @@ async def fail(message: str = "the tool failed on purpose") -> str:
         raise ToolError(message)
 
 
-@mcp.tool(description="Wait the given number of seconds, then say so. Cancellable.")
-async def slow(seconds: float = 30) -> str:
+@mcp.tool(description="Wait the given number of seconds, then say so. Cancellable. Reports MCP progress "
+                      "every second (when the client asked for progress).")
+async def slow(ctx: Context, seconds: float = 30) -> str:
     with _recorded("slow", seconds=seconds):
-        await anyio.sleep(seconds)
+        deadline = anyio.current_time() + seconds
+        done = 0
+        while (left := deadline - anyio.current_time()) > 0:
+            await anyio.sleep(min(1.0, left))
+            done += 1
+            if done < seconds:
+                await ctx.report_progress(done, seconds, f"{done} of {seconds:g} s")
         return f"slept {seconds} s"
 
 

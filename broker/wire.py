@@ -15,6 +15,10 @@ Per namespace ``<ns>`` (``RUNBRAKE_NAMESPACE``):
     <ns>.noop[.DQ|.XQ]   durable queue   the benchmarks' no-op actor (a broker ceiling)
 
 The durable queues are classic, or quorum queues with ``RUNBRAKE_QUEUE_TYPE=quorum``.
+    <ns>.cancel-requests durable direct  cancel requests from ops tooling {"run_id", "reason", "requested_by"},
+                         + durable queue bound to it (routing key: the queue's name); any worker applies
+                                         the fence and then wakes <ns>.cancel
+    <ns>.cancel-requests.dead  durable queue  cancel requests that could not be read, with the reason why
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ MAX_RUN_ID_CHARS: Final = 100
 
 _DRAMATIQ_TWINS: Final = ("", ".DQ", ".XQ")
 
+MAX_CANCEL_REQUEST_BYTES: Final = 4096
+"""A cancel request is three short strings: anything longer is dead-lettered before it is parsed."""
+MAX_CANCEL_REASON_CHARS: Final = 1000
+MAX_REQUESTED_BY_CHARS: Final = 200
+DEAD_REASON_HEADER: Final = "x-runbrake-dead-reason"
+"""The header a dead-lettered cancel request carries: why it was refused (docs/messages.md)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Topology:
@@ -69,9 +80,47 @@ class Topology:
         """The fanout exchange of cancel wake-ups."""
         return f"{self.namespace}.cancel"
 
+    @property
+    def cancel_requests_exchange(self) -> str:
+        """The direct exchange ops tooling publishes cancel requests on (docs/messages.md)."""
+        return f"{self.namespace}.cancel-requests"
+
+    @property
+    def cancel_requests_queue(self) -> str:
+        """The durable queue bound to it (binding key: its own name), consumed by every worker process."""
+        return f"{self.namespace}.cancel-requests"
+
+    @property
+    def cancel_requests_routing_key(self) -> str:
+        return self.cancel_requests_queue
+
+    @property
+    def cancel_requests_dead_queue(self) -> str:
+        """Cancel requests that could not be read, each with a header saying why."""
+        return f"{self.namespace}.cancel-requests.dead"
+
     def queues(self) -> tuple[str, ...]:
         """Every durable queue of the namespace, with Dramatiq's delay and dead-letter twins."""
         return tuple(base + twin for base in (self.run_queue, self.noop_queue) for twin in _DRAMATIQ_TWINS)
+
+    def declare_cancel_requests(self, channel: BlockingChannel, *, queue_type: str = "classic") -> None:
+        """Declare the cancel-requests exchange, its queue and the dead-letter queue, and bind them.
+
+        Idempotent for the same ``queue_type``; RabbitMQ refuses (PRECONDITION_FAILED) a queue declared
+        again with another type, so every process of a namespace must use the same ``RUNBRAKE_QUEUE_TYPE``.
+        A message the consumer rejects without requeue goes to the dead-letter queue through the
+        default exchange.
+        """
+        typed = {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
+        channel.exchange_declare(exchange=self.cancel_requests_exchange, exchange_type="direct", durable=True)
+        channel.queue_declare(queue=self.cancel_requests_dead_queue, durable=True, arguments=dict(typed))
+        channel.queue_declare(queue=self.cancel_requests_queue, durable=True, arguments={
+            **typed,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": self.cancel_requests_dead_queue,
+        })
+        channel.queue_bind(queue=self.cancel_requests_queue, exchange=self.cancel_requests_exchange,
+                           routing_key=self.cancel_requests_routing_key)
 
     def declare_cancel_exchange(self, channel: BlockingChannel) -> None:
         """Declare the cancel fanout (idempotent; publishers and listeners both call it)."""
@@ -143,6 +192,68 @@ def decode_cancel(body: bytes) -> str | None:
     return run_id
 
 
+# -- cancel requests -----------------------------------------------------------------------------
+
+_RUN_ID_CHARS: Final = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequestBody:
+    """A cancel request as ops tooling publishes it (docs/messages.md, "Cancel requests: the body")."""
+
+    run_id: str
+    reason: str | None = None
+    requested_by: str | None = None
+
+
+class MalformedCancelRequest(ValueError):
+    """A cancel request body that cannot be applied; the message says why (it goes into the dead letter)."""
+
+
+def is_run_id(value: object) -> bool:
+    """32 lowercase hex characters: the ids the run store creates."""
+    return isinstance(value, str) and len(value) == 32 and set(value) <= _RUN_ID_CHARS
+
+
+def encode_cancel_request(run_id: str, *, reason: str | None = None, requested_by: str | None = None) -> bytes:
+    """The body of a cancel request (for tests and Python tooling; other languages write the same JSON)."""
+    body: dict[str, str] = {"run_id": run_id}
+    if reason is not None:
+        body["reason"] = reason
+    if requested_by is not None:
+        body["requested_by"] = requested_by
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_cancel_request(body: bytes) -> CancelRequestBody:
+    """Read a cancel request; members other than the three below are ignored.
+
+    Raises:
+        MalformedCancelRequest: too long, not UTF-8 JSON, not an object, ``run_id`` not 32 lowercase hex
+            characters, ``reason`` or ``requested_by`` not a string or too long. Never anything else.
+    """
+    if len(body) > MAX_CANCEL_REQUEST_BYTES:
+        raise MalformedCancelRequest(f"body is {len(body)} bytes, more than {MAX_CANCEL_REQUEST_BYTES}")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise MalformedCancelRequest(f"not UTF-8 JSON: {exc}"[:300]) from None
+    if not isinstance(data, dict):
+        raise MalformedCancelRequest(f"not a JSON object but {type(data).__name__}")
+    run_id = data.get("run_id")
+    if not is_run_id(run_id):
+        raise MalformedCancelRequest("run_id must be a run id: 32 lowercase hex characters")
+    fields: dict[str, str | None] = {}
+    for name, limit in (("reason", MAX_CANCEL_REASON_CHARS), ("requested_by", MAX_REQUESTED_BY_CHARS)):
+        value = data.get(name)
+        if value is not None and not isinstance(value, str):
+            raise MalformedCancelRequest(f"{name} must be a string, not {type(value).__name__}")
+        if value is not None and len(value) > limit:
+            raise MalformedCancelRequest(f"{name} is longer than {limit} characters")
+        fields[name] = value or None
+    return CancelRequestBody(run_id=str(run_id), reason=fields["reason"], requested_by=fields["requested_by"])
+
+
 # -- the whole topology --------------------------------------------------------------------------
 
 
@@ -157,9 +268,10 @@ def delete_topology(settings: Settings) -> None:
     connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
     try:
         channel = connection.channel()
-        for queue in topology.queues():
+        for queue in (*topology.queues(), topology.cancel_requests_queue, topology.cancel_requests_dead_queue):
             channel.queue_delete(queue=queue)
         channel.exchange_delete(exchange=topology.cancel_exchange)
+        channel.exchange_delete(exchange=topology.cancel_requests_exchange)
     finally:
         with contextlib.suppress(pika.exceptions.AMQPError):
             connection.close()

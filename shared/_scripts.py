@@ -138,18 +138,20 @@ return {1, st}
 """)
 
 # KEYS: run, unclaimed.  ARGV: now, run_id
-# A decision is taken once; approving an approved run again answers won so a lost resume message
-# can be sent again (the resume claim makes a duplicate a no-op). An approved run waits for its resume
-# message in the unclaimed set, like a queued run for its start message.
+# A decision is taken once; approving an approved run again answers won, so that a lost resume message
+# can be sent again (the resume claim makes a duplicate a no-op), and says whether this call made the
+# decision: {1, st, 1} the first time, {1, st, 0} after, so the caller records one approval step. An
+# approved run waits for its resume message in the unclaimed set, like a queued run for its start.
 APPROVE = _script("approve", """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= '$status_waiting_for_approval' then return {0, st} end
 local decided = redis.call('HGET', KEYS[1], 'approval')
 if decided ~= false and decided ~= '' and decided ~= 'approved' then return {0, st} end
-redis.call('HSET', KEYS[1], 'approval', 'approved')
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
-return {1, st}
+if decided == 'approved' then return {1, st, 0} end
+redis.call('HSET', KEYS[1], 'approval', 'approved')
+return {1, st, 1}
 """)
 
 # KEYS: run, leases, unclaimed, run, steps, cancel, finished.

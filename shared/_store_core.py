@@ -32,7 +32,7 @@ from typing import Any, Final, Generic, TypeVar
 import redis
 import structlog
 
-from runbrake.shared import _scripts
+from runbrake.shared import _api_scripts, _scripts
 from runbrake.shared._scripts import Script
 from runbrake.shared.errors import RunNotFound, StoreError
 from runbrake.shared.records import (
@@ -295,9 +295,8 @@ def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> 
 
 def approve(keys: Keys, run_id: str) -> Op[Transition]:
     """Record an approval on a run waiting for one; the resume claim consumes it."""
-    return _script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed), (repr(time.time()), run_id),
-                   f"approve run {run_id}",
-                   _transition("approve", run_id))
+    once = approve_once(keys, run_id)
+    return Op(once.what, once.calls, lambda answers: once.parse(answers)[0])
 
 
 def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
@@ -548,3 +547,76 @@ def ping() -> Op[None]:
     """Does Redis answer?"""
     return Op("ping", (Command(("PING",)),), lambda _answers: None)
 
+
+
+# -- the HTTP API and progress reports (docs/http-api.md) ----------------------------------------
+
+SUMMARY_FIELDS: Final = ("status", "termination_reason", "created_at", "started_at", "finished_at", "owner",
+                         "lease_expires_at", "error", "segments")
+"""The hash fields a run listing reads: not the request or the pending turn, which can be large."""
+
+
+def approve_once(keys: Keys, run_id: str) -> Op[tuple[Transition, bool]]:
+    """Record an approval on a run waiting for one; answers the transition and whether this call made
+    the decision (False when the run was approved already)."""
+    def parse(answers: list[Any]) -> tuple[Transition, bool]:
+        answer = answers[0]
+        transition = _read_transition("approve", run_id, answer[:2])
+        return transition, transition.won and len(answer) > 2 and bool(answer[2])
+
+    return _script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed), (repr(time.time()), run_id),
+                   f"approve run {run_id}", parse)
+
+
+def set_progress(keys: Keys, run_id: str, progress: Mapping[str, Any]) -> Op[bool]:
+    """Keep the latest progress of the call in flight in the run's ``progress`` field and announce it;
+    refused (False) when the run is no longer running. Fail-soft: progress is a courtesy, never a
+    reason to fail a call."""
+    body = json.dumps(progress, separators=(",", ":"))
+    return Op(f"record progress of run {run_id}", (ScriptCall(
+        _api_scripts.SET_PROGRESS, (keys.run(run_id),), (body, run_id, keys.events)),),
+        lambda answers: bool(answers[0]), fallback=False, fallback_event="progress_write_failed",
+        context={"run_id": run_id})
+
+
+def clear_progress(keys: Keys, run_id: str) -> Op[None]:
+    """Forget the progress of a call whose step was recorded. Fail-soft (readers ignore stale progress)."""
+    return Op(f"clear progress of run {run_id}", (Command(("HDEL", keys.run(run_id), "progress")),),
+              lambda _answers: None, fallback=None, fallback_event="progress_clear_failed",
+              context={"run_id": run_id})
+
+
+def index_after(keys: Keys, cursor: tuple[float, str] | None, *,
+                count: int) -> Op[tuple[list[tuple[str, float]], bool]]:
+    """Run ids with their creation times, newest first, after ``cursor`` (score, id): the next ``count``
+    entries from the cursor's score down, less those at or before the cursor (ties on the score come
+    in reverse id order), and whether the index ends there."""
+    top = "+inf" if cursor is None else repr(cursor[0])
+
+    def parse(answers: list[Any]) -> tuple[list[tuple[str, float]], bool]:
+        flat = answers[0]
+        if flat and isinstance(flat[0], (list, tuple)):  # a client that pairs WITHSCORES answers itself
+            flat = [item for pair in flat for item in pair]
+        pairs = [(str(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
+        exhausted = len(pairs) < count
+        if cursor is None:
+            return pairs, exhausted
+        return [(m, s) for m, s in pairs if s < cursor[0] or m < cursor[1]], exhausted
+
+    return Op("list runs", (Command(("ZREVRANGEBYSCORE", keys.index, top, "-inf", "WITHSCORES",
+                                     "LIMIT", 0, count)),), parse)
+
+
+def summaries(keys: Keys, run_ids: Sequence[str]) -> Op[list[RunRecord | None]]:
+    """These runs without their steps, request or pending turn (None for a run that no longer exists)."""
+    def parse(answers: list[Any]) -> list[RunRecord | None]:
+        found: list[RunRecord | None] = []
+        for run_id, values, raw_cancel in zip(run_ids, answers[::2], answers[1::2], strict=True):
+            fields = {name: value for name, value in zip(SUMMARY_FIELDS, values, strict=True) if value is not None}
+            found.append(read_record(run_id, fields, (), read_cancel_request(raw_cancel)) if fields else None)
+        return found
+
+    calls: list[Call] = []
+    for run_id in run_ids:
+        calls += [Command(("HMGET", keys.run(run_id), *SUMMARY_FIELDS)), Command(("GET", keys.cancel(run_id)))]
+    return Op("list runs", tuple(calls), parse)

@@ -16,7 +16,7 @@ import redis
 import redis.asyncio
 
 from runbrake.shared import _store_core as core
-from runbrake.shared.records import Appended, CancelRequest, Claim, Transition
+from runbrake.shared.records import Appended, CancelRequest, Claim, RunRecord, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
@@ -122,3 +122,52 @@ class AsyncRunStore:
 
     async def suspend(self, run_id: str, owner: str, pending: Mapping[str, Any]) -> Transition:
         return await self.execute(core.suspend(self.keys, run_id, owner, pending))
+
+    # -- what the HTTP API and progress reports need (docs/http-api.md) -------------------------
+
+    async def set_progress(self, run_id: str, progress: Mapping[str, Any]) -> bool:
+        """Keep and announce the call in flight's latest progress (refused unless the run is running)."""
+        return await self.execute(core.set_progress(self.keys, run_id, progress))
+
+    async def clear_progress(self, run_id: str) -> None:
+        await self.execute(core.clear_progress(self.keys, run_id))
+
+    async def get(self, run_id: str) -> RunRecord:
+        """The run with its steps and cancel request (RunNotFound when absent)."""
+        return await self.execute(core.get(self.keys, run_id))
+
+    async def server_outcomes(self) -> dict[str, dict[str, int]]:
+        return await self.execute(core.server_outcomes(self.keys))
+
+    async def ping(self) -> None:
+        """Raises StoreError when Redis does not answer."""
+        await self.execute(core.ping())
+
+    async def page(
+        self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,
+        scan: int = 1000,
+    ) -> tuple[list[RunRecord], tuple[float, str] | None]:
+        """Runs newest first (without steps), after the position ``after``; filtered by ``status``.
+
+        Examines at most ``scan`` runs, so a rare status costs a bounded amount of work per call. Answers
+        the runs and the position to continue from, or None when the index is exhausted.
+        """
+        found: list[RunRecord] = []
+        position = after
+        examined = 0
+        while examined < scan:
+            batch = min(max(limit * 2, 50), scan - examined)
+            ids, exhausted = await self.execute(core.index_after(self.keys, position, count=batch))
+            if not ids:  # (more runs created in the same microsecond than a batch holds end the listing too)
+                return found, None
+            records = await self.execute(core.summaries(self.keys, [run_id for run_id, _ in ids]))
+            for (run_id, score), record in zip(ids, records, strict=True):
+                examined += 1
+                position = (score, run_id)
+                if record is not None and (status is None or record.status is status):
+                    found.append(record)
+                    if len(found) >= limit:
+                        return found, position
+            if exhausted:
+                return found, None
+        return found, position

@@ -106,6 +106,8 @@ class RunRecord:
     segments: int
     cancel: CancelRequest | None
     steps: tuple[RunStep, ...] = field(default=())
+    progress: Mapping[str, Any] | None = None
+    """The latest MCP progress report of the call in flight, as the worker stored it (docs/http-api.md)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields ``runbrake show --json`` promises, steps without outcomes."""
@@ -182,4 +184,14 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
         segments=int(fields.get("segments") or 0),
         cancel=cancel,
         steps=steps,
+        progress=_progress(fields.get("progress")),
     )
+
+
+def _progress(value: str | None) -> Mapping[str, Any] | None:
+    """The stored progress report; anything unreadable counts as none (it is a courtesy, never a crash)."""
+    try:
+        data = json.loads(value) if value else None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -128,6 +128,10 @@ class RunStore:
     def approve(self, run_id: str) -> Transition:
         return self.execute(core.approve(self.keys, run_id))
 
+    def approve_once(self, run_id: str) -> tuple[Transition, bool]:
+        """Approve a waiting run; also says whether this call made the decision (False: approved already)."""
+        return self.execute(core.approve_once(self.keys, run_id))
+
     def settle(self, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
                error: str = "", required_status: RunStatus | None = None) -> Transition:
         return self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import anyio
+from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import CallToolResult, ContentBlock, EmbeddedResource, ResourceLink, TextContent, TextResourceContents
 
 from runbrake.shared.errors import ToolTransportError
@@ -27,6 +28,7 @@ async def execute(
     timeout_s: float,
     interrupt: anyio.CancelScope,
     max_chars: int,
+    progress: ProgressFnT | None = None,
 ) -> ToolResult:
     """Run ``call`` on ``connection`` and say what it came to: ok, failed or cancelled.
 
@@ -36,6 +38,7 @@ async def execute(
         timeout_s: how long the call may take, in seconds.
         interrupt: an unentered scope; cancelling it cuts the call off (outcome cancelled).
         max_chars: the bound on each content channel of the result.
+        progress: called with each MCP progress notification of the call.
 
     Raises:
         ValueError: ``connection`` is not to ``call.server``.
@@ -43,7 +46,8 @@ async def execute(
     if connection.server != call.server:
         raise ValueError(f"call {call.id} is for server {call.server!r}, not {connection.server!r}")
     try:
-        answer = await connection.call(call.tool, call.arguments, timeout_s=timeout_s, interrupt=interrupt)
+        answer = await connection.call(call.tool, call.arguments, timeout_s=timeout_s, interrupt=interrupt,
+                                       progress=progress)
     except ToolTransportError as exc:
         if exc.is_cancellation:
             result = ToolResult.cancelled(str(exc))

@@ -33,6 +33,7 @@ from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerP
 from mcp.client import Transport
 from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import INVALID_PARAMS, CallToolResult
 from pydantic import ValidationError
 
@@ -191,6 +192,7 @@ class McpConnection:
         *,
         timeout_s: float,
         interrupt: anyio.CancelScope,
+        progress: ProgressFnT | None = None,
     ) -> CallToolResult:
         """Call ``tool`` and return the server's result, ``is_error`` results included.
 
@@ -201,6 +203,7 @@ class McpConnection:
             interrupt: an unentered scope the caller may cancel at any time, from the event
                 loop's thread, to cut the call off; cancelled before the call starts, the
                 request is never sent.
+            progress: called with each MCP progress notification the server sends for this call.
 
         Raises:
             ToolTransportError: ``is_cancellation`` is true when ``interrupt`` cut the call
@@ -217,7 +220,7 @@ class McpConnection:
             # or on 2026-07-28 HTTP, closing the request's stream (docs/architecture.md,
             # "Pitfalls: mcp 2.x cancellation").
             with interrupt, anyio.move_on_after(timeout_s):
-                result = await client.call_tool(tool, dict(arguments))
+                result = await client.call_tool(tool, dict(arguments), progress_callback=progress)
         except Exception as exc:
             if not _is_transport_fault(exc):
                 raise

@@ -25,6 +25,7 @@ from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
+from runbrake.worker.cancel_requests import CancelRequestConsumer
 from runbrake.worker.health import WorkerHealth
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.redrive import Redriver
@@ -75,6 +76,8 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     leases = LeaseKeeper(settings, store, registry)
     sweeper = Sweeper(settings, store)
     redriver = Redriver(settings, store, Producer(store, broker))
+    requests = CancelRequestConsumer(settings, store)  # docs/messages.md, "Cancel requests"
+    requests.start()
     listener.start()
     backstop.start()
     leases.start()
@@ -107,12 +110,14 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
             listener.start()
     worker.stop(timeout=SHUTDOWN_GRACE_MS)
     listener.stop()
+    requests.stop()
     backstop.stop()
     leases.stop()
     sweeper.stop()
     redriver.stop()
     health.stop()
     listener.join(5)
+    requests.join(5)
     broker.close()
     store.close()
     log.info("worker_stopped")

@@ -44,6 +44,7 @@ from runbrake.shared.timeline import step_outcome
 from runbrake.worker import metrics
 from runbrake.worker.loop import LoopEnd, LoopEndKind, LoopState, ToolLoop
 from runbrake.worker.models import provider_for
+from runbrake.worker.progress import ProgressReporter
 from runbrake.worker.registry import ActiveRuns, RunHandle
 from runbrake.worker.toolbox import Toolbox
 
@@ -106,6 +107,10 @@ class RunHooks:
         self._probed = True
         if await self._store.cancel_requested(self._handle.run_id):
             raise CancelRequested(self._handle.run_id)
+
+    @property
+    def run_id(self) -> str:
+        return self._handle.run_id
 
     def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
         self._probed = False
@@ -194,10 +199,8 @@ class Runtime:
         try:
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
-                await hooks.record(
-                    RunStep(kind=StepKind.APPROVAL, round=state.model_calls, content="approved",
-                            detail={"decision": "approved", "call": state.pending_calls[0].to_dict()})
-                )
+                # The approval step was recorded by whoever approved (runbrake.broker.approval); probe here.
+                await hooks.checkpoint()
             with anyio.fail_after(self._settings.run_time_limit_s):
                 end = await self._run_loop(admitted, state, hooks)
         except CancelRequested:
@@ -244,7 +247,8 @@ class Runtime:
         # An explicit tool_timeout_s applies up to each server's catalog timeout; without one, the catalog's.
         timeout_s = spec.tool_timeout_s if "tool_timeout_s" in spec.raw else None
         async with Toolbox.open(
-            admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars
+            admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars,
+            progress=ProgressReporter(self._store, hooks.run_id),
         ) as toolbox:
             loop = ToolLoop(
                 provider_for(admitted.model), toolbox, hooks,

@@ -1,0 +1,601 @@
+"""The HTTP API and the runs page: ``runbrake serve`` (docs/http-api.md).
+
+Stateless: every request reads and writes Redis (the authority) and RabbitMQ, so any number of
+replicas can serve the same namespace. Per process: one asynchronous Redis store for the reads, one
+Redis subscription for live events (broker/events.py), and a small pool of threads for the
+synchronous calls that publish on RabbitMQ (enqueue, cancel, approve, deny). pika is not
+thread-safe, so each of those threads has its own cancel publisher; Dramatiq's broker keeps a
+connection per thread by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import concurrent.futures
+import contextlib
+import functools
+import json
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Annotated, Any, Final, TypeVar
+
+import pika
+import pika.exceptions
+import structlog
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from runbrake.broker.approval import approve_run, deny_run
+from runbrake.broker.auth import Tokens
+from runbrake.broker.cancel import CancelPublisher, cancel_run
+from runbrake.broker.events import EventHub, run_events, status_events
+from runbrake.broker.producer import Enqueued, Producer
+from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.broker.render import run_json, run_summary, server_health
+from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.catalog import Admission
+from runbrake.shared.errors import IdempotencyConflict, PublishError, RunNotFound, SpecError, StoreError
+from runbrake.shared.settings import Settings
+from runbrake.shared.spec import RunSpec, run_spec_json_schema
+from runbrake.shared.status import RunStatus
+from runbrake.shared.store import RunStore
+from runbrake.shared.timeline import LABELS
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
+MAX_REASON_CHARS: Final = 1000
+MAX_IDEMPOTENCY_KEY_CHARS: Final = 200
+AMQP_THREADS: Final = 8
+"""Threads for the calls that publish on RabbitMQ; each holds its own connections."""
+READY_CACHE_S: Final = 1.0
+"""How long a RabbitMQ reachability check is reused: a probe every second must not open a connection each."""
+ANONYMOUS: Final = "anonymous"
+"""Who the API records as having cancelled or decided when it runs without tokens (loopback only)."""
+
+
+class ApiError(Exception):
+    """An error answer: its HTTP status and JSON body (``{"error": ...}`` plus any extra members)."""
+
+    def __init__(self, http_status: int, message: str, /, *, headers: dict[str, str] | None = None,
+                 **extra: Any) -> None:
+        super().__init__(message)
+        self.status = http_status
+        self.body = {"error": message, **extra}
+        self.headers = headers
+
+
+class ReasonBody(BaseModel):
+    """The body of cancel, approve and deny: an optional reason, recorded with the decision."""
+
+    model_config = ConfigDict(extra="forbid")
+    reason: Annotated[str, Field(max_length=MAX_REASON_CHARS)] | None = None
+
+
+# -- per-process state ---------------------------------------------------------------------------
+
+
+@dataclass
+class Metrics:
+    """The API's Prometheus metrics, in a registry of its own (GET /metrics)."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.requests = Counter("runbrake_api_requests_total", "HTTP requests answered, by route and status.",
+                                ["method", "route", "status"], registry=self.registry)
+        self.latency = Histogram(
+            "runbrake_api_request_seconds", "Time from a request to its response's start, by route.",
+            ["method", "route"], registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
+        self.event_clients = Gauge("runbrake_api_event_clients", "Clients of the events endpoints right now.",
+                                   registry=self.registry)
+        self.dropped = Counter("runbrake_api_event_clients_dropped_total",
+                               "Event clients dropped because they fell too far behind.", registry=self.registry)
+
+
+class AmqpWorkers:
+    """A few threads for synchronous calls that publish on RabbitMQ; each has its own cancel publisher."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._local = threading.local()
+        self._publishers: list[CancelPublisher] = []
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(AMQP_THREADS, thread_name_prefix="runbrake-api-amqp")
+
+    async def run(self, call: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def publisher(self) -> CancelPublisher:
+        """This thread's cancel publisher (pika is not thread-safe)."""
+        publisher: CancelPublisher | None = getattr(self._local, "publisher", None)
+        if publisher is None:
+            publisher = self._local.publisher = CancelPublisher(self._settings)
+            with self._lock:
+                self._publishers.append(publisher)
+        return publisher
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for publisher in self._publishers:  # the threads are gone: nothing else uses these now
+            publisher.close()
+
+
+@dataclass
+class ApiState:
+    settings: Settings
+    tokens: Tokens | None
+    store: AsyncRunStore
+    sync_store: RunStore
+    broker: RunbrakeBroker
+    hub: EventHub
+    amqp: AmqpWorkers
+    metrics: Metrics
+    admission: Admission
+    """What a spec must meet: the operator's catalog (read again when it changes) and the bounds."""
+    rabbitmq_checked: tuple[float, str | None] = (0.0, None)
+
+
+# -- auth ----------------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.api
+    return state
+
+
+def require(role: str) -> Callable[[Request], str]:
+    """A dependency: the name of the token the request presents, which must grant ``role``
+    (docs/http-api.md, "Tokens"); ``anonymous`` when the API runs without tokens."""
+
+    def check(request: Request) -> str:
+        tokens = _state(request).tokens
+        if tokens is None:
+            return ANONYMOUS
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        token = tokens.identify(presented.strip()) if scheme.lower() == "bearer" and presented.strip() else None
+        if token is None:
+            raise ApiError(401, "a valid bearer token is required (Authorization: Bearer <token>)",
+                           headers={"WWW-Authenticate": 'Bearer realm="runbrake"'})
+        if role not in token.roles:
+            raise ApiError(403, f"token {token.name!r} lacks the {role!r} role")
+        return token.name
+
+    return check
+
+
+Reader = Annotated[str, Depends(require("read"))]
+Submitter = Annotated[str, Depends(require("submit"))]
+Operator = Annotated[str, Depends(require("operate"))]
+
+
+def valid_run_id(run_id: str) -> str:
+    if not RUN_ID.fullmatch(run_id):
+        raise ApiError(422, "invalid run id", errors=[
+            {"loc": ["path", "run_id"], "msg": "a run id is 32 lowercase hex characters"}])
+    return run_id
+
+
+RunId = Annotated[str, Depends(valid_run_id)]
+
+
+def _cursor(value: str | None) -> tuple[float, str] | None:
+    if not value:
+        return None
+    try:
+        score, run_id = json.loads(base64.urlsafe_b64decode(value.encode() + b"=" * (-len(value) % 4)))
+        if RUN_ID.fullmatch(run_id):
+            return float(score), run_id
+    except (ValueError, TypeError, binascii.Error):
+        pass
+    raise ApiError(422, "invalid cursor", errors=[
+        {"loc": ["query", "cursor"], "msg": "pass next_cursor from the previous page unchanged"}])
+
+
+def _next_cursor(position: tuple[float, str] | None) -> str | None:
+    if position is None:
+        return None
+    return base64.urlsafe_b64encode(json.dumps([position[0], position[1]]).encode()).decode().rstrip("=")
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
+    """The ASGI app of ``runbrake serve``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics = Metrics()
+        hub = EventHub(settings, on_drop=metrics.dropped.inc)
+        state = ApiState(
+            settings=settings, tokens=tokens, store=AsyncRunStore.connect(settings),
+            sync_store=RunStore.connect(settings), broker=build_broker(settings), hub=hub,
+            amqp=AmqpWorkers(settings), metrics=metrics, admission=Admission.from_settings(settings),
+        )
+        app.state.api = state
+        await hub.start()
+        log.info("api_started", namespace=settings.namespace, tokens=None if tokens is None else len(tokens.names),
+                 events_subscribed=hub.ready)
+        try:
+            yield
+        finally:
+            await hub.stop()
+            await asyncio.get_running_loop().run_in_executor(None, state.amqp.close)
+            state.broker.close()
+            state.sync_store.close()
+            await state.store.aclose()
+
+    app = FastAPI(
+        title="runbrake", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+        description="Runs, their events, cancel and approval (docs/http-api.md).",
+    )
+    app.add_middleware(MetricsMiddleware)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
+        return JSONResponse({"error": "invalid request", "errors": errors}, status_code=422)
+
+    @app.exception_handler(StoreError)
+    async def store_down(_request: Request, exc: StoreError) -> JSONResponse:
+        log.warning("api_store_unavailable", error=str(exc))
+        return JSONResponse({"error": str(exc)}, status_code=503)
+
+    @app.exception_handler(RunNotFound)
+    async def not_found(_request: Request, exc: RunNotFound) -> JSONResponse:
+        return JSONResponse({"error": str(exc), "run_id": exc.run_id}, status_code=404)
+
+    _routes(app)
+    _page_routes(app)
+    return app
+
+
+def _routes(app: FastAPI) -> None:
+    @app.post("/v1/runs", status_code=201, tags=["runs"], openapi_extra={"requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {
+            "type": "object", "description": "A run spec: see GET /v1/schema/run-spec"}}},
+    }})
+    async def enqueue(request: Request, who: Submitter,
+                      idempotency_key: Annotated[str | None, Header()] = None) -> JSONResponse:
+        """Validate a run spec, persist the run and send it to the workers."""
+        state = _state(request)
+        body = await _bounded_body(request, state.settings.max_spec_bytes)
+        spec = _spec(body, idempotency_key)
+        try:
+            enqueued: Enqueued = await state.amqp.run(
+                lambda: Producer(state.sync_store, state.broker, state.admission).enqueue(spec))
+        except SpecError as exc:  # the admission policy: the catalog, inline definitions, the bounds
+            errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
+            raise ApiError(422, "run spec refused", errors=errors) from exc
+        except IdempotencyConflict as exc:
+            raise ApiError(409, str(exc), run_id=exc.run_id) from exc
+        answer = {"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created}
+        if enqueued.created:
+            log.info("api_run_enqueued", run_id=enqueued.run_id, by=who)
+            return JSONResponse(answer, status_code=201, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
+        stored = await state.store.get(enqueued.run_id)
+        if dict(stored.request) != spec.raw:
+            raise ApiError(409, f"idempotency key {spec.idempotency_key!r} already names run {enqueued.run_id}, "
+                                "created from a different spec", run_id=enqueued.run_id)
+        return JSONResponse(answer, status_code=200, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
+
+    @app.get("/v1/runs", tags=["runs"])
+    async def list_runs(request: Request, _who: Reader, status: str | None = None, limit: int = 20,
+                        cursor: str | None = None) -> dict[str, Any]:
+        """Runs newest first, one page at a time; ``next_cursor`` is null on the last page."""
+        wanted = None
+        if status:
+            if status not in {s.value for s in RunStatus if s is not RunStatus.UNKNOWN}:
+                raise ApiError(422, "invalid status", errors=[{"loc": ["query", "status"], "msg": (
+                    "one of " + ", ".join(s.value for s in RunStatus if s is not RunStatus.UNKNOWN))}])
+            wanted = RunStatus(status)
+        if not 1 <= limit <= 1000:
+            raise ApiError(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
+        records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor))
+        return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
+
+    @app.get("/v1/runs/{run_id}", tags=["runs"])
+    async def get_run(request: Request, run_id: RunId, _who: Reader) -> dict[str, Any]:
+        """The run and its steps: the object ``runbrake show --json`` prints."""
+        return run_json(await _state(request).store.get(run_id))
+
+    @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
+    async def events(request: Request, run_id: RunId, _who: Reader,
+                     last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
+        """Server-sent events: ``step`` (replayed, then live), ``progress``, ``status``; ends after the
+        run's terminal status. Reconnect with ``Last-Event-ID`` (a step sequence) to resume."""
+        state = _state(request)
+        last = 0
+        if last_event_id:
+            try:
+                last = max(0, int(last_event_id))
+            except ValueError:
+                raise ApiError(422, "invalid Last-Event-ID", errors=[
+                    {"loc": ["header", "last-event-id"], "msg": "a step sequence (an integer)"}]) from None
+        await state.hub.wait_ready()
+        subscriber = state.hub.subscribe(run_id)  # first subscribe, then read: nothing falls between
+        try:
+            record = await state.store.get(run_id)
+        except BaseException:
+            state.hub.unsubscribe(subscriber)
+            raise
+        stream = _counted(state.metrics, run_events(state.hub, state.store, subscriber, record, last_event_id=last))
+        return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @app.get("/v1/events", tags=["runs"], response_class=StreamingResponse)
+    async def all_status(request: Request, _who: Reader) -> StreamingResponse:
+        """Server-sent ``status`` events of every run of the namespace (the runs page's list), live only."""
+        state = _state(request)
+        subscriber = state.hub.subscribe(None)
+        return StreamingResponse(_counted(state.metrics, status_events(state.hub, subscriber)),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"])
+    async def cancel(request: Request, run_id: RunId, who: Operator,
+                     body: ReasonBody | None = None) -> JSONResponse:
+        """Win the fence in Redis, then wake the worker that runs the run (like ``runbrake cancel``)."""
+        state = _state(request)
+        reason = (body.reason if body else None) or "cancelled via the API"
+        result = await state.amqp.run(lambda: cancel_run(
+            state.sync_store, state.amqp.publisher(), run_id, reason=reason, requested_by=who))
+        if not result.exists:
+            raise ApiError(404, f"no run with id {run_id!r}", run_id=run_id)
+        if not result.won:
+            raise ApiError(409, f"run {run_id} is already {result.found.value}; nothing to cancel",
+                           run_id=run_id, status=result.found.value)
+        return JSONResponse({"run_id": run_id, "cancelled": True, "message_confirmed": result.message_confirmed},
+                            status_code=202)
+
+    @app.post("/v1/runs/{run_id}/approve", tags=["decisions"])
+    async def approve(request: Request, run_id: RunId, who: Operator, body: ReasonBody | None = None) -> dict[str, Any]:
+        """Approve the call the run waits for (recorded with who and why); a worker resumes the run."""
+        state = _state(request)
+        reason = (body.reason if body else None) or ""
+        try:
+            decision = await state.amqp.run(lambda: approve_run(
+                state.sync_store, Producer(state.sync_store, state.broker), run_id, decided_by=who, reason=reason))
+        except PublishError as exc:
+            raise ApiError(503, f"{exc}; the approval stands, approve again to resend", run_id=run_id) from exc
+        _decided(decision.exists, decision.decided, run_id, decision.found)
+        return {"run_id": run_id, "approved": True}
+
+    @app.post("/v1/runs/{run_id}/deny", tags=["decisions"])
+    async def deny(request: Request, run_id: RunId, who: Operator, body: ReasonBody | None = None) -> dict[str, Any]:
+        """Deny the call the run waits for: the run ends failed (approval_denied)."""
+        state = _state(request)
+        reason = (body.reason if body else None) or "denied by operator"
+        decision = await state.amqp.run(lambda: deny_run(state.sync_store, run_id, decided_by=who, reason=reason))
+        _decided(decision.exists, decision.decided, run_id, decision.found)
+        return {"run_id": run_id, "denied": True}
+
+    @app.get("/v1/servers", tags=["operations"])
+    async def servers(request: Request, _who: Reader) -> list[dict[str, Any]]:
+        """Per MCP server: ok, failed and cancelled tool calls (``runbrake servers --json``)."""
+        return server_health(await _state(request).store.server_outcomes())
+
+    @app.get("/v1/schema/run-spec", tags=["runs"])
+    async def schema(_who: Reader) -> dict[str, Any]:
+        """The run spec's JSON Schema (``runbrake schema``)."""
+        return run_spec_json_schema()
+
+    @app.get("/healthz", tags=["operations"])
+    async def healthz() -> dict[str, str]:
+        """The process is alive."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["operations"])
+    async def readyz(request: Request) -> JSONResponse:
+        """Redis and RabbitMQ answer: 200, or 503 naming the one that does not."""
+        state = _state(request)
+        checks: dict[str, str] = {}
+        try:
+            await asyncio.wait_for(state.store.ping(), state.settings.redis_timeout_s + 1)
+            checks["redis"] = "ok"
+        except (StoreError, TimeoutError) as exc:
+            checks["redis"] = f"unreachable: {exc}"
+        problem = await _rabbitmq_problem(state)
+        checks["rabbitmq"] = "ok" if problem is None else f"unreachable: {problem}"
+        ready = all(value == "ok" for value in checks.values())
+        return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
+
+    @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
+    async def metrics(request: Request) -> Response:
+        """Prometheus text: request counts and latencies, event clients."""
+        return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+_SSE_HEADERS: Final = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+
+
+async def _counted(metrics: Metrics, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    metrics.event_clients.inc()
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        metrics.event_clients.dec()
+
+
+def _decided(exists: bool, decided: bool, run_id: str, found: RunStatus) -> None:
+    if not exists:
+        raise ApiError(404, f"no run with id {run_id!r}", run_id=run_id)
+    if not decided:
+        raise ApiError(409, f"run {run_id} is {found.value}, not waiting for approval", run_id=run_id,
+                       status=found.value)
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it exceeds ``limit`` bytes (before anything parses it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the spec is larger than {limit} bytes (RUNBRAKE_MAX_SPEC_BYTES)", limit=limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the spec is larger than {limit} bytes (RUNBRAKE_MAX_SPEC_BYTES)", limit=limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _spec(body: bytes, idempotency_key: str | None) -> RunSpec:
+    """The validated spec; an ``Idempotency-Key`` header sets (or overrides) its idempotency_key."""
+    document: bytes | str = body
+    if idempotency_key is not None:
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            data = None  # the spec's own parser says what is wrong with it
+        if isinstance(data, dict):
+            data["idempotency_key"] = idempotency_key
+            document = json.dumps(data)
+    try:
+        return RunSpec.from_json(document)
+    except SpecError as exc:
+        errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
+        raise ApiError(422, "invalid run spec", errors=errors) from exc
+
+
+async def _rabbitmq_problem(state: ApiState) -> str | None:
+    checked_at, problem = state.rabbitmq_checked
+    if time.monotonic() - checked_at < READY_CACHE_S:
+        return problem
+
+    def check() -> str | None:
+        parameters = pika.URLParameters(state.settings.rabbitmq_url)
+        parameters.socket_timeout = parameters.blocked_connection_timeout = 2.0
+        parameters.connection_attempts = 1
+        try:
+            pika.BlockingConnection(parameters).close()
+        except pika.exceptions.AMQPError as exc:
+            return repr(exc)
+        return None
+
+    problem = await asyncio.get_running_loop().run_in_executor(None, check)
+    state.rabbitmq_checked = (time.monotonic(), problem)
+    return problem
+
+
+# -- the runs page -------------------------------------------------------------------------------
+
+_PAGE_TYPES: Final = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8"}
+
+
+@functools.cache
+def _page_file(name: str) -> str:
+    return resources.files("runbrake.broker").joinpath("page", name).read_text(encoding="utf-8")
+
+
+def _language(accept_language: str | None) -> str:
+    """``de`` when the browser prefers German over English, else ``en``."""
+    best, best_q = "en", -1.0
+    for part in (accept_language or "").split(","):
+        tag, _, params = part.strip().partition(";")
+        q = 1.0
+        with contextlib.suppress(ValueError):
+            q = float(params.strip().removeprefix("q=")) if params.strip().startswith("q=") else 1.0
+        primary = tag.strip().lower().split("-")[0]
+        if primary in ("en", "de") and q > best_q:
+            best, best_q = primary, q
+    return best
+
+
+def _page_routes(app: FastAPI) -> None:
+    @app.get("/", include_in_schema=False)
+    async def page(request: Request) -> Response:
+        state = _state(request)
+        config = {"labels": LABELS, "lang": _language(request.headers.get("accept-language")),
+                  "tokens": state.tokens is not None}
+        html = _page_file("index.html").replace(
+            "/*RUNBRAKE_CONFIG*/null", json.dumps(config, ensure_ascii=False).replace("</", "<\\/"))
+        return Response(html, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(status_code=204)
+
+    @app.get("/page/{name}", include_in_schema=False)
+    async def page_file(name: str) -> Response:
+        if name not in _PAGE_TYPES:
+            raise ApiError(404, "no such file")
+        return Response(_page_file(name), media_type=_PAGE_TYPES[name], headers=_PAGE_HEADERS)
+
+
+_PAGE_HEADERS: Final = {
+    "Cache-Control": "no-cache",
+    # Everything the page loads is its own: no CDN, no inline script, no framing.
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+# -- metrics middleware --------------------------------------------------------------------------
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class MetricsMiddleware:
+    """Counts requests and times them to the start of their response, by route template (pure ASGI,
+    so that streams pass through untouched)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                metrics = self._metrics(scope)
+                if metrics is not None:
+                    metrics.latency.labels(scope["method"], _route(scope)).observe(time.perf_counter() - started)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            metrics = self._metrics(scope)
+            if metrics is not None:
+                metrics.requests.labels(scope["method"], _route(scope), str(status)).inc()
+
+    @staticmethod
+    def _metrics(scope: Scope) -> Metrics | None:
+        app = scope.get("app")
+        state = getattr(getattr(app, "state", None), "api", None)
+        return state.metrics if isinstance(state, ApiState) else None
+
+
+def _route(scope: Scope) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"

@@ -1,0 +1,417 @@
+// The runs page (docs/http-api.md, "The runs page"). Plain JS, no dependencies, no CDN.
+//
+// Live updates come from the events endpoints, read with fetch() streaming rather than EventSource:
+// EventSource cannot send an Authorization header, and a token in a URL ends up in logs and history.
+// The token is asked for once (when the API answers 401) and kept in sessionStorage (this tab only).
+"use strict";
+
+const CONFIG = JSON.parse(document.getElementById("runbrake-config").textContent || "null") ||
+  { labels: { en: {}, de: {} }, lang: "en", tokens: false };
+const TOKEN_KEY = "runbrake.token";
+const TERMINAL = new Set(["completed", "failed", "cancelled"]);
+
+const UI = {
+  en: {
+    "runs.title": "Runs", "runs.empty": "No runs yet.", "runs.created": "Created",
+    "action.cancel": "Cancel run", "action.approve": "Approve", "action.deny": "Deny",
+    "action.confirm": "Confirm", "action.back": "Back", "reason": "Reason",
+    "pending.title": "Waiting for approval of", "live": "live", "reconnecting": "reconnecting…",
+    "token.prompt": "API token", "token.use": "Use token", "token.hint": "Kept in this tab only (sessionStorage).",
+    "elapsed": "elapsed", "error.forbidden": "Your token may not do this.", "back": "All runs",
+  },
+  de: {
+    "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.created": "Erstellt",
+    "action.cancel": "Lauf abbrechen", "action.approve": "Freigeben", "action.deny": "Ablehnen",
+    "action.confirm": "Bestätigen", "action.back": "Zurück", "reason": "Grund",
+    "pending.title": "Wartet auf Freigabe von", "live": "live", "reconnecting": "verbinde neu…",
+    "token.prompt": "API-Token", "token.use": "Token verwenden", "token.hint": "Nur in diesem Tab gespeichert (sessionStorage).",
+    "elapsed": "vergangen", "error.forbidden": "Dieses Token darf das nicht.", "back": "Alle Läufe",
+  },
+};
+
+let lang = localStorage.getItem("runbrake.lang") || CONFIG.lang || "en";
+let view = null;  // the current view: {stop(), render()}
+
+function t(key) { return (UI[lang] && UI[lang][key]) || (CONFIG.labels[lang] || {})[key] || key; }
+function label(key) { return (CONFIG.labels[lang] || {})[key] || key; }
+function statusLabel(status) { return label("status." + status); }
+function outcomeLabel(outcome) { return outcome ? label("outcome." + outcome) : ""; }
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === undefined || value === null || value === false) continue;
+    if (name === "class") node.className = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value === true ? "" : String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function when(epoch) {
+  if (!epoch) return "-";
+  return new Date(epoch * 1000).toLocaleString(lang === "de" ? "de-DE" : "en-GB");
+}
+
+function seconds(ms) { return (ms / 1000).toFixed(1) + " s"; }
+
+// -- the API ------------------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, body) { super((body && body.error) || "HTTP " + status); this.status = status; this.body = body; }
+}
+
+function headers(extra) {
+  const h = Object.assign({ Accept: "application/json" }, extra || {});
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) h.Authorization = "Bearer " + token;
+  return h;
+}
+
+async function api(path, options) {
+  const opts = Object.assign({}, options || {});
+  opts.headers = headers(opts.body ? { "Content-Type": "application/json" } : {});
+  const response = await fetch(path, opts);
+  let body = null;
+  try { body = await response.json(); } catch (_) { body = null; }
+  if (response.status === 401) askForToken();
+  if (!response.ok) throw new ApiError(response.status, body);
+  return body;
+}
+
+function askForToken() {
+  const form = document.getElementById("token-form");
+  form.hidden = false;
+  document.getElementById("token-input").focus();
+}
+
+document.getElementById("token-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const value = document.getElementById("token-input").value.trim();
+  if (!value) return;
+  sessionStorage.setItem(TOKEN_KEY, value);
+  document.getElementById("token-input").value = "";
+  document.getElementById("token-form").hidden = true;
+  route();
+});
+
+// A server-sent event stream read with fetch(): resumes with Last-Event-ID, stops on "end".
+class EventStream {
+  constructor(path, handlers) {
+    this.path = path; this.handlers = handlers; this.lastId = null; this.stopped = false; this.controller = null;
+    this.retryMs = 1000;
+    this.run();
+  }
+
+  stop() { this.stopped = true; if (this.controller) this.controller.abort(); }
+
+  async run() {
+    while (!this.stopped) {
+      this.controller = new AbortController();
+      let ended = false;
+      try {
+        const extra = { Accept: "text/event-stream" };
+        if (this.lastId !== null) extra["Last-Event-ID"] = this.lastId;
+        const response = await fetch(this.path, { headers: headers(extra), signal: this.controller.signal });
+        if (response.status === 401) { askForToken(); return; }
+        if (!response.ok) throw new Error("HTTP " + response.status);
+        setConnection(t("live"));
+        ended = await this.read(response.body.getReader());
+      } catch (error) {
+        if (this.stopped) return;
+      }
+      if (ended || this.stopped) return;
+      setConnection(t("reconnecting"));
+      await new Promise((resolve) => setTimeout(resolve, this.retryMs));
+    }
+  }
+
+  async read(reader) {
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return false;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        if (this.dispatch(block)) return true;
+      }
+    }
+  }
+
+  dispatch(block) {
+    let event = "message", data = "", id = null;
+    for (const line of block.split("\n")) {
+      if (line.startsWith(":")) continue;
+      const colon = line.indexOf(":");
+      const field = colon < 0 ? line : line.slice(0, colon);
+      const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+      if (field === "event") event = value;
+      else if (field === "data") data += (data ? "\n" : "") + value;
+      else if (field === "id") id = value;
+      else if (field === "retry" && /^\d+$/.test(value)) this.retryMs = Number(value);
+    }
+    if (id !== null) this.lastId = id;
+    if (!data) return false;
+    const payload = JSON.parse(data);
+    if (event === "end") { if (this.handlers.end) this.handlers.end(payload); return true; }
+    if (this.handlers[event]) this.handlers[event](payload);
+    return false;
+  }
+}
+
+function setConnection(text) { document.getElementById("connection").textContent = text; }
+
+// -- the list of runs -----------------------------------------------------------------------------
+
+function listView() {
+  const state = { runs: [], error: null };
+  const main = document.getElementById("main");
+  let stream = null;
+
+  function render() {
+    main.replaceChildren();
+    main.append(el("h1", {}, t("runs.title")));
+    if (state.error) main.append(el("p", { class: "error" }, state.error));
+    if (!state.runs.length) { main.append(el("p", { class: "empty" }, t("runs.empty"))); return; }
+    const rows = state.runs.map((run) => el("tr", {
+      class: "run-row", "data-testid": "run-row", "data-run-id": run.run_id,
+      onclick: () => { location.hash = "#/runs/" + run.run_id; },
+    },
+    el("td", {}, el("a", { href: "#/runs/" + run.run_id }, el("code", {}, run.run_id))),
+    el("td", { class: "status s-" + run.status, "data-testid": "run-status" }, statusLabel(run.status)),
+    el("td", {}, run.termination_reason ? label("reason." + run.termination_reason) : ""),
+    el("td", {}, when(run.created_at))));
+    main.append(el("table", {}, el("thead", {}, el("tr", {},
+      el("th", {}, label("run.run")), el("th", {}, label("run.status")), el("th", {}, label("run.reason")),
+      el("th", {}, t("runs.created")))), el("tbody", {}, rows)));
+  }
+
+  async function load() {
+    try {
+      state.runs = (await api("/v1/runs?limit=100")).runs;
+      state.error = null;
+    } catch (error) {
+      state.error = error.message;
+    }
+    render();
+  }
+
+  load().then(() => {
+    stream = new EventStream("/v1/events", {
+      status: (event) => {
+        const run = state.runs.find((r) => r.run_id === event.run_id);
+        if (run) { run.status = event.status; run.termination_reason = event.termination_reason; }
+        else state.runs.unshift({ run_id: event.run_id, status: event.status,
+          termination_reason: event.termination_reason, created_at: Date.now() / 1000 });
+        render();
+      },
+      resync: () => load(),
+    });
+  });
+  return { render, stop: () => stream && stream.stop() };
+}
+
+// -- one run ---------------------------------------------------------------------------------------
+
+function runView(runId) {
+  const state = { run: null, steps: new Map(), status: null, reason: "", progress: null, error: null,
+    deciding: null, message: null };
+  const main = document.getElementById("main");
+  let stream = null;
+  const ticker = setInterval(() => { const cell = document.querySelector("[data-testid=elapsed]"); if (cell) cell.textContent = elapsedText(); }, 200);
+
+  function sortedSteps() { return [...state.steps.values()].sort((a, b) => a.sequence - b.sequence); }
+
+  // The call in flight: the first call the latest model turn asked for that has no tool step yet.
+  function inFlight() {
+    if (state.status !== "running") return null;
+    const steps = sortedSteps();
+    const model = [...steps].reverse().find((s) => s.kind === "model");
+    if (!model) return null;
+    const done = new Set(steps.filter((s) => s.kind === "tool").map((s) => s.tool_call_id));
+    const call = ((model.detail && model.detail.tool_calls) || []).find((c) => !done.has(c.id));
+    if (!call) return null;
+    const last = steps[steps.length - 1];
+    const progress = state.progress && state.progress.tool_call_id === call.id ? state.progress : null;
+    return { call, round: model.round, started: progress ? progress.started_at : last.recorded_at, progress };
+  }
+
+  function elapsedText() {
+    const call = inFlight();
+    return call ? seconds(Date.now() - call.started * 1000) : "";
+  }
+
+  function detail(step) {
+    if (step.kind === "tool") return step.tool_server + "." + step.tool_name + ": " + step.content;
+    if (step.kind === "model") {
+      const calls = ((step.detail && step.detail.tool_calls) || []).map((c) => c.server + "." + c.tool).join(", ");
+      const text = step.error || step.content || "";
+      if (calls) return text ? text + " (" + label("run.calls") + " " + calls + ")" : label("run.calls") + " " + calls;
+      return text;
+    }
+    const d = step.detail || {};
+    return (d.decision ? label("decision." + d.decision) : "") + ": " + step.content + (d.decided_by ? " (" + label("run.by") + " " + d.decided_by + ")" : "");
+  }
+
+  function stepRow(step) {
+    return el("tr", { "data-testid": "step-row", "data-seq": step.sequence, "data-kind": step.kind },
+      el("td", { class: "num" }, step.sequence), el("td", { class: "num" }, step.round),
+      el("td", {}, label("kind." + step.kind)), el("td", { class: "num" }, step.duration_ms),
+      el("td", { class: "outcome o-" + (step.outcome || "none"), "data-testid": "outcome" }, outcomeLabel(step.outcome)),
+      el("td", { class: "detail" }, detail(step)));
+  }
+
+  function inFlightRow(flight) {
+    const p = flight.progress;
+    let progress = null;
+    if (p && p.progress !== null) {
+      const share = p.total ? Math.min(100, Math.round((p.progress / p.total) * 100)) : null;
+      progress = el("span", { "data-testid": "progress" },
+        share !== null ? el("span", { class: "progress" }, el("span", { style: null, "data-share": share })) : null,
+        p.progress + (p.total ? "/" + p.total : "") + (p.message ? " · " + p.message : ""));
+    }
+    return el("tr", { class: "in-flight", "data-testid": "in-flight" },
+      el("td", { class: "num" }, "…"), el("td", { class: "num" }, flight.round), el("td", {}, label("kind.tool")),
+      el("td", { class: "num", "data-testid": "elapsed" }, elapsedText()),
+      el("td", { class: "outcome o-in_flight" }, label("run.in_flight")),
+      el("td", { class: "detail" }, flight.call.server + "." + flight.call.tool + " ", progress));
+  }
+
+  function actions() {
+    const box = el("div", { class: "actions" });
+    if (state.status && !TERMINAL.has(state.status)) {
+      box.append(el("button", { type: "button", class: "action danger", "data-testid": "cancel",
+        onclick: () => decide("cancel") }, t("action.cancel")));
+    }
+    if (state.status === "waiting_for_approval") {
+      box.append(el("button", { type: "button", class: "action go", "data-testid": "approve",
+        onclick: () => decide("approve") }, t("action.approve")));
+      box.append(el("button", { type: "button", class: "action danger", "data-testid": "deny",
+        onclick: () => decide("deny") }, t("action.deny")));
+    }
+    if (state.message) box.append(el("span", { class: "error", "data-testid": "message" }, state.message));
+    return box;
+  }
+
+  function decisionForm() {
+    const input = el("input", { type: "text", maxlength: 1000, "data-testid": "reason", "aria-label": t("reason") });
+    const form = el("form", { class: "decision", "data-testid": "decision",
+      onsubmit: (event) => { event.preventDefault(); submit(state.deciding, input.value); } },
+    el("label", {}, t("reason") + " (" + t("action." + state.deciding) + "): "), input, " ",
+    el("button", { type: "submit", class: "action", "data-testid": "confirm" }, t("action.confirm")), " ",
+    el("button", { type: "button", class: "action", onclick: () => { state.deciding = null; render(); } }, t("action.back")));
+    setTimeout(() => input.focus(), 0);
+    return form;
+  }
+
+  function pendingBox() {
+    const call = state.run && state.run.pending_call;
+    if (state.status !== "waiting_for_approval" || !call) return null;
+    return el("div", { class: "pending", "data-testid": "pending-call" },
+      el("strong", {}, t("pending.title") + " "), el("code", { "data-testid": "pending-tool" }, call.tool_server + "." + call.tool_name),
+      el("pre", { "data-testid": "pending-arguments" }, call.arguments_text));
+  }
+
+  function render() {
+    main.replaceChildren();
+    main.append(el("p", {}, el("a", { href: "#/" }, "← " + t("back"))));
+    main.append(el("h1", {}, label("run.run") + " ", el("code", {}, runId)));
+    if (state.error) { main.append(el("p", { class: "error", "data-testid": "error" }, state.error)); return; }
+    const run = state.run || {};
+    const facts = el("dl", { class: "facts" },
+      el("dt", {}, label("run.status")),
+      el("dd", {}, el("span", { class: "status s-" + state.status, "data-testid": "run-status" }, state.status ? statusLabel(state.status) : "")),
+      el("dt", {}, label("run.reason")), el("dd", { "data-testid": "run-reason" }, state.reason ? label("reason." + state.reason) : "-"),
+      el("dt", {}, label("run.created")), el("dd", {}, when(run.created_at)),
+      el("dt", {}, label("run.started")), el("dd", {}, when(run.started_at)),
+      el("dt", {}, label("run.finished")), el("dd", {}, when(run.finished_at)));
+    if (run.cancel) facts.append(el("dt", {}, label("run.cancel")), el("dd", { "data-testid": "run-cancel" },
+      run.cancel.reason + " (" + label("run.by") + " " + run.cancel.requested_by + ")"));
+    if (run.error) facts.append(el("dt", {}, label("run.error")), el("dd", {}, run.error));
+    main.append(...[facts, pendingBox(), actions()].filter(Boolean));
+    if (state.deciding) main.append(decisionForm());
+    const rows = sortedSteps().map(stepRow);
+    const flight = inFlight();
+    if (flight) rows.push(inFlightRow(flight));
+    main.append(el("table", { "data-testid": "timeline" }, el("thead", {}, el("tr", {},
+      ...["column.sequence", "column.round", "column.kind", "column.duration", "column.outcome", "column.detail"]
+        .map((key) => el("th", {}, label(key))))), el("tbody", {}, rows)));
+    for (const bar of main.querySelectorAll("[data-share]")) bar.style.width = bar.dataset.share + "%";
+  }
+
+  function decide(action) { state.deciding = action; state.message = null; render(); }
+
+  async function submit(action, reason) {
+    try {
+      await api("/v1/runs/" + runId + "/" + action, { method: "POST", body: JSON.stringify(reason ? { reason } : {}) });
+      state.deciding = null;
+      state.message = null;
+    } catch (error) {
+      state.message = error.status === 403 ? t("error.forbidden") : error.message;
+    }
+    render();
+  }
+
+  async function refresh() {
+    try {
+      state.run = await api("/v1/runs/" + runId);
+      state.error = null;
+      if (!state.status) { state.status = state.run.status; state.reason = state.run.termination_reason; }
+    } catch (error) {
+      state.error = error.message;
+    }
+    render();
+  }
+
+  refresh().then(() => {
+    if (state.error) return;
+    stream = new EventStream("/v1/runs/" + runId + "/events", {
+      step: (step) => { state.steps.set(step.sequence, step); render(); },
+      status: (event) => {
+        const changed = event.status !== state.status;
+        state.status = event.status; state.reason = event.termination_reason;
+        if (changed) refresh(); else render();
+      },
+      progress: (progress) => { state.progress = progress; render(); },
+      end: () => { setConnection(""); refresh(); },
+    });
+  });
+  return { render, stop: () => { clearInterval(ticker); if (stream) stream.stop(); } };
+}
+
+// -- routing and language ----------------------------------------------------------------------
+
+function route() {
+  if (view) view.stop();
+  setConnection("");
+  const match = location.hash.match(/^#\/runs\/([0-9a-f]{32})$/);
+  view = match ? runView(match[1]) : listView();
+}
+
+function applyLanguage() {
+  document.documentElement.lang = lang;
+  for (const button of document.querySelectorAll("[data-lang]")) button.classList.toggle("active", button.dataset.lang === lang);
+  for (const node of document.querySelectorAll("[data-ui]")) node.textContent = t(node.dataset.ui);
+}
+
+for (const button of document.querySelectorAll("[data-lang]")) {
+  button.addEventListener("click", () => {
+    lang = button.dataset.lang;
+    localStorage.setItem("runbrake.lang", lang);
+    applyLanguage();
+    if (view) view.render();
+  });
+}
+
+window.addEventListener("hashchange", route);
+applyLanguage();
+if (CONFIG.tokens && !sessionStorage.getItem(TOKEN_KEY)) askForToken();
+route();

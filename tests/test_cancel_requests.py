@@ -1,0 +1,171 @@
+"""Cancel requests on RabbitMQ alone (docs/messages.md, "Cancel requests"), from clients that do not import
+runbrake: a plain-pika script in a subprocess, and a Node script with amqplib when npm can install it.
+
+A real worker consumes ``<ns>.cancel-requests``, applies the fence and wakes the call in flight, which a
+real MCP server sees cancelled. Malformed requests land in ``<ns>.cancel-requests.dead`` with a header
+saying why, and the consumer goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from runbrake.broker.producer import Producer
+from runbrake.broker.wire import DEAD_REASON_HEADER, Topology
+from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
+from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.polling import poll_until
+from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+
+pytestmark = pytest.mark.integration
+
+CLIENTS = Path(__file__).parent / "clients"
+NODE_MODULES = Path(__file__).resolve().parent.parent / ".venv" / "node"
+
+
+def publish(settings: Settings, body: str) -> subprocess.CompletedProcess[str]:
+    """Publish ``body`` with the plain-pika script, in a process of its own."""
+    return subprocess.run(
+        [sys.executable, str(CLIENTS / "publish_cancel_request.py"), settings.rabbitmq_url, settings.namespace, body],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+
+
+def slow_run(producer: Producer, toolbox: Toolbox) -> str:
+    return producer.enqueue(spec({"toolbox": toolbox.spec},
+                                 [{"tool_calls": [call("slow", seconds=30)]}, {"content": "never"}])).run_id
+
+
+def cancelled_call(record: Any) -> bool:
+    return any(s.kind is StepKind.TOOL and s.tool_outcome is ToolOutcome.CANCELLED for s in record.steps)
+
+
+def dead_letters(settings: Settings, count: int) -> list[tuple[bytes, dict[str, Any]]]:
+    """Take ``count`` messages off the dead-letter queue (bounded wait), with their headers."""
+    queue = Topology.of(settings).cancel_requests_dead_queue
+    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    taken: list[tuple[bytes, dict[str, Any]]] = []
+    try:
+        channel = connection.channel()
+
+        def take() -> bool:
+            method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
+            if method is not None:
+                taken.append((body, dict(properties.headers or {})))
+            return len(taken) >= count
+
+        poll_until(take, timeout=15, failure=lambda: f"only {len(taken)} of {count} dead letters arrived: {taken}")
+    finally:
+        connection.close()
+    return taken
+
+
+def test_a_cancel_request_from_plain_pika_cancels_the_run_and_interrupts_its_call(
+    worker: WorkerProcess, toolbox_http: Toolbox, producer: Producer, store: RunStore, rabbitmq: Settings
+) -> None:
+    run_id = slow_run(producer, toolbox_http)
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=20)
+
+    sent = publish(rabbitmq, json.dumps({"run_id": run_id, "reason": "runaway", "requested_by": "ops-cron"}))
+
+    assert sent.returncode == 0, sent.stderr
+    record = wait_for_run(store, run_id, cancelled_call)
+    assert (record.status, record.cancel.reason, record.cancel.requested_by) == (  # type: ignore[union-attr]
+        RunStatus.CANCELLED, "runaway", "ops-cron")
+    wait_for_event(toolbox_http.events, "cancelled", tool="slow")
+    worker.wait_for_log("cancel_request_applied", run_id=run_id)
+
+    # At least once, idempotent: the same request again is acked with a log line and changes nothing.
+    again = publish(rabbitmq, json.dumps({"run_id": run_id}))
+    assert again.returncode == 0, again.stderr
+    worker.wait_for_log("cancel_request_refused", run_id=run_id, found="cancelled")
+    assert store.get(run_id) == record
+
+
+@pytest.mark.parametrize("body", [
+    "not json at all",
+    json.dumps({"run_id": "x" * 32}),
+    json.dumps({"run_id": 42}),
+    json.dumps({"run_id": "0" * 32, "reason": {"nested": ["x"]}}),
+    json.dumps({"run_id": "0" * 32, "requested_by": "x" * 201}),
+    "[" * 5000,
+    json.dumps([{"run_id": "0" * 32}]),
+], ids=["not-json", "bad-run-id", "run-id-number", "nested-reason", "long-requested-by", "huge-nested", "array"])
+def test_a_malformed_request_is_dead_lettered_with_the_reason_and_the_consumer_goes_on(
+    body: str, worker: WorkerProcess, store: RunStore, rabbitmq: Settings
+) -> None:
+    assert publish(rabbitmq, body).returncode == 0
+    [(dead_body, headers)] = dead_letters(rabbitmq, 1)
+
+    assert dead_body == body.encode()
+    assert headers[DEAD_REASON_HEADER]
+    worker.wait_for_log("cancel_request_malformed")
+    # The consumer is still there: a valid request for a queued run is applied.
+    run_id = store.create({"input": "x"}).run_id
+    assert publish(rabbitmq, json.dumps({"run_id": run_id})).returncode == 0
+    wait_for_run(store, run_id, lambda r: r.status is RunStatus.CANCELLED)
+    assert store.get(run_id).cancel.requested_by == "amqp"  # type: ignore[union-attr]
+
+
+def test_a_request_for_an_unknown_run_is_acked_and_logged(worker: WorkerProcess, rabbitmq: Settings) -> None:
+    assert publish(rabbitmq, json.dumps({"run_id": "e" * 32})).returncode == 0
+
+    worker.wait_for_log("cancel_request_unknown_run", run_id="e" * 32)
+
+
+def test_the_queue_is_a_quorum_queue_when_asked(
+    start_worker: Callable[..., WorkerProcess], rabbitmq: Settings
+) -> None:
+    start_worker(RUNBRAKE_QUEUE_TYPE="quorum")
+    topology = Topology.of(rabbitmq)
+
+    listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "type"], capture_output=True, text=True,
+                            timeout=60, check=False)
+
+    if listed.returncode != 0:
+        pytest.skip(f"rabbitmqctl cannot list queues here: {listed.stderr.strip()}")
+    types = dict(line.split("\t")[:2] for line in listed.stdout.splitlines() if "\t" in line)
+    assert types[topology.cancel_requests_queue] == "quorum"
+    assert types[topology.cancel_requests_dead_queue] == "quorum"
+
+
+def _amqplib() -> Path:
+    """Install amqplib once into .venv/node (npm); skip the test with npm's reason when it cannot."""
+    if (NODE_MODULES / "node_modules" / "amqplib").is_dir():
+        return NODE_MODULES
+    npm = shutil.which("npm")
+    if npm is None or shutil.which("node") is None:
+        pytest.skip("node and npm are not installed; the Node client test needs them")
+    NODE_MODULES.mkdir(parents=True, exist_ok=True)
+    installed = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--silent", "--prefix", str(NODE_MODULES),
+                                "amqplib@0"], capture_output=True, text=True, timeout=300, check=False)
+    if installed.returncode != 0:
+        pytest.skip(f"npm could not install amqplib here: {installed.stderr.strip()[-500:]}")
+    return NODE_MODULES
+
+
+def test_a_cancel_request_from_node_with_amqplib_cancels_the_run(
+    worker: WorkerProcess, toolbox_http: Toolbox, producer: Producer, store: RunStore, rabbitmq: Settings
+) -> None:
+    modules = _amqplib()
+    script = modules / "publish_cancel_request.mjs"  # beside node_modules, so that its import finds amqplib
+    shutil.copy(CLIENTS / "publish_cancel_request.mjs", script)
+    run_id = slow_run(producer, toolbox_http)
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=20)
+
+    sent = subprocess.run(["node", str(script), rabbitmq.rabbitmq_url, rabbitmq.namespace, run_id, "from node",
+                           "node-ops"], capture_output=True, text=True, timeout=60, check=False)
+
+    assert sent.returncode == 0, sent.stderr
+    record = wait_for_run(store, run_id, cancelled_call)
+    assert (record.status, record.cancel.requested_by) == (RunStatus.CANCELLED, "node-ops")  # type: ignore[union-attr]
+    wait_for_event(toolbox_http.events, "cancelled", tool="slow")

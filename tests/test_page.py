@@ -1,0 +1,151 @@
+"""The runs page in a real browser: Debian's chromium, headless, driven by Playwright (docs/http-api.md,
+"The runs page").
+
+Everything behind the page is real: ``runbrake serve``, a worker, the example MCP server. The tests
+enqueue through the API and watch the page change without a reload (a marker set on ``window``
+survives). Screenshots go to tests/artifacts/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from runbrake.shared import RunStatus, RunStore, StepKind
+from tests.api_helpers import TOKENS, ApiProcess, bearer
+from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(__file__).parent / "artifacts"
+TIMEOUT_MS = 30_000
+ELAPSED = re.compile(r"^\d+\.\d s$")
+
+
+@pytest.fixture(name="browser")
+def browser_fixture() -> Iterator[Any]:
+    """Headless chromium (Debian's package; Playwright's own browser download is never used)."""
+    if not CHROMIUM.exists():
+        message = f"{CHROMIUM} is missing: install Debian's chromium package (make browser does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def open_page(browser: Any, url: str, *, locale: str) -> tuple[Any, list[str]]:
+    """A page at ``url`` in ``locale``; the list collects the page's script errors."""
+    page = browser.new_page(locale=locale, viewport={"width": 1200, "height": 720})
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(url)
+    page.evaluate("window.__notReloaded = true")
+    return page, errors
+
+
+def screenshot(page: Any, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def test_the_page_shows_a_run_live_with_progress_and_cancels_it_in_german(
+    browser: Any, start_api: Callable[..., ApiProcess], tokens_file: Path, worker: WorkerProcess,
+    toolbox_http: Toolbox, store: RunStore,
+) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(tokens=tokens_file)
+    page, errors = open_page(browser, f"{api.url}/", locale="de-DE")
+    # With tokens, the page asks for one once and keeps it in sessionStorage.
+    expect(page.get_by_test_id("token-form")).to_be_visible()
+    page.get_by_test_id("token-input").fill(TOKENS["ops-alice"][0])
+    page.get_by_test_id("token-submit").click()
+    expect(page.locator("h1")).to_have_text("Läufe")
+
+    slow = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=30)]}, {"content": "x"}])
+    created = httpx2.post(f"{api.url}/v1/runs", json=slow.raw, headers=bearer("ops-alice"))
+    assert created.status_code == 201, created.text
+    run_id = created.json()["run_id"]
+
+    # The list learns of the run from the live status events; open it from there.
+    row = page.locator(f"[data-run-id='{run_id}']")
+    expect(row.get_by_test_id("run-status")).to_have_text("läuft")
+    row.click()
+    expect(page.get_by_test_id("run-status")).to_have_text("läuft")
+    expect(page.get_by_test_id("in-flight")).to_contain_text("toolbox.slow")
+    expect(page.get_by_test_id("progress")).to_contain_text("/30")
+    expect(page.get_by_test_id("elapsed")).to_have_text(ELAPSED)
+    wait_for_event(toolbox_http.events, "started", tool="slow")
+    screenshot(page, "runs-page-running-de.png")
+
+    page.get_by_test_id("cancel").click()
+    page.get_by_test_id("reason").fill("Test: zu langsam")
+    page.get_by_test_id("confirm").click()
+
+    expect(page.get_by_test_id("run-status")).to_have_text("abgebrochen")
+    tool_row = page.locator("[data-testid=step-row][data-kind=tool]")
+    expect(tool_row.get_by_test_id("outcome")).to_have_text("abgebrochen")
+    expect(page.get_by_test_id("in-flight")).to_have_count(0)
+    expect(page.get_by_test_id("run-cancel")).to_contain_text("Test: zu langsam (von ops-alice)")
+    expect(page.locator("th").nth(4)).to_have_text("Ergebnis")
+    assert page.evaluate("window.__notReloaded") is True
+    screenshot(page, "runs-page-cancelled-de.png")
+    record = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
+    assert record.status is RunStatus.CANCELLED
+    assert record.cancel is not None
+    assert record.cancel.requested_by == "ops-alice"
+    wait_for_event(toolbox_http.events, "cancelled", tool="slow")
+    assert errors == []
+
+
+def test_the_page_shows_what_a_waiting_run_asks_for_and_approves_it(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore
+) -> None:
+    from playwright.sync_api import expect
+
+    gated = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("get-sum", a=2, b=3)]}, {"content": "5"}],
+                 approval_required=["toolbox.get-sum"])
+    run_id = httpx2.post(f"{api.url}/v1/runs", json=gated.raw).json()["run_id"]
+    wait_for_run(store, run_id, lambda r: r.status is RunStatus.WAITING_FOR_APPROVAL)
+    page, errors = open_page(browser, f"{api.url}/#/runs/{run_id}", locale="en-US")
+
+    expect(page.get_by_test_id("run-status")).to_have_text("waiting_for_approval")
+    expect(page.get_by_test_id("pending-tool")).to_have_text("toolbox.get-sum")
+    expect(page.get_by_test_id("pending-arguments")).to_have_text('{"a": 2, "b": 3}')
+    screenshot(page, "runs-page-waiting-en.png")
+    page.get_by_test_id("approve").click()
+    page.get_by_test_id("reason").fill("sums are harmless")
+    page.get_by_test_id("confirm").click()
+
+    expect(page.get_by_test_id("run-status")).to_have_text("completed")
+    approval = page.locator("[data-testid=step-row][data-kind=approval]")
+    expect(approval).to_contain_text("approved: sums are harmless (by anonymous)")
+    expect(page.locator("[data-testid=step-row][data-kind=tool]").get_by_test_id("outcome")).to_have_text("ok")
+    expect(page.get_by_test_id("pending-call")).to_have_count(0)
+    assert page.evaluate("window.__notReloaded") is True
+    screenshot(page, "runs-page-approved-en.png")
+    # The switch turns the same page German without a reload.
+    page.locator("[data-lang=de]").click()
+    expect(page.get_by_test_id("run-status")).to_have_text("abgeschlossen")
+    assert wait_for_run(store, run_id).status is RunStatus.COMPLETED
+    assert errors == []

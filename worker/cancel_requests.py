@@ -1,0 +1,160 @@
+"""The cancel-requests consumer: cancels that ops tooling publishes on RabbitMQ alone
+(docs/messages.md, "Cancel requests").
+
+One :class:`CancelRequestConsumer` per worker process consumes the durable queue
+``<ns>.cancel-requests`` (pika, on its own thread and connection: pika is not thread-safe), with
+manual acks and a small prefetch. Each request is applied like ``runbrake cancel``: the fence in
+Redis (:func:`runbrake.broker.cancel.cancel_run`), then the wake-up on ``<ns>.cancel``. The queue is
+shared by every worker, so each request is applied by one of them; a redelivered or repeated request
+finds the run already cancelled and is acked with a log line (at-least-once, idempotent).
+
+A request that cannot be read (not JSON, too long, wrong types, not a run id) is never retried and
+never stops the consumer: it is republished on ``<ns>.cancel-requests.dead`` with a header saying
+why, then acked; if even that fails it is rejected without requeue, which the queue's dead-letter
+arguments route to the same place. When Redis cannot be reached, the request is requeued after a
+backoff: it is not malformed, and the cancel must not be lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any
+
+import pika
+import pika.exceptions
+import structlog
+from pika.adapters.blocking_connection import BlockingChannel
+
+from runbrake.broker.cancel import CancelPublisher, cancel_run
+from runbrake.broker.wire import DEAD_REASON_HEADER, MalformedCancelRequest, Topology, decode_cancel_request
+from runbrake.shared.errors import StoreError
+from runbrake.shared.settings import Settings
+from runbrake.shared.store import RunStore
+
+log = structlog.get_logger(__name__)
+
+PREFETCH = 4
+"""Unacked requests one consumer holds at most: a cancel takes milliseconds, so a few keep it busy."""
+DEFAULT_REASON = "cancelled by a cancel request"
+_MAX_BACKOFF_S = 10.0
+_STORE_RETRY_S = 1.0
+
+
+class CancelRequestConsumer(threading.Thread):
+    """Consumes ``<ns>.cancel-requests`` and applies each request. Reconnects with backoff."""
+
+    def __init__(self, settings: Settings, store: RunStore) -> None:
+        super().__init__(name="runbrake-cancel-requests", daemon=True)
+        self._settings = settings
+        self._store = store
+        self._topology = Topology.of(settings)
+        self._stopping = threading.Event()
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self._publisher = CancelPublisher(settings)
+        """The wake-up's own connection, used from this thread only."""
+        self.ready = threading.Event()
+        """Set while the queue is declared and consumed."""
+
+    def run(self) -> None:
+        backoff = 0.2
+        while not self._stopping.is_set():
+            try:
+                self._connection = pika.BlockingConnection(self._parameters())
+                channel = self._channel = self._connection.channel()
+                self._topology.declare_cancel_requests(channel, queue_type=self._settings.queue_type)
+                channel.basic_qos(prefetch_count=PREFETCH)
+                channel.basic_consume(queue=self._topology.cancel_requests_queue, on_message_callback=self._on_message)
+                log.info("cancel_requests_connected", queue=self._topology.cancel_requests_queue)
+                backoff = 0.2
+                self.ready.set()
+                channel.start_consuming()
+            except pika.exceptions.AMQPError as exc:
+                self.ready.clear()
+                if self._stopping.is_set():
+                    break
+                log.warning("cancel_requests_disconnected", error=repr(exc), retry_in_s=backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            finally:
+                self.ready.clear()
+                self._close()
+        self._publisher.close()
+        log.info("cancel_requests_stopped")
+
+    def _parameters(self) -> pika.URLParameters:
+        parameters = pika.URLParameters(self._settings.rabbitmq_url)
+        parameters.client_properties = {
+            "connection_name": f"runbrake-cancel-requests {self._settings.namespace} pid={os.getpid()}"
+        }
+        return parameters
+
+    def stop(self) -> None:
+        """Stop consuming and close the connection; safe from any thread."""
+        self._stopping.set()
+        connection = self._connection
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):  # the only pika call that may cross threads
+                connection.add_callback_threadsafe(self._stop_consuming)
+
+    def _stop_consuming(self) -> None:
+        if self._channel is not None and self._channel.is_open:
+            self._channel.stop_consuming()
+
+    def _close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                connection.close()
+
+    def _on_message(self, channel: BlockingChannel, method: Any, properties: pika.BasicProperties,
+                    body: bytes) -> None:
+        try:
+            request = decode_cancel_request(body)
+        except MalformedCancelRequest as exc:
+            self._dead_letter(channel, method, properties, body, str(exc))
+            return
+        # RabbitMQ checks a user_id property against the publishing connection's user: when set, it names
+        # who published, whatever the body says.
+        verified = getattr(properties, "user_id", None)
+        requested_by = request.requested_by or (f"amqp:{verified}" if verified else "amqp")
+        if verified and request.requested_by:
+            requested_by = f"{request.requested_by} (amqp:{verified})"
+        try:
+            result = cancel_run(self._store, self._publisher, request.run_id,
+                                reason=request.reason or DEFAULT_REASON, requested_by=requested_by)
+        except StoreError as exc:
+            # Not the request's fault: keep it, and try again after a pause (the connection stays serviced).
+            log.warning("cancel_request_store_unavailable", run_id=request.run_id, error=str(exc),
+                        retry_in_s=_STORE_RETRY_S)
+            if self._connection is not None:
+                self._connection.sleep(_STORE_RETRY_S)
+            channel.basic_nack(delivery_tag=method.delivery_tag, requeue=True)
+            return
+        if result.won:
+            log.info("cancel_request_applied", run_id=request.run_id, requested_by=requested_by,
+                     was=result.found.value, message_confirmed=result.message_confirmed)
+        elif result.exists:
+            log.info("cancel_request_refused", run_id=request.run_id, found=result.found.value)
+        else:
+            log.warning("cancel_request_unknown_run", run_id=request.run_id)
+        channel.basic_ack(delivery_tag=method.delivery_tag)
+
+    def _dead_letter(self, channel: BlockingChannel, method: Any, properties: pika.BasicProperties, body: bytes,
+                     reason: str) -> None:
+        log.warning("cancel_request_malformed", reason=reason, size=len(body))
+        headers = dict(getattr(properties, "headers", None) or {})
+        headers[DEAD_REASON_HEADER] = reason
+        dead = pika.BasicProperties(content_type=properties.content_type, delivery_mode=2, headers=headers)
+        try:
+            channel.basic_publish(exchange="", routing_key=self._topology.cancel_requests_dead_queue, body=body,
+                                  properties=dead)
+        except pika.exceptions.AMQPError as exc:
+            log.warning("cancel_request_dead_letter_failed", error=repr(exc))
+            if channel.is_open:
+                # The queue's x-dead-letter-* arguments route it to the same queue, without the reason header.
+                channel.basic_reject(delivery_tag=method.delivery_tag, requeue=False)
+            return
+        channel.basic_ack(delivery_tag=method.delivery_tag)
