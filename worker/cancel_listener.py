@@ -12,97 +12,36 @@ given one interval to arrive, and a lost one delays a cancel by at most two inte
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 
-import pika
-import pika.exceptions
 import structlog
+from pika.adapters.blocking_connection import BlockingChannel
 
 from runbrake.broker.wire import Topology, decode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
+from runbrake.worker._consumer import ConsumerThread
 from runbrake.worker.registry import ActiveRuns
 
 log = structlog.get_logger(__name__)
 
-_MAX_BACKOFF_S = 10.0
 
-
-class CancelListener(threading.Thread):
+class CancelListener(ConsumerThread):
     """Consumes cancel messages and interrupts the runs this process executes. Reconnects with backoff."""
+
+    role = "cancel_listener"
 
     def __init__(
         self, settings: Settings, store: RunStore, registry: ActiveRuns, *, ready: threading.Event | None = None
     ) -> None:
-        super().__init__(name="runbrake-cancel-listener", daemon=True)
-        self._settings = settings
+        super().__init__(settings, ready=ready)
         self._store = store
         self._registry = registry
-        self._stopping = threading.Event()
-        self._connection: pika.BlockingConnection | None = None
-        self._channel: pika.adapters.blocking_connection.BlockingChannel | None = None
-        self.ready = threading.Event() if ready is None else ready
-        """Set while the listener's queue is bound and consuming."""
 
-    def run(self) -> None:
-        backoff = 0.2
-        topology = Topology.of(self._settings)
-        while not self._stopping.is_set():
-            try:
-                self._connection = pika.BlockingConnection(self._parameters())
-                channel = self._channel = self._connection.channel()
-                queue = topology.bind_cancel_listener(channel)
-                channel.basic_consume(queue=queue, on_message_callback=self._on_message, auto_ack=True)
-                log.info("cancel_listener_connected", exchange=topology.cancel_exchange, queue=queue)
-                backoff = 0.2
-                self.ready.set()
-                channel.start_consuming()
-            except pika.exceptions.AMQPError as exc:
-                self.ready.clear()
-                if self._stopping.is_set():
-                    break
-                log.warning("cancel_listener_disconnected", error=repr(exc), retry_in_s=backoff)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            except Exception:
-                # Nothing a message carries should get here (bodies are bounded and decoded defensively);
-                # if something does, the listener starts over rather than leave every cancel to the backstop.
-                log.exception("cancel_listener_crashed", retry_in_s=backoff)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            finally:
-                self.ready.clear()
-                self._close()
-        log.info("cancel_listener_stopped")
-
-    def _parameters(self) -> pika.URLParameters:
-        parameters = pika.URLParameters(self._settings.rabbitmq_url)
-        # A name operators (and tests) can find in `rabbitmqctl list_connections client_properties`.
-        parameters.client_properties = {
-            "connection_name": f"runbrake-cancel-listener {self._settings.namespace} pid={os.getpid()}"
-        }
-        return parameters
-
-    def stop(self) -> None:
-        """Stop consuming and close the connection; safe from any thread."""
-        self._stopping.set()
-        connection = self._connection
-        if connection is not None and connection.is_open:
-            # The only pika call that may cross threads.
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                connection.add_callback_threadsafe(self._stop_consuming)
-
-    def _stop_consuming(self) -> None:
-        if self._channel is not None and self._channel.is_open:
-            self._channel.stop_consuming()
-
-    def _close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None and connection.is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                connection.close()
+    def _consume(self, channel: BlockingChannel) -> str:
+        queue = Topology.of(self._settings).bind_cancel_listener(channel)
+        channel.basic_consume(queue=queue, on_message_callback=self._on_message, auto_ack=True)
+        return queue
 
     def _on_message(self, _channel: object, _method: object, _properties: object, body: bytes) -> None:
         run_id = decode_cancel(body)

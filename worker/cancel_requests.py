@@ -17,9 +17,6 @@ backoff: it is not malformed, and the cancel must not be lost.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 from typing import Any
 
 import pika
@@ -32,82 +29,36 @@ from runbrake.broker.wire import DEAD_REASON_HEADER, MalformedCancelRequest, Top
 from runbrake.shared.errors import StoreError
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
+from runbrake.worker._consumer import ConsumerThread
 
 log = structlog.get_logger(__name__)
 
 PREFETCH = 4
 """Unacked requests one consumer holds at most: a cancel takes milliseconds, so a few keep it busy."""
 DEFAULT_REASON = "cancelled by a cancel request"
-_MAX_BACKOFF_S = 10.0
 _STORE_RETRY_S = 1.0
 
 
-class CancelRequestConsumer(threading.Thread):
+class CancelRequestConsumer(ConsumerThread):
     """Consumes ``<ns>.cancel-requests`` and applies each request. Reconnects with backoff."""
 
+    role = "cancel_requests"
+
     def __init__(self, settings: Settings, store: RunStore) -> None:
-        super().__init__(name="runbrake-cancel-requests", daemon=True)
-        self._settings = settings
+        super().__init__(settings)
         self._store = store
         self._topology = Topology.of(settings)
-        self._stopping = threading.Event()
-        self._connection: pika.BlockingConnection | None = None
-        self._channel: BlockingChannel | None = None
         self._publisher = CancelPublisher(settings)
         """The wake-up's own connection, used from this thread only."""
-        self.ready = threading.Event()
-        """Set while the queue is declared and consumed."""
 
-    def run(self) -> None:
-        backoff = 0.2
-        while not self._stopping.is_set():
-            try:
-                self._connection = pika.BlockingConnection(self._parameters())
-                channel = self._channel = self._connection.channel()
-                self._topology.declare_cancel_requests(channel, queue_type=self._settings.queue_type)
-                channel.basic_qos(prefetch_count=PREFETCH)
-                channel.basic_consume(queue=self._topology.cancel_requests_queue, on_message_callback=self._on_message)
-                log.info("cancel_requests_connected", queue=self._topology.cancel_requests_queue)
-                backoff = 0.2
-                self.ready.set()
-                channel.start_consuming()
-            except pika.exceptions.AMQPError as exc:
-                self.ready.clear()
-                if self._stopping.is_set():
-                    break
-                log.warning("cancel_requests_disconnected", error=repr(exc), retry_in_s=backoff)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            finally:
-                self.ready.clear()
-                self._close()
+    def _consume(self, channel: BlockingChannel) -> str:
+        self._topology.declare_cancel_requests(channel, queue_type=self._settings.queue_type)
+        channel.basic_qos(prefetch_count=PREFETCH)
+        channel.basic_consume(queue=self._topology.cancel_requests_queue, on_message_callback=self._on_message)
+        return self._topology.cancel_requests_queue
+
+    def _stopped(self) -> None:
         self._publisher.close()
-        log.info("cancel_requests_stopped")
-
-    def _parameters(self) -> pika.URLParameters:
-        parameters = pika.URLParameters(self._settings.rabbitmq_url)
-        parameters.client_properties = {
-            "connection_name": f"runbrake-cancel-requests {self._settings.namespace} pid={os.getpid()}"
-        }
-        return parameters
-
-    def stop(self) -> None:
-        """Stop consuming and close the connection; safe from any thread."""
-        self._stopping.set()
-        connection = self._connection
-        if connection is not None and connection.is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):  # the only pika call that may cross threads
-                connection.add_callback_threadsafe(self._stop_consuming)
-
-    def _stop_consuming(self) -> None:
-        if self._channel is not None and self._channel.is_open:
-            self._channel.stop_consuming()
-
-    def _close(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None and connection.is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                connection.close()
 
     def _on_message(self, channel: BlockingChannel, method: Any, properties: pika.BasicProperties,
                     body: bytes) -> None:

@@ -1,0 +1,103 @@
+"""A RabbitMQ consumer on a thread and connection of its own (pika is not thread-safe), that connects,
+consumes, and starts over with backoff whatever happens, until it is stopped.
+
+The cancel listener (``worker/cancel_listener.py``) and the cancel-request consumer
+(``worker/cancel_requests.py``) are both this loop with their own queue and message handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import pika
+import pika.exceptions
+import structlog
+from pika.adapters.blocking_connection import BlockingChannel
+
+from runbrake.shared.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+_FIRST_BACKOFF_S = 0.2
+_MAX_BACKOFF_S = 10.0
+
+
+class ConsumerThread(threading.Thread):
+    """Subclasses say what to consume (:meth:`_consume`) and what they are called (``role``)."""
+
+    role: str
+    """Names the thread, the connection and the log events: ``<role>_connected`` and the like."""
+
+    def __init__(self, settings: Settings, *, ready: threading.Event | None = None) -> None:
+        super().__init__(name=f"runbrake-{self.role.replace('_', '-')}", daemon=True)
+        self._settings = settings
+        self._stopping = threading.Event()
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self.ready = threading.Event() if ready is None else ready
+        """Set while the queue is bound and consumed."""
+
+    def _consume(self, channel: BlockingChannel) -> str:
+        """Declare and bind what this consumer reads, start consuming it; returns the queue's name."""
+        raise NotImplementedError
+
+    def _stopped(self) -> None:
+        """Called once, on this thread, after the last connection closed."""
+
+    def run(self) -> None:
+        backoff = _FIRST_BACKOFF_S
+        while not self._stopping.is_set():
+            try:
+                self._connection = pika.BlockingConnection(self._parameters())
+                channel = self._channel = self._connection.channel()
+                queue = self._consume(channel)
+                log.info(f"{self.role}_connected", queue=queue)
+                backoff = _FIRST_BACKOFF_S
+                self.ready.set()
+                channel.start_consuming()
+            except pika.exceptions.AMQPError as exc:
+                self.ready.clear()
+                if self._stopping.is_set():
+                    break
+                log.warning(f"{self.role}_disconnected", error=repr(exc), retry_in_s=backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            except Exception:
+                # Nothing a message carries should get here (bodies are bounded and decoded defensively);
+                # if something does, the consumer starts over rather than stop for good.
+                log.exception(f"{self.role}_crashed", retry_in_s=backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            finally:
+                self.ready.clear()
+                self._close()
+        self._stopped()
+        log.info(f"{self.role}_stopped")
+
+    def _parameters(self) -> pika.URLParameters:
+        parameters = pika.URLParameters(self._settings.rabbitmq_url)
+        # A name operators (and tests) can find in `rabbitmqctl list_connections client_properties`.
+        parameters.client_properties = {
+            "connection_name": f"runbrake-{self.role.replace('_', '-')} {self._settings.namespace} pid={os.getpid()}"
+        }
+        return parameters
+
+    def stop(self) -> None:
+        """Stop consuming and close the connection; safe from any thread."""
+        self._stopping.set()
+        connection = self._connection
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):  # the only pika call that may cross threads
+                connection.add_callback_threadsafe(self._stop_consuming)
+
+    def _stop_consuming(self) -> None:
+        if self._channel is not None and self._channel.is_open:
+            self._channel.stop_consuming()
+
+    def _close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                connection.close()
