@@ -10,6 +10,7 @@ from types import FrameType
 
 import pika
 import pika.exceptions
+import redis
 import structlog
 from dramatiq import Worker
 
@@ -58,6 +59,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
             "worker_cannot_start", error=str(exc) or repr(exc), namespace=settings.namespace)
         store.close()
         return EXIT_UNAVAILABLE
+    _warn_unless_persistent(store)
     registry = ActiveRuns()
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
     runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings))
@@ -122,6 +124,19 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     store.close()
     log.info("worker_stopped")
     return 0
+
+
+def _warn_unless_persistent(store: RunStore) -> None:
+    """Redis is the system of record: without AOF or snapshots a restart erases every run. Say so loudly
+    (docs/architecture.md, "The run store"); a Redis that does not let us ask (a managed one) is trusted."""
+    try:
+        config = store.redis.config_get("appendonly") | store.redis.config_get("save")
+    except redis.RedisError:
+        return
+    if config.get("appendonly") != "yes" and not config.get("save"):
+        log.warning("redis_not_persistent", redis=store.where, appendonly=config.get("appendonly"),
+                    save=config.get("save"), risk="a Redis restart erases every run",
+                    fix="appendonly yes, appendfsync everysec (deploy/compose.yaml, deploy/k8s)")
 
 
 def _check_rabbitmq(settings: Settings) -> None:

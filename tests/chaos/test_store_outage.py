@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
@@ -56,3 +57,20 @@ def test_a_redis_blip_during_tool_calls_fails_no_run_and_loses_no_step(
         (StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.OK), (StepKind.MODEL, None)] for r in records)
     assert worker.logged("run_lease_lost") == []
     assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 5  # nothing ran twice
+
+
+def test_a_worker_warns_loudly_when_its_redis_keeps_nothing_on_disk(
+    private_redis: PrivateRedis, rabbitmq: Settings, start_worker: Callable[..., WorkerProcess],
+) -> None:
+    durable = start_worker(RUNBRAKE_REDIS_URL=private_redis.url)
+    client = redis.Redis(port=private_redis.port)
+    try:
+        client.config_set("appendonly", "no")
+        client.config_set("save", "")
+        volatile = start_worker(RUNBRAKE_REDIS_URL=private_redis.url)
+    finally:
+        client.close()
+
+    assert durable.logged("redis_not_persistent") == []
+    [warning] = volatile.logged("redis_not_persistent")
+    assert (warning["level"], warning["appendonly"]) == ("warning", "no")
