@@ -371,3 +371,10 @@ def test_a_finished_run_is_gone_whole_after_its_retention(
 def test_unknown_run_ids_are_refused_by_show(store: RunStore) -> None:
     assert_clean_failure(runbrake("show", UNKNOWN_ID), 1, "no run")
 
+
+
+def test_the_catalog_shipped_with_the_kubernetes_manifests_loads() -> None:
+    catalog = Catalog.load(Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "base" / "catalog.toml")
+
+    assert set(catalog.mcp_servers) == {"tools"}
+    assert set(catalog.models) == {"default"}
