@@ -190,7 +190,9 @@ return {1, st}
 
 # KEYS: run, steps, servers, cancel, servers this hour (kept 8 days).
 # ARGV: step_body_json (an object without sequence/recorded_at), now, server_outcome_field ('' when
-#   the step is not a tool step with an outcome), run_id, events channel, step token
+#   the step is not a tool step with an outcome), run_id, events channel, step token, owner ('' = the
+#   step is not a worker's, e.g. a denial; otherwise the claim's owner token, the fence against a worker
+#   whose run was reaped or taken over: its writes are refused with {0, 0, 'owner'})
 # Answers {sequence, cancelled}. A token already appended answers its sequence again and appends
 # nothing: a write retried after a lost answer (docs/architecture.md, "Store outages") is recorded once.
 # The append and the probe of the boundary it makes are one round
@@ -203,6 +205,7 @@ if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return {0, 0} end
 if redis.call('HGET', KEYS[1], 'last_step') == ARGV[6] then
   return {tonumber(redis.call('HGET', KEYS[1], 'seq')), redis.call('EXISTS', KEYS[4])}
 end
+if ARGV[7] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[7] then return {0, 0, 'owner'} end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
 redis.call('HSET', KEYS[1], 'last_step', ARGV[6])
 local body = ARGV[1]
@@ -244,7 +247,7 @@ if lease and lease > tonumber(ARGV[1]) then
 end
 local owner = redis.call('HGET', KEYS[1], 'owner') or ''
 redis.call('HSET', KEYS[1], 'status', '$status_failed', 'termination_reason', '$reason_lease_lost',
-  'finished_at', ARGV[1], 'lease_expires_at', '',
+  'finished_at', ARGV[1], 'lease_expires_at', '', 'owner', '',
   'error', 'the worker executing the run (' .. owner .. ') stopped renewing its lease')
 redis.call('ZREM', KEYS[2], ARGV[2])
 retain(ARGV[2], ARGV[1])

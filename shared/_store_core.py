@@ -34,7 +34,7 @@ import structlog
 
 from runbrake.shared import _api_scripts, _scripts
 from runbrake.shared._scripts import Script
-from runbrake.shared.errors import RunNotFound, StoreError
+from runbrake.shared.errors import OwnershipLost, RunNotFound, StoreError
 from runbrake.shared.records import (
     Appended,
     CancelRequest,
@@ -324,7 +324,7 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     )
 
 
-def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "") -> Op[Appended]:
+def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Op[Appended]:
     """Record a step (the store assigns its sequence) and probe the cancel key, in one script.
 
     The answer raises :class:`RunNotFound` when the run does not exist. ``token`` names this append: sent
@@ -339,7 +339,9 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "") -> O
         counter = f"{step.tool_server}|{outcome}"
 
     def parse(answers: list[Any]) -> Appended:
-        sequence, cancelled = answers[0]
+        sequence, cancelled, *refused = answers[0]
+        if refused:
+            raise OwnershipLost(run_id)
         if not sequence:
             raise RunNotFound(run_id)
         return Appended(step.with_sequence(int(sequence), recorded_at), cancelled=bool(cancelled))
@@ -348,7 +350,7 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "") -> O
         _scripts.APPEND_STEP,
         (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id), keys.servers_hour(recorded_at)),
         (scrub(json.dumps(body, separators=(",", ":"))), repr(recorded_at), counter, run_id, keys.events,
-         token or uuid.uuid4().hex),
+         token or uuid.uuid4().hex, owner),
         f"append a step to run {run_id}", parse,
     )
 
@@ -359,7 +361,7 @@ def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str =
     Redis runs the two scripts in order: when the append's probe finds the run cancelled, the settle's
     guard finds it cancelled too and refuses.
     """
-    append = append_step(keys, run_id, step, token=token)
+    append = append_step(keys, run_id, step, token=token, owner=owner)
     settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner)
 
     def parse(answers: list[Any]) -> tuple[Appended, Transition]:

@@ -99,9 +99,10 @@ class AsyncRunStore:
         """Claim the run (start, or resume after approval) and read its request and pending turn."""
         return await self.execute(core.claim(self.keys, run_id, owner, lease_s=lease_s, resume=resume))
 
-    async def append_step(self, run_id: str, step: RunStep, *, token: str = "") -> Appended:
-        """Record a step and probe the cancel key, in one round trip (once per ``token``)."""
-        return await self.execute(core.append_step(self.keys, run_id, step, token=token))
+    async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Appended:
+        """Record a step and probe the cancel key, in one round trip (once per ``token``; refused with
+        :class:`OwnershipLost` unless ``owner`` still holds the run)."""
+        return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner))
 
     async def cancel_requested(self, run_id: str) -> bool:
         """The probe alone (fail-soft: an unreachable Redis answers False and logs)."""

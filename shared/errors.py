@@ -15,7 +15,8 @@
                                   (is_cancellation: it was cut off on purpose)
 
     BaseException
-     └── CancelRequested         internal control flow: the run's cancel key is set
+     ├── CancelRequested         internal control flow: the run's cancel key is set
+     └── OwnershipLost           internal control flow: the run is no longer this worker's
 
 ``CancelRequested`` derives from ``BaseException`` on purpose, like Dramatiq's
 ``Interrupt`` and structlog's ``DropEvent``: no ``except Exception`` between the
@@ -221,6 +222,19 @@ class ToolTransportError(RunbrakeError):
     def is_invalid_arguments(self) -> bool:
         """True only for an error built by :meth:`for_invalid_arguments`."""
         return self._invalid_arguments
+
+
+class OwnershipLost(BaseException):
+    """Raised when the store refuses a worker's write because the run is no longer its own (its lease
+    was reaped, another worker claimed it): the worker stops the run at once and writes nothing more.
+
+    A ``BaseException`` for the reason :class:`CancelRequested` is one: nothing between the store and
+    the runtime's ladder may swallow it.
+    """
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
 
 
 class CancelRequested(BaseException):

@@ -9,7 +9,7 @@ import pytest
 
 from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStore, TerminationReason, ToolOutcome
-from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -50,3 +50,27 @@ def test_a_run_longer_than_its_lease_completes_because_its_worker_renews_the_lea
     tool = next(s for s in record.steps if s.tool_outcome is not None)
     assert tool.tool_outcome is ToolOutcome.OK
     assert tool.duration_ms > 5_000  # the call outlived the lease it was claimed with
+
+
+def test_a_paused_worker_whose_run_was_reaped_writes_nothing_and_calls_no_tool_after_the_reap(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
+) -> None:
+    stale = start_worker(**SHORT_LEASE)
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=3)]}, {"tool_calls": [call("get-sum", a=1, b=2)]}, {"content": "x"}]))
+    wait_for_event(toolbox_http.events, "started", tool="slow")
+    start_worker(**SHORT_LEASE)  # the reaper
+
+    stale.process.send_signal(signal.SIGSTOP)  # paused past its lease: it looks dead
+    try:
+        reaped = wait_for_run(store, run.run_id, timeout=30)
+        steps_at_reap = len(reaped.steps)
+    finally:
+        stale.process.send_signal(signal.SIGCONT)
+    stale.wait_for_log("run_segment_ended", run_id=run.run_id, timeout=30)
+
+    record = store.get(run.run_id)
+    assert (reaped.status, reaped.termination_reason) == (RunStatus.FAILED, TerminationReason.LEASE_LOST)
+    assert (record.status, len(record.steps)) == (RunStatus.FAILED, steps_at_reap)  # nothing appended after
+    assert matching_events(toolbox_http.events, "started", tool="get-sum") == []  # and no further call
+    assert stale.logged("run_segment_ended", run_id=run.run_id)[0]["outcome"] in {"lost", "cancelled"}

@@ -47,7 +47,10 @@ class LeaseKeeper(threading.Thread):
             return
         for run_id in lost:
             if run_id in self._registry:
-                log.warning("lease_not_renewed", run_id=run_id)
+                # Reaped (this process looked dead), cancelled, or taken over: whichever it is, the call in
+                # flight stops now and the run makes no further call (its next write would be refused).
+                log.warning("lease_not_renewed", run_id=run_id, action="interrupting the run")
+                self._registry.interrupt(run_id)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -28,6 +28,7 @@ from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission, AdmittedRun
 from runbrake.shared.errors import (
     CancelRequested,
+    OwnershipLost,
     ProviderError,
     RunBoundReached,
     RunbrakeError,
@@ -85,8 +86,9 @@ class RunHooks:
 
     async def record(self, step: RunStep) -> None:
         token = uuid.uuid4().hex
-        appended = await durably(lambda: self._store.append_step(self._handle.run_id, step, token=token),
-                                 within_s=self._lease_s, what="append_step")
+        appended = await durably(
+            lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner),
+            within_s=self._lease_s, what="append_step")
         self._probed = True
         outcome = step_outcome(step)
         if step.kind is StepKind.TOOL and step.tool_server is not None:
@@ -203,6 +205,10 @@ class Runtime:
                 await hooks.checkpoint()
             with anyio.fail_after(self._settings.run_time_limit_s):
                 end = await self._run_loop(admitted, state, hooks)
+        except OwnershipLost:
+            # The run was reaped (this worker looked dead) or taken over: it is not ours to write any more.
+            log.warning("run_ownership_lost", owner=owner)
+            return RunOutcome.LOST
         except CancelRequested:
             log.info("run_cancelled_at_boundary")
             metrics.RUNS_FINISHED.labels(status=RunStatus.CANCELLED.value).inc()
@@ -234,9 +240,13 @@ class Runtime:
                                 f"no final answer within {spec.max_rounds} rounds")
         assert end.final_step is not None
         final, token = end.final_step, uuid.uuid4().hex
-        appended, transition = await durably(
-            lambda: self._store.complete(run_id, final, owner=owner, token=token),
-            within_s=self._settings.lease_s, what="complete")
+        try:
+            appended, transition = await durably(
+                lambda: self._store.complete(run_id, final, owner=owner, token=token),
+                within_s=self._settings.lease_s, what="complete")
+        except OwnershipLost:
+            log.warning("run_ownership_lost", owner=owner)
+            return RunOutcome.LOST
         if not transition.won:
             log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
             return self._lost(transition.found)
