@@ -28,7 +28,7 @@ from runbrake.worker.conversation import ToolCall
 
 log = structlog.get_logger(__name__)
 
-MIN_INTERVAL_S: Final = 0.2
+MIN_INTERVAL_S: Final = 2.0
 MAX_MESSAGE_CHARS: Final = 500
 
 def _number(value: float | None) -> float | None:
