@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, RabbitmqBroker
 from dramatiq.common import xq_name
 from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
@@ -59,9 +60,29 @@ class RunbrakeBroker(RabbitmqBroker):
         )
 
 
+INTERRUPT_CHECK_S = 1.0
+"""How often a worker thread waiting on its run's coroutine wakes to look for Dramatiq's Interrupt."""
+
+
+class RunbrakeAsyncIO(AsyncIO):
+    """Dramatiq's AsyncIO middleware, its worker threads waking once a second instead of ten times.
+
+    Each worker thread waits on its run's coroutine in slices, to notice Dramatiq's Interrupt (shutdown,
+    time limit). With hundreds of threads holding long runs, ten wake-ups a second each contend for the
+    GIL with the event loop and the cancel listener, which is where cancel latency goes; a second is
+    still prompt for a shutdown (docs/architecture.md, "Pitfalls: the AsyncIO middleware").
+    """
+
+    def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        super().before_worker_boot(broker, worker)  # type: ignore[no-untyped-call]
+        loop_thread = get_event_loop_thread()
+        if loop_thread is not None:
+            loop_thread.interrupt_check_ival = INTERRUPT_CHECK_S
+
+
 def default_middleware() -> list[Middleware]:
     """AgeLimit and TimeLimit (used per actor), shutdown notices, no retries, AsyncIO for the run actor."""
-    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), Retries(max_retries=0), AsyncIO()]
+    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), Retries(max_retries=0), RunbrakeAsyncIO()]
 
 
 def build_broker(settings: Settings) -> RunbrakeBroker:

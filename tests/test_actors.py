@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import AsyncIO, Retries, TimeLimit
 
-from runbrake.broker.rabbitmq import default_middleware
+from runbrake.broker.rabbitmq import INTERRUPT_CHECK_S, default_middleware
 from runbrake.broker.wire import RUN_ACTOR, Topology
 from runbrake.shared import AsyncRunStore, Settings, StoreError
 from runbrake.shared.catalog import Admission, Catalog
@@ -38,6 +40,19 @@ def test_the_run_actor_is_declared_on_the_namespaced_queue_with_explicit_limits(
     broker.close()
 
 
-@pytest.mark.parametrize("middleware", ["Retries", "AsyncIO", "TimeLimit"])
-def test_the_broker_carries_the_middleware_the_run_actor_needs(middleware: str) -> None:
-    assert middleware in {type(m).__name__ for m in default_middleware()}
+@pytest.mark.parametrize("middleware", [Retries, AsyncIO, TimeLimit], ids=lambda m: m.__name__)
+def test_the_broker_carries_the_middleware_the_run_actor_needs(middleware: type) -> None:
+    assert any(isinstance(m, middleware) for m in default_middleware())
+
+
+def test_worker_threads_look_for_dramatiqs_interrupt_once_a_second_not_ten_times() -> None:
+    [asyncio_middleware] = [m for m in default_middleware() if isinstance(m, AsyncIO)]
+    broker = StubBroker(middleware=[])
+    asyncio_middleware.before_worker_boot(broker, None)
+    try:
+        loop_thread = get_event_loop_thread()
+        assert loop_thread is not None
+        assert loop_thread.interrupt_check_ival == INTERRUPT_CHECK_S == 1.0
+    finally:
+        asyncio_middleware.after_worker_shutdown(broker, None)
+        broker.close()
