@@ -20,7 +20,6 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import anyio
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,7 +46,7 @@ from tests.mcp_helpers import (
     matching_events,
     wait_for_event,
 )
-from tests.polling import poll_until
+from tests.polling import poll_until, poll_until_async
 from tests.worker_helpers import WorkerProcess, call, redis_monitor, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -367,7 +366,9 @@ async def test_the_backstop_gives_a_message_one_poll_to_arrive_then_interrupts(
         backstop.poll()
         first = handle.interrupt_requested
         backstop.poll()
-        await anyio.sleep(0)  # the interrupt hops onto this loop with call_soon_threadsafe
+        # The interrupt hops onto this loop with call_soon_threadsafe: wait for it to land, bounded.
+        await poll_until_async(lambda: handle.cancel_seen or None, timeout=WAIT_S,
+                               failure=lambda: "the backstop's interrupt never reached the run's loop")
 
     assert (first, handle.interrupt_requested, handle.cancel_seen) == (False, True, True)
     assert [e["run_id"] for e in logs if e["event"] == "cancel_found_by_backstop"] == [run_id]
@@ -386,7 +387,8 @@ async def test_the_backstop_leaves_a_cancel_the_message_delivered_alone(store: R
         backstop.poll()
         assert registry.interrupt(run_id)  # what the listener does when the message arrives
         backstop.poll()
-        await anyio.sleep(0)
+        await poll_until_async(lambda: handle.cancel_seen or None, timeout=WAIT_S,
+                               failure=lambda: "the listener's interrupt never reached the run's loop")
 
     assert handle.cancel_seen
     assert [e for e in logs if e["event"] == "cancel_found_by_backstop"] == []
