@@ -56,7 +56,6 @@ T = TypeVar("T")
 
 RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
 MAX_REASON_CHARS: Final = 1000
-MAX_IDEMPOTENCY_KEY_CHARS: Final = 200
 AMQP_THREADS: Final = 8
 """Threads for the calls that publish on RabbitMQ; each holds its own connections."""
 READY_CACHE_S: Final = 1.0

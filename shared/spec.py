@@ -462,11 +462,6 @@ class RunSpec(SpecModel):
         return {name: server.model_copy(update={"name": name}) for name, server in servers.items()}
 
     @property
-    def server_names(self) -> tuple[str, ...]:
-        """The names of the servers the run may call, whichever form declared them."""
-        return tuple(self.mcp_servers)
-
-    @property
     def raw(self) -> dict[str, Any]:
         """The spec as it was given (JSON-shaped), stored with the run."""
         return self._raw
