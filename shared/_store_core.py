@@ -209,10 +209,6 @@ def _script(script: Script, keys: Iterable[str], args: Iterable[Any], what: str,
     return Op(what, (ScriptCall(script, tuple(keys), tuple(str(a) for a in args)),), parse)
 
 
-def _only(answers: list[Any]) -> Any:
-    return answers[0]
-
-
 # -- transitions ---------------------------------------------------------------------------------
 
 
@@ -276,7 +272,7 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
         return Claim(
             won=transition.won, found=transition.found, exists=transition.exists,
             owner_mismatch=transition.owner_mismatch,
-            request=read_json_field(request) if transition.won else None,
+            request_json=request if transition.won else None,
             pending=read_json_field(pending) if transition.won else None,
         )
 

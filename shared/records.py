@@ -63,10 +63,18 @@ class Transition:
 @dataclass(frozen=True, slots=True)
 class Claim(Transition):
     """A claim (queued → running, or an approved resume): the transition, and when it was won, what the
-    segment needs to start, read in the same round trip: the run's request and its pending turn."""
+    segment needs to start, read in the same round trip: the run's request and its pending turn.
 
-    request: Mapping[str, Any] | None = None
+    The request is kept as the JSON text it is stored as: the worker validates that text directly,
+    rather than decoding it here only to encode it again for the validator."""
+
+    request_json: str | None = None
     pending: Mapping[str, Any] | None = None
+
+    @property
+    def request(self) -> Mapping[str, Any] | None:
+        """The request as a mapping."""
+        return read_json_field(self.request_json)
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,6 +102,8 @@ class RunHooks:
                                   f"the run recorded its {self._max_steps} steps (max_steps)")
 
     async def checkpoint(self) -> None:
+        if self._handle.lost:
+            raise OwnershipLost(self._handle.run_id)
         if self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
         if self._probed:
@@ -191,7 +193,7 @@ class Runtime:
         try:
             # Checked again here: a producer can be bypassed by publishing to the queue directly.
             # A refused spec starts no process and opens no connection (docs/security.md).
-            admitted = self._admission.admit(RunSpec.parse(claim.request))
+            admitted = self._admission.admit(RunSpec.from_json(claim.request_json or ""))
         except SpecError as exc:
             log.warning("run_spec_refused", problems=[f"{p.field}: {p.msg}" for p in exc.problems])
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.SPEC_REFUSED,
