@@ -47,10 +47,11 @@ class LeaseKeeper(threading.Thread):
             return
         for run_id in lost:
             if run_id in self._registry:
-                # Reaped (this process looked dead), cancelled, or taken over: whichever it is, the call in
-                # flight stops now and the run makes no further call (its next write would be refused).
+                # Reaped (this process looked dead) or taken over: the call in flight stops now and the run
+                # makes no further call. (A cancelled run is interrupted by its cancel; if this comes
+                # first, the cancelled call's step is still recorded: its owner is unchanged.)
                 log.warning("lease_not_renewed", run_id=run_id, action="interrupting the run")
-                self._registry.interrupt(run_id)
+                self._registry.interrupt(run_id, lost=True)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -35,14 +35,17 @@ class RunHandle:
     scope: anyio.CancelScope | None = None
     cancel_seen: bool = False
     """A verified cancel reached this run on the loop (anyio's *cancel requested*, not *interrupted*)."""
+    lost: bool = False
+    """The run is no longer this worker's: its lease was not renewed (reaped, or taken over)."""
     interrupt_requested: bool = False
     """An interrupt was asked for (set under the registry's lock, so only one asker acts)."""
 
     @contextmanager
     def in_flight(self) -> Iterator[anyio.CancelScope]:
-        """A fresh scope for the next call; cancelled at once when a cancel already reached the run."""
+        """A fresh scope for the next call; cancelled at once when a cancel (or the loss of the run)
+        already reached it."""
         scope = anyio.CancelScope()
-        if self.cancel_seen:
+        if self.cancel_seen or self.lost:
             scope.cancel()
         self.scope = scope
         try:
@@ -50,8 +53,11 @@ class RunHandle:
         finally:
             self.scope = None
 
-    def _interrupt_on_loop(self) -> None:
-        self.cancel_seen = True
+    def _interrupt_on_loop(self, lost: bool) -> None:
+        if lost:
+            self.lost = True
+        else:
+            self.cancel_seen = True
         if self.scope is not None and not self.scope.cancel_called:
             self.scope.cancel()
             log.info("call_interrupted", run_id=self.run_id)
@@ -93,12 +99,15 @@ class ActiveRuns:
         with self._lock:
             return len(self._runs)
 
-    def interrupt(self, run_id: str) -> bool:
+    def interrupt(self, run_id: str, *, lost: bool = False) -> bool:
         """Ask the run's loop to cancel its call in flight (and any it starts later). From any thread.
 
-        Returns False when this process does not execute the run, or a cancel already reached it
+        ``lost``: not a cancel, but the run is no longer this worker's (its lease was not renewed); the
+        run then stops with :class:`OwnershipLost` rather than as cancelled.
+
+        Returns False when this process does not execute the run, or an interrupt already reached it
         (a scope started after that is cancelled on entry). The caller has checked the cancel key
-        first: this registry trusts it.
+        (or the lease) first: this registry trusts it.
         """
         with self._lock:
             handle = self._runs.get(run_id)
@@ -106,7 +115,7 @@ class ActiveRuns:
                 return False
             handle.interrupt_requested = True
         try:
-            handle.loop.call_soon_threadsafe(handle._interrupt_on_loop)
+            handle.loop.call_soon_threadsafe(handle._interrupt_on_loop, lost)
         except RuntimeError:  # the loop closed: the run is over anyway
             return False
         return True
