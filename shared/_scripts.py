@@ -137,6 +137,25 @@ announce(ARGV[3], '$status_waiting_for_approval', '')
 return {1, st}
 """)
 
+# KEYS: run, leases, unclaimed.  ARGV: owner, pending_json, run_id, now, events channel
+# running → queued (owner-guarded): the worker shuts down and hands the run over
+# (docs/architecture.md, "Drain and hand-over"). The conversation so far is kept as the pending turn,
+# which the next start claim continues from; the run waits in the unclaimed set like a new one, so a
+# lost message is re-driven. A cancel that won first leaves the run cancelled: the guard refuses.
+HANDOFF = _script("handoff", _ANNOUNCE + """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {0, ''} end
+if st ~= '$status_running' then return {0, st} end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {0, st, 'owner'} end
+redis.call('HSET', KEYS[1], 'status', '$status_queued', 'owner', '', 'lease_expires_at', '', 'pending', ARGV[2])
+redis.call('HDEL', KEYS[1], 'progress')
+redis.call('HINCRBY', KEYS[1], 'handoffs', 1)
+redis.call('ZREM', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+announce(ARGV[3], '$status_queued', '')
+return {1, st}
+""")
+
 # KEYS: run, unclaimed.  ARGV: now, run_id
 # A decision is taken once; approving an approved run again answers won, so that a lost resume message
 # can be sent again (the resume claim makes a duplicate a no-op), and says whether this call made the
@@ -277,5 +296,5 @@ end
 return kind
 """)
 
-ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, REAP, REDRIVE)
+ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, REAP, REDRIVE)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

@@ -289,6 +289,22 @@ def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> 
                    f"suspend run {run_id}", _transition("suspend", run_id))
 
 
+def hand_over(keys: Keys, run_id: str, step: RunStep, *, owner: str, pending: Mapping[str, Any],
+              token: str = "") -> Op[tuple[Appended, Transition]]:
+    """Record the hand-over step and put the run back to ``queued`` with its conversation as the pending
+    turn (owner-guarded), in one round trip. As in :func:`complete`, a cancel that won first refuses
+    the transition."""
+    append = append_step(keys, run_id, step, token=token, owner=owner)
+    handoff = _script(_scripts.HANDOFF, (keys.run(run_id), keys.leases, keys.unclaimed),
+                      (owner, json.dumps(pending), run_id, repr(time.time()), keys.events),
+                      f"hand over run {run_id}", _transition("handoff", run_id))
+
+    def parse(answers: list[Any]) -> tuple[Appended, Transition]:
+        return append.parse(answers[:1]), handoff.parse(answers[1:])
+
+    return Op(f"hand over run {run_id}", append.calls + handoff.calls, parse)
+
+
 def approve(keys: Keys, run_id: str) -> Op[Transition]:
     """Record an approval on a run waiting for one; the resume claim consumes it."""
     once = approve_once(keys, run_id)

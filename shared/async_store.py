@@ -124,6 +124,13 @@ class AsyncRunStore:
     async def suspend(self, run_id: str, owner: str, pending: Mapping[str, Any]) -> Transition:
         return await self.execute(core.suspend(self.keys, run_id, owner, pending))
 
+    async def hand_over(self, run_id: str, step: RunStep, *, owner: str, pending: Mapping[str, Any],
+                        token: str = "") -> tuple[Appended, Transition]:
+        """Record the hand-over step and put the run back to ``queued`` with its pending turn, in one
+        round trip."""
+        return await self.execute(core.hand_over(self.keys, run_id, step, owner=owner, pending=pending,
+                                                 token=token))
+
     # -- what the HTTP API and progress reports need (docs/http-api.md) -------------------------
 
     async def set_progress(self, run_id: str, progress: Mapping[str, Any]) -> bool:

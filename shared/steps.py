@@ -21,6 +21,9 @@ class StepKind(StrEnum):
     MODEL = "model"
     TOOL = "tool"
     APPROVAL = "approval"
+    HANDOFF = "handoff"
+    """The worker executing the run shut down and handed it back to the queue (docs/architecture.md,
+    "Drain and hand-over"); another worker continues from the saved conversation."""
     UNKNOWN = "unknown"
 
 

@@ -44,6 +44,8 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
     catalog.write_text("")
     monkeypatch.setenv("RUNBRAKE_CATALOG", str(catalog))
     monkeypatch.delenv("RUNBRAKE_ALLOW_INLINE", raising=False)
+    # A worker stopped at a test's end hands its runs over after 2 s instead of draining for 30.
+    monkeypatch.setenv("RUNBRAKE_DRAIN_S", "2")
     return ns
 
 

@@ -216,11 +216,11 @@ def test_an_old_tool_step_with_neither_error_flag_nor_outcome_states_no_outcome(
 
 def test_a_stored_step_of_an_unknown_kind_loads_as_unknown_and_is_logged() -> None:
     with capture_logs() as logs:
-        step = RunStep.from_dict({"kind": "handoff", "round": 1, "sequence": 9})
+        step = RunStep.from_dict({"kind": "teleport", "round": 1, "sequence": 9})
 
     assert step.kind is StepKind.UNKNOWN
     assert step_outcome(step) == ""
-    assert {"event": "step_kind_unknown", "stored": "handoff", "sequence": 9, "log_level": "warning"} in logs
+    assert {"event": "step_kind_unknown", "stored": "teleport", "sequence": 9, "log_level": "warning"} in logs
 
 
 # -- the timeline -------------------------------------------------------------------------------

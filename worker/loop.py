@@ -14,13 +14,14 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
 import anyio
 
 from runbrake.shared.errors import ProviderError, RunBoundReached
+from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.tool_result import ToolResult
@@ -40,6 +41,10 @@ class LoopHooks(Protocol):
     def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
         """A fresh, unentered scope registered as the run's call in flight while the block runs."""
 
+    @property
+    def handing_over(self) -> bool:
+        """The worker is shutting down: the run goes back to the queue at its next boundary."""
+
 
 class ToolRunner(Protocol):
     """Executes one tool call on its MCP server; never raises for a tool's failure."""
@@ -54,6 +59,16 @@ class LoopEndKind(StrEnum):
     COMPLETED = "completed"
     MAX_ROUNDS = "max_rounds"
     SUSPENDED = "suspended"
+    HANDOFF = "handoff"
+    """The worker shuts down: the state goes back to the queue for another worker to continue."""
+
+
+HANDOFF_REASON = "worker_shutdown"
+"""``detail.reason`` of a call cut off by a hand-over (docs/architecture.md, "Drain and hand-over")."""
+
+
+class _HandOverDue(Exception):
+    """A model call was cut off by a hand-over: the round is handed over as it stood before the call."""
 
 
 @dataclass
@@ -140,7 +155,12 @@ class ToolLoop:
             if state.model_calls >= self._max_rounds:
                 return LoopEnd(LoopEndKind.MAX_ROUNDS)
             await self._hooks.checkpoint()
-            turn, step = await self._model_call(state)
+            if self._hooks.handing_over:
+                return LoopEnd(LoopEndKind.HANDOFF, state=state)
+            try:
+                turn, step = await self._model_call(state)
+            except _HandOverDue:
+                return LoopEnd(LoopEndKind.HANDOFF, state=state)
             state.model_calls += 1
             state.messages.append(Message(role="assistant", content=turn.content, tool_calls=turn.tool_calls))
             if not turn.tool_calls:
@@ -172,10 +192,15 @@ class ToolLoop:
         duration_ms = _ms(self._clock() - started)
         if turn is None and error is None:
             # The scope swallowed the cancellation: the call was interrupted on purpose.
+            handing_over = self._hooks.handing_over
             await self._hooks.record(
                 RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
-                        content="model call interrupted by a cancel")
+                        content="model call interrupted: the worker shut down and handed the run over"
+                        if handing_over else "model call interrupted by a cancel",
+                        detail={"reason": HANDOFF_REASON} if handing_over else {})
             )
+            if handing_over:  # the probe found no cancel: the next worker makes this call again
+                raise _HandOverDue
             # The probe above raises; reaching here means the cancel key could not be read.
             raise ProviderError("model call was interrupted but the run's cancel could not be confirmed")
         if error is not None:
@@ -196,6 +221,9 @@ class ToolLoop:
     async def _run_calls(self, state: LoopState, calls: list[ToolCall]) -> LoopEnd | None:
         round_number = state.model_calls
         for index, call in enumerate(calls):
+            if self._hooks.handing_over:
+                state.pending_calls = calls[index:]
+                return LoopEnd(LoopEndKind.HANDOFF, state=state)
             if call.qualified_name in self._approval_required and call.id != state.approved_call_id:
                 state.pending_calls = calls[index:]
                 state.approved_call_id = None
@@ -203,16 +231,13 @@ class ToolLoop:
             started = self._clock()
             with self._hooks.in_flight() as interrupt:
                 result = await self._runner.execute(call, interrupt=interrupt)
-            await self._hooks.record(
-                RunStep.tool(
-                    round=round_number,
-                    server=call.server,
-                    name=call.tool,
-                    result=result,
-                    call_id=call.id,
-                    duration_ms=_ms(self._clock() - started),
-                )
-            )
+            step = RunStep.tool(round=round_number, server=call.server, name=call.tool, result=result,
+                                call_id=call.id, duration_ms=_ms(self._clock() - started))
+            if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
+                # Cut off by the hand-over, not by a cancel (a cancel found by the append's probe still wins).
+                result = ToolResult.cancelled("the call was cut off: the worker executing the run shut down")
+                step = replace(step, content=result.content, detail={**step.detail, "reason": HANDOFF_REASON})
+            await self._hooks.record(step)
             state.messages.append(Message(role="tool", content=result.content, tool_call_id=call.id))
         state.pending_calls = []
         state.approved_call_id = None

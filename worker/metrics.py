@@ -25,6 +25,11 @@ RUNS_REDRIVEN = Counter(
     "runbrake_runs_redriven_total", "Run messages sent again because nobody claimed the run within RUNBRAKE_REDRIVE_S.",
     registry=REGISTRY,
 )
+HANDOFFS = Counter(
+    "runbrake_runs_handed_over_total",
+    "Runs this worker handed back to the queue when its drain (RUNBRAKE_DRAIN_S) ran out at shutdown.",
+    registry=REGISTRY,
+)
 CANCEL_LATENCY = Histogram(
     "runbrake_cancel_latency_seconds", "From the cancel request to the interrupted call being recorded.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),

@@ -45,9 +45,10 @@ EXIT_UNAVAILABLE = 3
 
 
 def run_worker_process(settings: Settings, *, threads: int, index: int = 0, include_noop: bool = False) -> int:
-    """Run until SIGTERM or SIGINT, then stop: stop consuming, interrupt the segments in flight
-    (each records ``worker_shutdown``), close the listener. Returns the exit code: 3 at once, with one
-    log line, when Redis or RabbitMQ cannot be reached at start (a wrong password included)."""
+    """Run until SIGTERM or SIGINT, then drain: stop consuming, let the runs in flight go on for up to
+    ``RUNBRAKE_DRAIN_S`` and hand the rest over to other workers (:func:`drain`), close the listener.
+    Returns the exit code: 3 at once, with one log line, when Redis or RabbitMQ cannot be reached at
+    start (a wrong password included)."""
     configure_logging()
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)
@@ -61,9 +62,11 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
         return EXIT_UNAVAILABLE
     _warn_unless_persistent(store)
     registry = ActiveRuns()
-    # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
-    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings))
     broker = build_broker(settings)
+    producer = Producer(store, broker)
+    # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings),
+                      sender=producer)
     topology = Topology.of(settings)
     declare_run_actor(broker, runtime, settings)
     queues = {topology.run_queue}
@@ -77,7 +80,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     backstop = Backstop(settings, store, registry)
     leases = LeaseKeeper(settings, store, registry)
     sweeper = Sweeper(settings, store)
-    redriver = Redriver(settings, store, Producer(store, broker))
+    redriver = Redriver(settings, store, producer)
     requests = CancelRequestConsumer(settings, store)  # docs/messages.md, "Cancel requests"
     requests.start()
     listener.start()
@@ -91,8 +94,13 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     worker.queue_prefetch = threads
     stop = threading.Event()
     draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
+    hurry = threading.Event()  # a second signal: hand the runs over now, without waiting out the drain
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if draining.is_set():
+            log.warning("worker_stopping_now", signal=signal.Signals(signum).name, action="handing runs over")
+            hurry.set()
+            return
         log.info("worker_stopping", signal=signal.Signals(signum).name)
         draining.set()
         stop.set()
@@ -110,6 +118,7 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
             log.critical("cancel_listener_died", action="starting a new one")
             listener = CancelListener(settings, store, registry, ready=listener.ready)
             listener.start()
+    drain(worker, registry, drain_s=settings.drain_s, hurry=hurry)
     worker.stop(timeout=SHUTDOWN_GRACE_MS)
     listener.stop()
     requests.stop()
@@ -124,6 +133,33 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     store.close()
     log.info("worker_stopped")
     return 0
+
+
+HANDOVER_WAIT_S = 10.0
+"""How long the runs asked to hand over get to reach their next boundary and write it (each cut-off call
+is recorded first)."""
+
+
+def drain(worker: Worker, registry: ActiveRuns, *, drain_s: float, hurry: threading.Event) -> None:
+    """Stop taking runs, let those in flight go on for up to ``drain_s`` seconds, then hand the rest over.
+
+    A handed-over run has its call in flight cut off (recorded ``cancelled``, ``detail.reason`` =
+    ``worker_shutdown``), goes back to ``queued`` with its conversation saved, and another worker
+    continues it (docs/architecture.md, "Drain and hand-over"). The cancel listener keeps running
+    meanwhile, so a cancel during the drain still interrupts at once.
+    """
+    for thread in worker.workers:
+        thread.stop()  # a worker thread takes no further message; one it holds runs to its end
+    in_flight = len(registry)
+    log.info("worker_draining", runs_in_flight=in_flight, drain_s=drain_s)
+    if registry.wait_empty(drain_s, unless=hurry):
+        log.info("worker_drained", runs_finished=in_flight)
+        return
+    asked = registry.hand_over_all()
+    log.warning("worker_handing_over", runs=asked, drain_s=drain_s)
+    if not registry.wait_empty(HANDOVER_WAIT_S):
+        log.error("worker_handover_incomplete", runs=len(registry),
+                  action="the runs left are failed worker_shutdown as the worker stops")
 
 
 def _warn_unless_persistent(store: RunStore) -> None:

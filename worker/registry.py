@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,13 +40,17 @@ class RunHandle:
     """The run is no longer this worker's: its lease was not renewed (reaped, or taken over)."""
     interrupt_requested: bool = False
     """An interrupt was asked for (set under the registry's lock, so only one asker acts)."""
+    handing_over: bool = False
+    """The worker is shutting down and its drain ran out: the run goes back to the queue at its next
+    boundary, its call in flight cut off (docs/architecture.md, "Drain and hand-over"). Not a cancel: a
+    cancel that comes after still interrupts, and still wins."""
 
     @contextmanager
     def in_flight(self) -> Iterator[anyio.CancelScope]:
         """A fresh scope for the next call; cancelled at once when a cancel (or the loss of the run)
         already reached it."""
         scope = anyio.CancelScope()
-        if self.cancel_seen or self.lost:
+        if self.cancel_seen or self.lost or self.handing_over:
             scope.cancel()
         self.scope = scope
         try:
@@ -62,25 +67,49 @@ class RunHandle:
             self.scope.cancel()
             log.info("call_interrupted", run_id=self.run_id)
 
+    def _hand_over_on_loop(self) -> None:
+        self.handing_over = True
+        if self.scope is not None and not self.scope.cancel_called:
+            self.scope.cancel()
+            log.info("call_interrupted", run_id=self.run_id, reason="worker_shutdown")
+
 
 class ActiveRuns:
     """The registry: thread-safe to read and to interrupt from any thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._emptied = threading.Condition(self._lock)
         self._runs: dict[str, RunHandle] = {}
+        self._handing_over = False
+        """Set by :meth:`hand_over_all`: a run that registers after it is handed over at once."""
 
     def register(self, run_id: str, owner: str) -> RunHandle:
         """Called on the loop thread when a run's segment starts."""
         handle = RunHandle(run_id=run_id, owner=owner, loop=asyncio.get_running_loop())
         with self._lock:
             self._runs[run_id] = handle
+            handle.handing_over = self._handing_over
         return handle
 
     def unregister(self, handle: RunHandle) -> None:
         with self._lock:
             if self._runs.get(handle.run_id) is handle:
                 del self._runs[handle.run_id]
+            if not self._runs:
+                self._emptied.notify_all()
+
+    def wait_empty(self, timeout: float, *, unless: threading.Event | None = None) -> bool:
+        """Wait until no run is active (True), for at most ``timeout`` seconds, or until ``unless`` is set."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._runs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (unless is not None and unless.is_set()):
+                    return False
+                # In slices, so that ``unless`` (a second SIGTERM) is noticed without a notifier of its own.
+                self._emptied.wait(min(remaining, 0.25))
+            return True
 
     def run_ids(self) -> list[str]:
         with self._lock:
@@ -119,3 +148,19 @@ class ActiveRuns:
         except RuntimeError:  # the loop closed: the run is over anyway
             return False
         return True
+
+    def hand_over_all(self) -> int:
+        """Ask every run of this process to go back to the queue at its next boundary, cutting off its
+        call in flight. From any thread; answers how many runs were asked. A cancel's interrupt is not
+        blocked by this one: a run cancelled while handing over ends cancelled."""
+        with self._lock:
+            self._handing_over = True
+            handles = list(self._runs.values())
+        asked = 0
+        for handle in handles:
+            try:
+                handle.loop.call_soon_threadsafe(handle._hand_over_on_loop)
+            except RuntimeError:  # the loop closed: the run is over anyway
+                continue
+            asked += 1
+        return asked

@@ -13,6 +13,7 @@ stall every run on the loop and delay interrupts.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import uuid
@@ -43,9 +44,10 @@ from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.timeline import step_outcome
 from runbrake.worker import metrics
-from runbrake.worker.loop import LoopEnd, LoopEndKind, LoopState, ToolLoop
+from runbrake.worker.loop import HANDOFF_REASON, LoopEnd, LoopEndKind, LoopState, ToolLoop
 from runbrake.worker.models import provider_for
 from runbrake.worker.progress import ProgressReporter
+from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
 from runbrake.worker.toolbox import Toolbox
 
@@ -61,6 +63,8 @@ class RunOutcome(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     SUSPENDED = "suspended"
+    HANDED_OVER = "handed_over"
+    """The worker shut down: the run went back to the queue for another worker to continue."""
     SKIPPED = "skipped"
     """The message was a no-op: the run was not in a status this message may claim."""
     LOST = "lost"
@@ -120,6 +124,10 @@ class RunHooks:
         self._probed = False
         return self._handle.in_flight()
 
+    @property
+    def handing_over(self) -> bool:
+        return self._handle.handing_over
+
     async def _observe_cancel_latency(self, step: RunStep) -> None:
         request = await self._store.cancel_request(self._handle.run_id)
         if request is not None:
@@ -158,12 +166,15 @@ class Runtime:
     """Executes run segments in one worker process."""
 
     def __init__(
-        self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission
+        self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission,
+        sender: Sender | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
         self.registry = registry
         self._admission = admission
+        self._sender = sender
+        """Sends a handed-over run's message (None: the re-drive sends it, RUNBRAKE_REDRIVE_S later)."""
 
     async def execute(self, run_id: str, *, resume: bool = False) -> RunOutcome:
         """Claim and run one segment of a run. Never raises for the run's own failures."""
@@ -237,6 +248,8 @@ class Runtime:
             raise
         if end.kind is LoopEndKind.SUSPENDED:
             return await self._suspend(run_id, owner, end)
+        if end.kind is LoopEndKind.HANDOFF:
+            return await self._hand_over(run_id, owner, end)
         if end.kind is LoopEndKind.MAX_ROUNDS:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
                                 f"no final answer within {spec.max_rounds} rounds")
@@ -275,6 +288,9 @@ class Runtime:
     @staticmethod
     def _initial_state(spec: RunSpec, pending: object, *, resume: bool) -> LoopState:
         if not resume:
+            if isinstance(pending, dict) and pending.get("messages"):
+                # A queued run with a pending turn was handed over: continue where its last worker stopped.
+                return LoopState.from_dict(pending)
             return LoopState.start(spec.input)
         if not isinstance(pending, dict) or not pending.get("pending_calls"):
             raise RunbrakeError("resumed run has no pending turn")
@@ -290,6 +306,33 @@ class Runtime:
         call = end.state.pending_calls[0]
         log.info("run_waiting_for_approval", tool=call.qualified_name)
         return RunOutcome.SUSPENDED
+
+    async def _hand_over(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
+        """Save the conversation, put the run back to ``queued`` with a ``handoff`` step, and send its
+        message: another worker continues it (docs/architecture.md, "Drain and hand-over")."""
+        assert end.state is not None
+        step = RunStep(kind=StepKind.HANDOFF, round=end.state.model_calls,
+                       content="the worker shut down; the run went back to the queue for another worker",
+                       detail={"reason": HANDOFF_REASON, "pending_calls": len(end.state.pending_calls)})
+        token, pending = uuid.uuid4().hex, end.state.to_dict()
+        try:
+            appended, transition = await durably(
+                lambda: self._store.hand_over(run_id, step, owner=owner, pending=pending, token=token),
+                within_s=self._settings.lease_s, what="hand_over")
+        except OwnershipLost:
+            log.warning("run_ownership_lost", owner=owner)
+            return RunOutcome.LOST
+        if not transition.won:
+            return self._lost(transition.found)
+        log.info("run_handed_over", sequence=appended.step.sequence, pending_calls=len(end.state.pending_calls))
+        metrics.HANDOFFS.inc()
+        if self._sender is not None:
+            try:
+                await anyio.to_thread.run_sync(functools.partial(self._sender.send, run_id))
+            except Exception as exc:  # noqa: BLE001 - the run waits in the unclaimed set: the re-drive sends it
+                log.warning("run_handoff_message_failed", error=str(exc) or repr(exc),
+                            action=f"re-driven within RUNBRAKE_REDRIVE_S ({self._settings.redrive_s} s)")
+        return RunOutcome.HANDED_OVER
 
     async def _settle(
         self, run_id: str, owner: str, status: RunStatus, reason: TerminationReason, error: str
