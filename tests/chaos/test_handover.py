@@ -108,3 +108,22 @@ def test_a_cancel_during_the_drain_interrupts_the_call_at_once(
     tool = next(s for s in record.steps if s.kind is StepKind.TOOL)
     assert tool.tool_outcome is ToolOutcome.CANCELLED and "reason" not in tool.detail
     assert worker.logged("run_handed_over") == []
+
+
+def test_a_model_call_cut_off_by_the_hand_over_is_made_again_by_the_next_worker(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
+) -> None:
+    first = start_worker(RUNBRAKE_DRAIN_S="1")
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"content": "the answer", "delay_ms": 4000}]))
+    wait_for_run(store, run.run_id, lambda r: r.status is RunStatus.RUNNING)
+    first.process.send_signal(signal.SIGTERM)
+    assert first.process.wait(timeout=20) == 0
+    start_worker()
+
+    record = wait_for_run(store, run.run_id, timeout=20)
+
+    assert record.status is RunStatus.COMPLETED
+    assert [(s.kind, s.round, s.interrupted) for s in record.steps] == [
+        (StepKind.MODEL, 1, True), (StepKind.HANDOFF, 0, False), (StepKind.MODEL, 1, False)]
+    assert record.steps[0].detail == {"reason": "worker_shutdown"}
+    assert record.steps[-1].content == "the answer"
