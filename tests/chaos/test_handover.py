@@ -39,7 +39,8 @@ def test_a_run_in_a_long_call_at_the_drain_deadline_is_handed_over_and_completed
     cut_off, handoff, final = record.steps[1:]
     assert cut_off.detail["reason"] == handoff.detail["reason"] == "worker_shutdown"
     assert final.content == "done after the hand-over"
-    assert record.segments == 2 and record.owner != first_owner
+    assert record.segments == 2
+    assert record.owner != first_owner
     [handed] = first.logged("run_handed_over")
     assert handed["run_id"] == run.run_id
     assert second.logged("run_claimed", run_id=run.run_id)
@@ -106,7 +107,8 @@ def test_a_cancel_during_the_drain_interrupts_the_call_at_once(
     record = store.get(run.run_id)
     assert record.status is RunStatus.CANCELLED
     tool = next(s for s in record.steps if s.kind is StepKind.TOOL)
-    assert tool.tool_outcome is ToolOutcome.CANCELLED and "reason" not in tool.detail
+    assert tool.tool_outcome is ToolOutcome.CANCELLED
+    assert "reason" not in tool.detail
     assert worker.logged("run_handed_over") == []
 
 
