@@ -129,3 +129,26 @@ def test_a_model_call_cut_off_by_the_hand_over_is_made_again_by_the_next_worker(
         (StepKind.MODEL, 1, True), (StepKind.HANDOFF, 0, False), (StepKind.MODEL, 1, False)]
     assert record.steps[0].detail == {"reason": "worker_shutdown"}
     assert record.steps[-1].content == "the answer"
+
+
+def test_a_rolling_restart_of_every_worker_fails_no_run_and_loses_none(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
+) -> None:
+    workers = [start_worker(RUNBRAKE_DRAIN_S="1"), start_worker(RUNBRAKE_DRAIN_S="1")]
+    runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=4)]}, {"tool_calls": [call("slow", seconds=4)]},
+        {"content": "done"}])).run_id for _ in range(8)]
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=8, timeout=20)
+
+    for old in list(workers):  # one at a time, each replaced before the next goes
+        workers.append(start_worker(RUNBRAKE_DRAIN_S="1"))
+        old.process.send_signal(signal.SIGTERM)
+        assert old.process.wait(timeout=20) == 0
+    records = [wait_for_run(store, run_id, timeout=60) for run_id in runs]
+
+    assert [r.status for r in records] == [RunStatus.COMPLETED] * 8
+    assert sum(len(w.logged("run_handed_over")) for w in workers) >= 8  # every run was in flight at a restart
+    for record in records:  # every handed-over call was recorded once, as cancelled, then the run went on
+        kinds = [s.kind for s in record.steps]
+        assert kinds.count(StepKind.HANDOFF) == record.segments - 1
+        assert record.steps[-1].content == "done"
