@@ -134,21 +134,24 @@ def test_a_model_call_cut_off_by_the_hand_over_is_made_again_by_the_next_worker(
 def test_a_rolling_restart_of_every_worker_fails_no_run_and_loses_none(
     toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore
 ) -> None:
-    workers = [start_worker(RUNBRAKE_DRAIN_S="1"), start_worker(RUNBRAKE_DRAIN_S="1")]
+    old = [start_worker(RUNBRAKE_DRAIN_S="1"), start_worker(RUNBRAKE_DRAIN_S="1")]
     runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-        {"tool_calls": [call("slow", seconds=4)]}, {"tool_calls": [call("slow", seconds=4)]},
+        {"tool_calls": [call("slow", seconds=30)]}, {"tool_calls": [call("get-sum", a=1, b=2)]},
         {"content": "done"}])).run_id for _ in range(8)]
     wait_for_event(toolbox_http.events, "started", tool="slow", count=8, timeout=20)
+    new = [start_worker(RUNBRAKE_DRAIN_S="1"), start_worker(RUNBRAKE_DRAIN_S="1")]
 
-    for old in list(workers):  # one at a time, each replaced before the next goes
-        workers.append(start_worker(RUNBRAKE_DRAIN_S="1"))
-        old.process.send_signal(signal.SIGTERM)
-        assert old.process.wait(timeout=20) == 0
-    records = [wait_for_run(store, run_id, timeout=60) for run_id in runs]
+    for worker in old:  # one at a time: each hands its runs in a 30 s call over
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(timeout=20) == 0
+    records = [wait_for_run(store, run_id, timeout=30) for run_id in runs]
 
     assert [r.status for r in records] == [RunStatus.COMPLETED] * 8
-    assert sum(len(w.logged("run_handed_over")) for w in workers) >= 8  # every run was in flight at a restart
-    for record in records:  # every handed-over call was recorded once, as cancelled, then the run went on
-        kinds = [s.kind for s in record.steps]
-        assert kinds.count(StepKind.HANDOFF) == record.segments - 1
+    assert [len(w.logged("run_handed_over")) >= 4 for w in old] == [True, True]  # 4 threads each, all busy
+    assert sum(len(w.logged("run_claimed")) for w in new) >= 8
+    for record in records:  # each handed-over call recorded once, as cancelled; the run went on from there
+        assert [s.kind for s in record.steps].count(StepKind.HANDOFF) == record.segments - 1
+        assert [s.tool_outcome for s in record.steps if s.kind is StepKind.TOOL][-2:] == [
+            ToolOutcome.CANCELLED, ToolOutcome.OK]
         assert record.steps[-1].content == "done"
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 8  # no call made twice
