@@ -59,10 +59,10 @@ def test_a_paused_worker_whose_run_was_reaped_writes_nothing_and_calls_no_tool_a
     run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
         {"tool_calls": [call("slow", seconds=3)]}, {"tool_calls": [call("get-sum", a=1, b=2)]}, {"content": "x"}]))
     wait_for_event(toolbox_http.events, "started", tool="slow")
-    start_worker(**SHORT_LEASE)  # the reaper
 
-    stale.process.send_signal(signal.SIGSTOP)  # paused past its lease: it looks dead
+    stale.process.send_signal(signal.SIGSTOP)  # paused past its lease, mid-call: it looks dead
     try:
+        start_worker(**SHORT_LEASE)  # the reaper (started after the pause: a slow start cannot let the run end first)
         reaped = wait_for_run(store, run.run_id, timeout=30)
         steps_at_reap = len(reaped.steps)
     finally:
