@@ -261,8 +261,8 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
 
 def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
     """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner
-    and lease; in the same round trip, read what the segment needs (the request, the pending turn)."""
-    now = time.time()
+    and lease (expiring ``lease_s`` after now by Redis's clock); in the same round trip, read what the
+    segment needs (the request, the pending turn)."""
     script = _scripts.RESUME_CLAIM if resume else _scripts.CLAIM
     name = "resume_claim" if resume else "claim"
 
@@ -278,7 +278,7 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
 
     return Op(f"{name} run {run_id}", (
         ScriptCall(script, (keys.run(run_id), keys.leases, keys.unclaimed),
-                   (owner, repr(now), repr(now + lease_s), run_id, keys.events)),
+                   (owner, repr(lease_s), run_id, keys.events)),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
     ), parse)
 
@@ -371,27 +371,28 @@ def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str =
 
 def renew_leases(keys: Keys, owners: Mapping[str, str], *, lease_s: float) -> Op[set[str]]:
     """Extend the leases of these running runs (run id → owner) in one round trip; answers the runs
-    whose lease was not renewed (no longer running, or owned by another)."""
-    expires = repr(time.time() + lease_s)
+    whose lease was not renewed (no longer running, or owned by another). Each new expiry is
+    ``lease_s`` after now by Redis's clock."""
     ids = list(owners)
 
     def parse(answers: list[Any]) -> set[str]:
         return {run_id for run_id, ok in zip(ids, answers, strict=True) if not ok}
 
     return Op("renew leases", tuple(
-        ScriptCall(_scripts.RENEW_LEASE, (keys.run(run_id), keys.leases), (owners[run_id], expires, run_id))
+        ScriptCall(_scripts.RENEW_LEASE, (keys.run(run_id), keys.leases), (owners[run_id], repr(lease_s), run_id))
         for run_id in ids
     ), parse)
 
 
 def expired_leases(keys: Keys, *, limit: int) -> Op[list[str]]:
-    """The running runs whose lease expired by now, oldest first, at most ``limit``."""
-    return Op("read expired leases", (Command(("ZRANGEBYSCORE", keys.leases, "-inf", repr(time.time()),
-                                               "LIMIT", 0, limit)),), lambda answers: list(answers[0]))
+    """The running runs whose lease expired by now (Redis's clock), oldest first, at most ``limit``."""
+    return _script(_scripts.EXPIRED_LEASES, (keys.leases,), (limit,), "read expired leases",
+                   lambda answers: list(answers[0]))
 
 
 def reap(keys: Keys, run_id: str) -> Op[Transition]:
-    """running with an expired lease → failed (``lease_lost``); decided by one guarded script."""
+    """running with an expired lease → failed (``lease_lost``); decided by one guarded script, on Redis's
+    clock."""
     def parse(answers: list[Any]) -> Transition:
         transition = _read_transition("reap", run_id, answers[0])
         if transition.won:
@@ -399,7 +400,7 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
         return transition
 
     return _script(_scripts.REAP, (keys.run(run_id), keys.leases, *keys.retention(run_id)),
-                   (repr(time.time()), run_id, keys.retention_s, keys.events),
+                   (run_id, keys.retention_s, keys.events),
                    f"reap run {run_id}", parse)
 
 
