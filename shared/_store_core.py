@@ -227,10 +227,13 @@ class Op(Generic[T]):
             raise ValueError("a transaction carries plain commands only")
 
 
-def queue(pipe: Any, call: Call) -> None:
-    """Queue ``call`` on a pipeline (the synchronous and the asynchronous pipelines queue alike)."""
+def queue(pipe: Any, call: Call, **options: Any) -> None:
+    """Queue ``call`` on a pipeline (the synchronous and the asynchronous pipelines queue alike;
+    ``options`` go with a script, e.g. the cluster node it is for)."""
     if isinstance(call, ScriptCall):
-        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        # As a command, not pipe.evalsha(): redis-py's cluster pipelines refuse that method, though they
+        # route the command by its first key like any other (every script touches one slot).
+        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args, **options)
     else:
         pipe.execute_command(*call.args)
 

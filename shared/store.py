@@ -111,14 +111,24 @@ class RunStore:
     def _send(self, op: core.Op[Any]) -> list[Any]:
         if len(op.calls) == 1 and not op.transaction:
             return [self._one(op.calls[0])]
-        with self.redis.pipeline(transaction=op.transaction) as pipe:
+        client = self.redis
+        with client.pipeline(transaction=op.transaction) as pipe:
             for call in op.calls:
-                core.queue(pipe, call)
+                core.queue(pipe, call, **self._route(client, call))
             answers: list[Any] = pipe.execute(raise_on_error=False)
         for i in core.missing_scripts(answers):
             answers[i] = self._one(op.calls[i])
         core.raise_first_error(answers)
         return answers
+
+    @staticmethod
+    def _route(client: Client, call: core.Call) -> dict[str, Any]:
+        """Where a cluster pipeline sends a script: named here, because redis-py's synchronous cluster
+        pipeline would otherwise ask a node for the keys of every EVALSHA (COMMAND GETKEYS), one round
+        trip each. A MOVED answer is still followed (the retry routes by the key)."""
+        if isinstance(client, redis.RedisCluster) and isinstance(call, core.ScriptCall):
+            return {"target_nodes": client.get_node_from_key(call.keys[0])}  # type: ignore[no-untyped-call]
+        return {}
 
     def _one(self, call: core.Call) -> Any:
         client = self.redis

@@ -19,7 +19,8 @@ from runbrake.broker.wire import delete_topology
 from runbrake.shared import RunStore, Settings
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
-pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.api_helpers"]
+pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.api_helpers",
+                  "tests.cluster_helpers"]
 
 
 @pytest.fixture
