@@ -2,9 +2,9 @@
 
 Three ``redis-server --cluster-enabled yes`` (append-only file on, in a temporary folder), joined by
 ``redis-cli --cluster create``; the fixture waits until every node says ``cluster_state:ok`` and
-stops them at the end. A test that wants the run store on the cluster asks for ``cluster_store``
-(or sets ``RUNBRAKE_REDIS_CLUSTER`` and ``RUNBRAKE_REDIS_URL`` from ``redis_cluster`` itself, for
-worker processes). Nothing here stands in for Redis.
+stops them at the end. A test runs on the cluster when its ``settings`` fixture is parametrized
+indirectly with ``"cluster"`` (tests/conftest.py): ``store`` and the worker processes it starts then
+use the cluster too. Nothing here stands in for Redis.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from runbrake.shared import RunStore, Settings
+from runbrake.shared import Settings
 from tests.polling import poll_until
 
 MASTERS = 3
@@ -58,7 +58,7 @@ def free_cluster_ports(count: int) -> list[int]:
     """``count`` ports below 55536 that are free, each with its bus port (+10000) free too."""
     ports: list[int] = []
     while len(ports) < count:
-        port = random.randint(20_000, 45_000)  # noqa: S311 - not a secret
+        port = random.randint(20_000, 45_000)  # not a secret: any free port will do
         if port not in ports and _free(port) and _free(port + BUS_OFFSET):
             ports.append(port)
     return ports
@@ -127,13 +127,3 @@ def cluster_settings(redis_cluster: RedisCluster, namespace: str, monkeypatch: p
     for name, value in redis_cluster.env().items():
         monkeypatch.setenv(name, value)
     return Settings.from_env()
-
-
-@pytest.fixture
-def cluster_store(cluster_settings: Settings) -> Iterator[RunStore]:
-    """The run store on the cluster under this test's namespace; every key it wrote is deleted afterwards."""
-    store = RunStore.connect(cluster_settings)
-    store.ping()
-    yield store
-    store.delete_namespace()
-    store.close()

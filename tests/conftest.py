@@ -49,7 +49,12 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def settings(namespace: str) -> Settings:
+def settings(namespace: str, request: pytest.FixtureRequest) -> Settings:
+    """This test's settings; parametrized indirectly with ``"cluster"``, on a real three-master Redis Cluster
+    (tests/cluster_helpers.py), so that ``store`` and the worker processes use it too."""
+    if getattr(request, "param", "single") == "cluster":
+        cluster: Settings = request.getfixturevalue("cluster_settings")
+        return cluster
     return Settings.from_env()
 
 
