@@ -68,7 +68,7 @@ MAX_ERROR_CHARS: Final = 2000
 
 
 SHARDS: Final = 16
-"""Shards of a namespace on a Redis Cluster (docs/architecture.md, "The run store: Redis Cluster"): each
+"""Shards of a namespace on a Redis Cluster (docs/architecture.md, "The run store on a Redis Cluster"): each
 namespace-wide structure exists once per shard, in the shard's slot, beside the runs of that shard. Fixed:
 changing it would move every run."""
 
