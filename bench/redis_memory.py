@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 store.append_step(run_id, step)
             settled = store.settle(run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner="bench-worker")
             assert settled.won, settled
-            keys = (store.run_key(run_id), store.steps_key(run_id), store.keys.idempotency(f"order-{i}"))
+            idempotency = store.keys.idempotency(f"order-{i}", store.keys.shard(run_id))
+            keys = (store.run_key(run_id), store.steps_key(run_id), idempotency)
             per_run.append(sum(int(store.redis.memory_usage(key, samples=0) or 0) for key in keys))
         after = int(store.redis.info("memory")["used_memory"])
     finally:

@@ -143,6 +143,8 @@ class EventHub:
     async def _run(self) -> None:
         backoff = 0.2
         while True:
+            # A plain connection on a Redis Cluster too (to the URL's seed node): a cluster delivers every
+            # PUBLISH to the subscribers of every node (docs/architecture.md, "The run store on a Redis Cluster").
             client = redis.asyncio.Redis.from_url(
                 self._settings.redis_url, decode_responses=True,
                 socket_connect_timeout=min(self._settings.redis_timeout_s, 1.0), health_check_interval=30,

@@ -68,6 +68,20 @@ enters ``<ns>:finished`` (the last KEY) at its expiry, which a worker's sweeper 
 its idempotency key and its index entry together); the run's own keys (the three KEYS before it: run,
 steps, cancel) also expire ten minutes later, should no sweeper run."""
 
+_REDIS_NOW = """
+local function redis_now()
+  local t = redis.call('TIME')
+  return string.format('%d.%06d', t[1], t[2])
+end
+local function lease_end(now, lease_s)
+  return string.format('%.6f', tonumber(now) + tonumber(lease_s))
+end
+"""
+"""Leases are decided on Redis's own clock, never a client's (docs/architecture.md, "Leases"): a
+worker's clock that runs ahead or behind cannot reap, or keep, a lease early or late. ``TIME`` in a
+script that writes is safe since Redis 5 (effects are replicated, not the script). ``redis_now()``
+answers epoch seconds with microseconds as text, the form ``lease_expires_at`` has always had."""
+
 _IS_TERMINAL = """
 local function is_terminal(st)
   return """ + " and ".join(f"st ~= '$status_{s.value}'" for s in NON_TERMINAL) + """
@@ -97,30 +111,33 @@ announce(ARGV[1], '$status_queued', '')
 return {1, ARGV[1]}
 """)
 
-# KEYS: run, leases, unclaimed.  ARGV: owner, now, lease_expires_at, run_id, events channel
-CLAIM = _script("claim", _ANNOUNCE + """
+# KEYS: run, leases, unclaimed.  ARGV: owner, lease_s, run_id, events channel
+CLAIM = _script("claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= '$status_queued' then return {0, st} end
-redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'started_at', ARGV[2],
-  'lease_expires_at', ARGV[3])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+local now = redis_now()
+local expires = lease_end(now, ARGV[2])
+redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'started_at', now,
+  'lease_expires_at', expires)
+redis.call('ZADD', KEYS[2], expires, ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
-announce(ARGV[4], '$status_running', '')
+announce(ARGV[3], '$status_running', '')
 return {1, st}
 """)
 
-# KEYS: run, leases, unclaimed.  ARGV: owner, now, lease_expires_at, run_id, events channel
-RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + """
+# KEYS: run, leases, unclaimed.  ARGV: owner, lease_s, run_id, events channel
+RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= '$status_waiting_for_approval' then return {0, st} end
 if redis.call('HGET', KEYS[1], 'approval') ~= 'approved' then return {0, st} end
-redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'lease_expires_at', ARGV[3],
+local expires = lease_end(redis_now(), ARGV[2])
+redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'lease_expires_at', expires,
   'approval', 'consumed')
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+redis.call('ZADD', KEYS[2], expires, ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
-announce(ARGV[4], '$status_running', '')
+announce(ARGV[3], '$status_running', '')
 return {1, st}
 """)
 
@@ -241,36 +258,44 @@ end
 return {seq, redis.call('EXISTS', KEYS[4])}
 """)
 
-# KEYS: run, leases.  ARGV: owner, lease_expires_at, run_id
-RENEW_LEASE = _script("renew_lease", """
+# KEYS: run, leases.  ARGV: owner, lease_s, run_id
+RENEW_LEASE = _script("renew_lease", _REDIS_NOW + """
 if redis.call('HGET', KEYS[1], 'status') ~= '$status_running' then return 0 end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'lease_expires_at', ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+local expires = lease_end(redis_now(), ARGV[2])
+redis.call('HSET', KEYS[1], 'lease_expires_at', expires)
+redis.call('ZADD', KEYS[2], expires, ARGV[3])
 return 1
 """)
 
-# KEYS: run, leases, run, steps, cancel, finished.  ARGV: now, run_id, retention_s, events channel
-# running with an expired lease → failed (lease_lost). A run no longer running leaves the lease set;
-# one whose lease was renewed meanwhile is put back at its new expiry.
-REAP = _script("reap", _ANNOUNCE + _RETAIN + """
+# KEYS: leases.  ARGV: limit
+# The runs whose lease expired by Redis's clock, oldest first: the reaper's candidates (REAP decides).
+EXPIRED_LEASES = _script("expired_leases", _REDIS_NOW + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', redis_now(), 'LIMIT', 0, ARGV[1])
+""")
+
+# KEYS: run, leases, run, steps, cancel, finished.  ARGV: run_id, retention_s, events channel
+# running with an expired lease (by Redis's clock) → failed (lease_lost). A run no longer running leaves
+# the lease set; one whose lease was renewed meanwhile is put back at its new expiry.
+REAP = _script("reap", _ANNOUNCE + _RETAIN + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st ~= '$status_running' then
-  redis.call('ZREM', KEYS[2], ARGV[2])
+  redis.call('ZREM', KEYS[2], ARGV[1])
   return {0, st or ''}
 end
+local now = redis_now()
 local lease = tonumber(redis.call('HGET', KEYS[1], 'lease_expires_at') or '')
-if lease and lease > tonumber(ARGV[1]) then
-  redis.call('ZADD', KEYS[2], lease, ARGV[2])
+if lease and lease > tonumber(now) then
+  redis.call('ZADD', KEYS[2], lease, ARGV[1])
   return {0, st}
 end
 local owner = redis.call('HGET', KEYS[1], 'owner') or ''
 redis.call('HSET', KEYS[1], 'status', '$status_failed', 'termination_reason', '$reason_lease_lost',
-  'finished_at', ARGV[1], 'lease_expires_at', '', 'owner', '',
+  'finished_at', now, 'lease_expires_at', '', 'owner', '',
   'error', 'the worker executing the run (' .. owner .. ') stopped renewing its lease')
-redis.call('ZREM', KEYS[2], ARGV[2])
-retain(ARGV[2], ARGV[1])
-announce(ARGV[2], '$status_failed', '$reason_lease_lost')
+redis.call('ZREM', KEYS[2], ARGV[1])
+retain(ARGV[1], now)
+announce(ARGV[1], '$status_failed', '$reason_lease_lost')
 return {1, st}
 """)
 
@@ -296,5 +321,6 @@ end
 return kind
 """)
 
-ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, REAP, REDRIVE)
+ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
+       REAP, REDRIVE)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

@@ -8,7 +8,7 @@ when Redis cannot be reached. Two thin executors send ops: :class:`~runbrake.sha
 event loop). Keys, script arguments and answer parsing are written once, here; so is the
 translation of ``redis`` errors into :class:`StoreError` (:func:`failed`).
 
-Keys, all under the namespace (``{run_id}`` is a hash tag, so a run's keys share one slot):
+Keys on a single Redis, all under the namespace (``{run_id}`` is a hash tag, so a run's keys share one slot):
 
     <ns>:run:{<id>}           hash   the run: status, reason, times, owner, request, pending turn
     <ns>:run:{<id>}:steps     list   the steps as JSON, in sequence order
@@ -17,6 +17,11 @@ Keys, all under the namespace (``{run_id}`` is a hash tag, so a run's keys share
     <ns>:idem:<key>           string the run id an idempotency key created
     <ns>:servers              hash   tool calls per "<server>|<outcome>", for per-server health
     <ns>:leases               zset   running run ids by lease expiry, for the reaper
+
+On a Redis Cluster (``RUNBRAKE_REDIS_CLUSTER``) the same structures carry the hash tag of one of
+:data:`SHARDS` shards, ``{<ns>|<shard>}``: ``<ns>:run:{<ns>|<shard>}:<id>`` (and ``:steps``, ``:cancel``),
+``<ns>:leases:{<ns>|<shard>}``, ``<ns>:idem:{<ns>|<shard>}:<key>``…; a run's shard is the last hex digit of
+its id. Every script touches one shard, so one slot; readers that span the namespace merge the shards.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,18 +67,68 @@ ARGUMENT_ERROR: Final = "argument_error"
 MAX_ERROR_CHARS: Final = 2000
 
 
+SHARDS: Final = 16
+"""Shards of a namespace on a Redis Cluster (docs/architecture.md, "The run store on a Redis Cluster"): each
+namespace-wide structure exists once per shard, in the shard's slot, beside the runs of that shard. Fixed:
+changing it would move every run."""
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """The Redis keys of one namespace, and how long its finished runs are kept (0: forever)."""
+    """The Redis keys of one namespace, and how long its finished runs are kept (0: forever).
+
+    On a single Redis (``cluster`` False) the layout is the one external tooling knows, byte for byte.
+    On a Redis Cluster every key carries its shard's hash tag ``{<ns>|<shard>}``: a run's keys and the
+    namespace-wide structures of its shard share one slot, so every script touches one slot.
+    """
 
     namespace: str
     retention_s: int = 0
+    cluster: bool = False
+
+    @property
+    def shards(self) -> range:
+        """Every shard of the namespace (one on a single Redis)."""
+        return range(SHARDS if self.cluster else 1)
+
+    def shard(self, run_id: str) -> int:
+        """A run's shard: the last hex digit of its id (uniform, since ids are random), 0 on a single Redis."""
+        if not self.cluster:
+            return 0
+        last = run_id[-1:].lower()
+        return int(last, 16) % SHARDS if last and last in "0123456789abcdef" else 0
+
+    def new_run_id(self, idempotency_key: str | None) -> str:
+        """A fresh run id (32 lowercase hex). In a cluster, a run created with an idempotency key goes to
+        the key's shard (its last digit says so), so that the script that creates it touches one slot."""
+        run_id = uuid.uuid4().hex
+        if not self.cluster or not idempotency_key:
+            return run_id
+        return f"{run_id[:-1]}{self.idempotency_shard(idempotency_key):x}"
+
+    def idempotency_shard(self, key: str) -> int:
+        """The shard an idempotency key (and the run it creates) lives in: from a digest, the same in every
+        process."""
+        return int(hashlib.sha256(key.encode()).hexdigest()[-1], 16) % SHARDS if self.cluster else 0
+
+    def _tag(self, shard: int) -> str:
+        return f"{{{self.namespace}|{shard}}}"
+
+    def _sharded(self, name: str, shard: int) -> str:
+        """``<ns>:<name>`` on a single Redis; ``<ns>:<name>:{<ns>|<shard>}`` in a cluster."""
+        return f"{self.namespace}:{name}:{self._tag(shard)}" if self.cluster else f"{self.namespace}:{name}"
 
     def retention(self, run_id: str) -> tuple[str, str, str, str]:
         """The keys a run's end touches to keep it for its retention: its own three, and the finished set."""
-        return self.run(run_id), self.steps(run_id), self.cancel(run_id), self.finished
+        return self.run(run_id), self.steps(run_id), self.cancel(run_id), self.finished(self.shard(run_id))
+
+    def waiting_lists(self, run_id: str) -> tuple[str, str]:
+        """The leases and unclaimed sets of a run's shard: a transition moves the run in or out of them."""
+        return self.leases(self.shard(run_id)), self.unclaimed(self.shard(run_id))
 
     def run(self, run_id: str) -> str:
+        if self.cluster:
+            return f"{self.namespace}:run:{self._tag(self.shard(run_id))}:{run_id}"
         return f"{self.namespace}:run:{{{run_id}}}"
 
     def steps(self, run_id: str) -> str:
@@ -81,40 +137,46 @@ class Keys:
     def cancel(self, run_id: str) -> str:
         return f"{self.run(run_id)}:cancel"
 
-    @property
-    def index(self) -> str:
-        return f"{self.namespace}:runs"
+    def index(self, shard: int) -> str:
+        """Run ids by creation time."""
+        return self._sharded("runs", shard)
 
-    def idempotency(self, key: str) -> str:
+    def idempotency(self, key: str, shard: int) -> str:
+        if self.cluster:
+            return f"{self.namespace}:idem:{self._tag(shard)}:{key}"
         return f"{self.namespace}:idem:{key}"
 
-    @property
-    def servers(self) -> str:
-        return f"{self.namespace}:servers"
+    def servers(self, shard: int) -> str:
+        return self._sharded("servers", shard)
 
-    @property
-    def leases(self) -> str:
-        return f"{self.namespace}:leases"
+    def leases(self, shard: int) -> str:
+        return self._sharded("leases", shard)
 
-    def servers_hour(self, when: float) -> str:
+    def servers_hour(self, when: float, shard: int) -> str:
         """Tool calls per server and outcome in the hour ``when`` falls in (for ``runbrake servers --since``)."""
-        return f"{self.namespace}:servers:{int(when // 3600)}"
+        return self._sharded(f"servers:{int(when // 3600)}", shard)
 
-    @property
-    def unclaimed(self) -> str:
+    def unclaimed(self, shard: int) -> str:
         """Runs waiting for a worker (queued, or approved and waiting for their resume), scored by when their
         message was last sent: the re-drive's work list."""
-        return f"{self.namespace}:unclaimed"
+        return self._sharded("unclaimed", shard)
 
-    @property
-    def finished(self) -> str:
+    def finished(self, shard: int) -> str:
         """Finished runs by the time their retention ends (the sweeper's work list)."""
-        return f"{self.namespace}:finished"
+        return self._sharded("finished", shard)
 
     @property
     def events(self) -> str:
-        """The pub/sub channel of status changes and appended steps (docs/architecture.md, "The run store")."""
+        """The pub/sub channel of status changes and appended steps (docs/architecture.md, "The run store").
+        One channel in a cluster too: a PUBLISH reaches the subscribers of every node."""
         return f"{self.namespace}:events"
+
+    def by_shard(self, run_ids: Iterable[str]) -> dict[int, list[str]]:
+        """These runs grouped by shard, in the given order within each (a command spans one slot)."""
+        groups: dict[int, list[str]] = {}
+        for run_id in run_ids:
+            groups.setdefault(self.shard(run_id), []).append(run_id)
+        return groups
 
 
 # -- what goes on the wire -----------------------------------------------------------------------
@@ -165,10 +227,13 @@ class Op(Generic[T]):
             raise ValueError("a transaction carries plain commands only")
 
 
-def queue(pipe: Any, call: Call) -> None:
-    """Queue ``call`` on a pipeline (the synchronous and the asynchronous pipelines queue alike)."""
+def queue(pipe: Any, call: Call, **options: Any) -> None:
+    """Queue ``call`` on a pipeline (the synchronous and the asynchronous pipelines queue alike;
+    ``options`` go with a script, e.g. the cluster node it is for)."""
     if isinstance(call, ScriptCall):
-        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        # As a command, not pipe.evalsha(): redis-py's cluster pipelines refuse that method, though they
+        # route the command by its first key like any other (every script touches one slot).
+        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args, **options)
     else:
         pipe.execute_command(*call.args)
 
@@ -186,7 +251,11 @@ def raise_first_error(answers: Sequence[Any]) -> None:
             raise answer
 
 
-def failed(op: Op[T], exc: redis.RedisError, where: str) -> T:
+UNREACHABLE: Final = (redis.RedisError, redis.exceptions.RedisClusterException)
+"""What an unreachable Redis raises: a cluster client that finds no node answering raises the second."""
+
+
+def failed(op: Op[T], exc: Exception, where: str) -> T:
     """What an op comes to when Redis failed: its fallback (logged), or a :class:`StoreError`.
 
     The one place ``redis`` errors are translated.
@@ -199,9 +268,19 @@ def failed(op: Op[T], exc: redis.RedisError, where: str) -> T:
 
 
 def describe(client: Any) -> str:
-    """``host:port`` of a client, for messages."""
+    """``host:port`` of a client, for messages (a cluster client: ``cluster host:port`` of its first seed
+    node, read without connecting)."""
+    if not hasattr(client, "connection_pool"):
+        return f"cluster {next(iter(client.nodes_manager.startup_nodes), '?')}"
     kwargs = client.connection_pool.connection_kwargs
     return f"{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '?')}"
+
+
+def describe_url(url: str, *, cluster: bool) -> str:
+    """``host:port`` of a Redis URL, for messages (``cluster host:port`` for a cluster's seed node)."""
+    parsed = urllib.parse.urlsplit(url)
+    where = f"{parsed.hostname or parsed.path or '?'}:{parsed.port or 6379}"
+    return f"cluster {where}" if cluster else where
 
 
 def _script(script: Script, keys: Iterable[str], args: Iterable[Any], what: str,
@@ -234,9 +313,10 @@ def _read_transition(name: str, run_id: str, answer: Sequence[Any]) -> Transitio
 
 def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | None) -> Op[Created]:
     """Write a queued run with its request; the same idempotency key answers the run it created."""
-    run_id = uuid.uuid4().hex
+    run_id = keys.new_run_id(idempotency_key)
+    shard = keys.shard(run_id)
     now = time.time()
-    idem = keys.idempotency(idempotency_key or "-")
+    idem = keys.idempotency(idempotency_key or "-", shard)
 
     request_json = json.dumps(request, sort_keys=True)
     digest = hashlib.sha256(request_json.encode()).hexdigest()
@@ -252,7 +332,7 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
         return Created(run_id=str(value), created=bool(won), conflict=bool(conflict))
 
     return _script(
-        _scripts.CREATE, (keys.run(run_id), idem, keys.index, keys.unclaimed),
+        _scripts.CREATE, (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard)),
         (run_id, request_json, repr(now), "1" if idempotency_key else "0", idempotency_key or "", digest,
          keys.events),
         "create a run", parse,
@@ -261,8 +341,8 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
 
 def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
     """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner
-    and lease; in the same round trip, read what the segment needs (the request, the pending turn)."""
-    now = time.time()
+    and lease (expiring ``lease_s`` after now by Redis's clock); in the same round trip, read what the
+    segment needs (the request, the pending turn)."""
     script = _scripts.RESUME_CLAIM if resume else _scripts.CLAIM
     name = "resume_claim" if resume else "claim"
 
@@ -277,15 +357,16 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
         )
 
     return Op(f"{name} run {run_id}", (
-        ScriptCall(script, (keys.run(run_id), keys.leases, keys.unclaimed),
-                   (owner, repr(now), repr(now + lease_s), run_id, keys.events)),
+        ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id)),
+                   (owner, repr(lease_s), run_id, keys.events)),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
     ), parse)
 
 
 def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> Op[Transition]:
     """running → waiting_for_approval (owner-guarded), storing the pending turn."""
-    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases), (owner, json.dumps(pending), run_id, keys.events),
+    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases(keys.shard(run_id))),
+                   (owner, json.dumps(pending), run_id, keys.events),
                    f"suspend run {run_id}", _transition("suspend", run_id))
 
 
@@ -295,7 +376,7 @@ def hand_over(keys: Keys, run_id: str, step: RunStep, *, owner: str, pending: Ma
     turn (owner-guarded), in one round trip. As in :func:`complete`, a cancel that won first refuses
     the transition."""
     append = append_step(keys, run_id, step, token=token, owner=owner)
-    handoff = _script(_scripts.HANDOFF, (keys.run(run_id), keys.leases, keys.unclaimed),
+    handoff = _script(_scripts.HANDOFF, (keys.run(run_id), *keys.waiting_lists(run_id)),
                       (owner, json.dumps(pending), run_id, repr(time.time()), keys.events),
                       f"hand over run {run_id}", _transition("handoff", run_id))
 
@@ -318,7 +399,8 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return _script(
-        _scripts.SETTLE, (keys.run(run_id), keys.leases, keys.unclaimed, *keys.retention(run_id)),
+        _scripts.SETTLE,
+        (keys.run(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
         (status.value, reason.value, owner or "", repr(time.time()), scrub(error[:MAX_ERROR_CHARS]),
          "" if required_status is None else required_status.value, run_id, keys.retention_s, keys.events),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
@@ -330,7 +412,7 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     request = CancelRequest(reason=reason, requested_by=requested_by, requested_at=time.time())
     return _script(
         _scripts.CANCEL,
-        (keys.run(run_id), keys.cancel(run_id), keys.leases, keys.unclaimed, *keys.retention(run_id)),
+        (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
         (json.dumps(request.to_dict()), repr(request.requested_at), run_id, keys.retention_s, keys.events),
         f"cancel run {run_id}", _transition("cancel", run_id),
     )
@@ -360,7 +442,8 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
 
     return _script(
         _scripts.APPEND_STEP,
-        (keys.run(run_id), keys.steps(run_id), keys.servers, keys.cancel(run_id), keys.servers_hour(recorded_at)),
+        (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
+         keys.servers_hour(recorded_at, keys.shard(run_id))),
         (scrub(json.dumps(body, separators=(",", ":"))), repr(recorded_at), counter, run_id, keys.events,
          token or uuid.uuid4().hex, owner),
         f"append a step to run {run_id}", parse,
@@ -387,35 +470,39 @@ def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str =
 
 def renew_leases(keys: Keys, owners: Mapping[str, str], *, lease_s: float) -> Op[set[str]]:
     """Extend the leases of these running runs (run id → owner) in one round trip; answers the runs
-    whose lease was not renewed (no longer running, or owned by another)."""
-    expires = repr(time.time() + lease_s)
+    whose lease was not renewed (no longer running, or owned by another). Each new expiry is
+    ``lease_s`` after now by Redis's clock."""
     ids = list(owners)
 
     def parse(answers: list[Any]) -> set[str]:
         return {run_id for run_id, ok in zip(ids, answers, strict=True) if not ok}
 
     return Op("renew leases", tuple(
-        ScriptCall(_scripts.RENEW_LEASE, (keys.run(run_id), keys.leases), (owners[run_id], expires, run_id))
+        ScriptCall(_scripts.RENEW_LEASE, (keys.run(run_id), keys.leases(keys.shard(run_id))),
+                   (owners[run_id], repr(lease_s), run_id))
         for run_id in ids
     ), parse)
 
 
 def expired_leases(keys: Keys, *, limit: int) -> Op[list[str]]:
-    """The running runs whose lease expired by now, oldest first, at most ``limit``."""
-    return Op("read expired leases", (Command(("ZRANGEBYSCORE", keys.leases, "-inf", repr(time.time()),
-                                               "LIMIT", 0, limit)),), lambda answers: list(answers[0]))
+    """The running runs whose lease expired by now (Redis's clock), oldest first within each shard, at most
+    ``limit`` per shard."""
+    return Op("read expired leases", tuple(
+        ScriptCall(_scripts.EXPIRED_LEASES, (keys.leases(shard),), (str(limit),)) for shard in keys.shards
+    ), _concatenated)
 
 
 def reap(keys: Keys, run_id: str) -> Op[Transition]:
-    """running with an expired lease → failed (``lease_lost``); decided by one guarded script."""
+    """running with an expired lease → failed (``lease_lost``); decided by one guarded script, on Redis's
+    clock."""
     def parse(answers: list[Any]) -> Transition:
         transition = _read_transition("reap", run_id, answers[0])
         if transition.won:
             log.warning("run_lease_lost", run_id=run_id)
         return transition
 
-    return _script(_scripts.REAP, (keys.run(run_id), keys.leases, *keys.retention(run_id)),
-                   (repr(time.time()), run_id, keys.retention_s, keys.events),
+    return _script(_scripts.REAP, (keys.run(run_id), keys.leases(keys.shard(run_id)), *keys.retention(run_id)),
+                   (run_id, keys.retention_s, keys.events),
                    f"reap run {run_id}", parse)
 
 
@@ -450,7 +537,15 @@ def status(keys: Keys, run_id: str) -> Op[RunStatus]:
 
 def recent_ids(keys: Keys, *, count: int) -> Op[list[str]]:
     """The ids of the ``count`` most recently created runs, newest first."""
-    return Op("list runs", (Command(("ZREVRANGE", keys.index, 0, count - 1)),), lambda answers: list(answers[0]))
+    if not keys.cluster:
+        return Op("list runs", (Command(("ZREVRANGE", keys.index(0), 0, count - 1)),),
+                  lambda answers: list(answers[0]))
+
+    def parse(answers: list[Any]) -> list[str]:
+        return [run_id for run_id, _ in merge_newest([_pairs(a) for a in answers], count)[0]]
+
+    return Op("list runs", tuple(Command(("ZREVRANGE", keys.index(shard), 0, count - 1, "WITHSCORES"))
+                                 for shard in keys.shards), parse)
 
 
 def records(keys: Keys, run_ids: Sequence[str], *, limit: int, status: RunStatus | None) -> Op[list[RunRecord]]:
@@ -487,24 +582,27 @@ def cancel_request(keys: Keys, run_id: str) -> Op[CancelRequest | None]:
 
 
 def cancelled_among(keys: Keys, run_ids: Sequence[str]) -> Op[set[str]]:
-    """Which of these runs have a cancel key, in one MGET. Fail-soft: none."""
-    ids = list(run_ids)
+    """Which of these runs have a cancel key, in one MGET (in a cluster, one per shard: an MGET spans one
+    slot). Fail-soft: none."""
+    groups = list(keys.by_shard(run_ids).values())
 
     def parse(answers: list[Any]) -> set[str]:
-        return {run_id for run_id, raw in zip(ids, answers[0], strict=True) if raw is not None}
+        return {run_id for ids, answer in zip(groups, answers, strict=True)
+                for run_id, raw in zip(ids, answer, strict=True) if raw is not None}
 
-    return Op("poll cancel keys", (Command(("MGET", *(keys.cancel(i) for i in ids))),), parse,
-              fallback=set(), fallback_event="cancel_poll_failed", context={"runs": len(ids)})
+    return Op("poll cancel keys", tuple(Command(("MGET", *(keys.cancel(i) for i in ids))) for ids in groups), parse,
+              fallback=set(), fallback_event="cancel_poll_failed", context={"runs": sum(map(len, groups))})
 
 
 def server_outcomes(keys: Keys, *, since: float | None = None) -> Op[dict[str, dict[str, int]]]:
     """Tool calls per MCP server and outcome, counted as steps were recorded: all of them, or those of the
     hours since ``since`` (epoch seconds; whole hours, the one ``since`` falls in included)."""
     if since is None:
-        sources: tuple[str, ...] = (keys.servers,)
+        sources: tuple[str, ...] = tuple(keys.servers(shard) for shard in keys.shards)
     else:
         first, last = int(since // 3600), int(time.time() // 3600)
-        sources = tuple(keys.servers_hour(hour * 3600) for hour in range(first, last + 1))
+        sources = tuple(keys.servers_hour(hour * 3600, shard) for hour in range(first, last + 1)
+                        for shard in keys.shards)
 
     def parse(answers: list[Any]) -> dict[str, dict[str, int]]:
         counts: dict[str, dict[str, int]] = {}
@@ -519,9 +617,11 @@ def server_outcomes(keys: Keys, *, since: float | None = None) -> Op[dict[str, d
 
 
 def expired_runs(keys: Keys, *, limit: int) -> Op[list[str]]:
-    """Finished runs whose retention ended by now, at most ``limit``."""
-    return Op("read expired runs", (Command(("ZRANGEBYSCORE", keys.finished, "-inf", repr(time.time()),
-                                             "LIMIT", 0, limit)),), lambda answers: list(answers[0]))
+    """Finished runs whose retention ended by now, at most ``limit`` per shard."""
+    now = repr(time.time())
+    return Op("read expired runs", tuple(
+        Command(("ZRANGEBYSCORE", keys.finished(shard), "-inf", now, "LIMIT", 0, limit)) for shard in keys.shards
+    ), _concatenated)
 
 
 def idempotency_keys(keys: Keys, run_ids: Sequence[str]) -> Op[list[str]]:
@@ -536,24 +636,26 @@ def forget(keys: Keys, runs: Mapping[str, str]) -> Op[int]:
     for run_id, idempotency_key in runs.items():
         doomed = [keys.run(run_id), keys.steps(run_id), keys.cancel(run_id)]
         if idempotency_key:
-            doomed.append(keys.idempotency(idempotency_key))
+            doomed.append(keys.idempotency(idempotency_key, keys.shard(run_id)))
         calls += [Command(("DEL", *doomed))]
-    ids = list(runs)
-    if ids:
-        calls += [Command(("ZREM", keys.index, *ids)), Command(("ZREM", keys.finished, *ids)),
-                  Command(("ZREM", keys.unclaimed, *ids))]
-    return Op("forget expired runs", tuple(calls), lambda answers: len(ids))
+    for shard, ids in keys.by_shard(runs).items():
+        calls += [Command(("ZREM", keys.index(shard), *ids)), Command(("ZREM", keys.finished(shard), *ids)),
+                  Command(("ZREM", keys.unclaimed(shard), *ids))]
+    return Op("forget expired runs", tuple(calls), lambda answers: len(runs))
 
 
 def unclaimed_since(keys: Keys, *, cutoff: float, limit: int) -> Op[list[str]]:
-    """Runs whose message was sent before ``cutoff`` (epoch seconds) and that nobody claimed since."""
-    return Op("read unclaimed runs", (Command(("ZRANGEBYSCORE", keys.unclaimed, "-inf", repr(cutoff),
-                                               "LIMIT", 0, limit)),), lambda answers: list(answers[0]))
+    """Runs whose message was sent before ``cutoff`` (epoch seconds) and that nobody claimed since (at most
+    ``limit`` per shard)."""
+    return Op("read unclaimed runs", tuple(
+        Command(("ZRANGEBYSCORE", keys.unclaimed(shard), "-inf", repr(cutoff), "LIMIT", 0, limit))
+        for shard in keys.shards), _concatenated)
 
 
 def take_redrive(keys: Keys, run_id: str, *, cutoff: float) -> Op[str]:
     """Take the re-drive of one unclaimed run: ``start``, ``resume``, or ``""`` when it is not due or moved on."""
-    return _script(_scripts.REDRIVE, (keys.unclaimed, keys.run(run_id)), (run_id, repr(cutoff), repr(time.time())),
+    return _script(_scripts.REDRIVE, (keys.unclaimed(keys.shard(run_id)), keys.run(run_id)),
+                   (run_id, repr(cutoff), repr(time.time())),
                    f"re-drive run {run_id}", lambda answers: str(answers[0] or ""))
 
 
@@ -578,8 +680,8 @@ def approve_once(keys: Keys, run_id: str) -> Op[tuple[Transition, bool]]:
         transition = _read_transition("approve", run_id, answer[:2])
         return transition, transition.won and len(answer) > 2 and bool(answer[2])
 
-    return _script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed), (repr(time.time()), run_id),
-                   f"approve run {run_id}", parse)
+    return _script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed(keys.shard(run_id))),
+                   (repr(time.time()), run_id), f"approve run {run_id}", parse)
 
 
 def set_progress(keys: Keys, run_id: str, progress: Mapping[str, Any]) -> Op[bool]:
@@ -604,21 +706,44 @@ def index_after(keys: Keys, cursor: tuple[float, str] | None, *,
                 count: int) -> Op[tuple[list[tuple[str, float]], bool]]:
     """Run ids with their creation times, newest first, after ``cursor`` (score, id): the next ``count``
     entries from the cursor's score down, less those at or before the cursor (ties on the score come
-    in reverse id order), and whether the index ends there."""
+    in reverse id order), and whether the index ends there. In a cluster, the shards' indexes merged."""
     top = "+inf" if cursor is None else repr(cursor[0])
 
     def parse(answers: list[Any]) -> tuple[list[tuple[str, float]], bool]:
-        flat = answers[0]
-        if flat and isinstance(flat[0], (list, tuple)):  # a client that pairs WITHSCORES answers itself
-            flat = [item for pair in flat for item in pair]
-        pairs = [(str(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
-        exhausted = len(pairs) < count
+        pairs, exhausted = merge_newest([_pairs(answer) for answer in answers], count)
         if cursor is None:
             return pairs, exhausted
         return [(m, s) for m, s in pairs if s < cursor[0] or m < cursor[1]], exhausted
 
-    return Op("list runs", (Command(("ZREVRANGEBYSCORE", keys.index, top, "-inf", "WITHSCORES",
-                                     "LIMIT", 0, count)),), parse)
+    return Op("list runs", tuple(Command(("ZREVRANGEBYSCORE", keys.index(shard), top, "-inf", "WITHSCORES",
+                                          "LIMIT", 0, count)) for shard in keys.shards), parse)
+
+
+def _pairs(flat: Any) -> list[tuple[str, float]]:
+    """A WITHSCORES answer as (member, score) pairs."""
+    if flat and isinstance(flat[0], (list, tuple)):  # a client that pairs WITHSCORES answers itself
+        flat = [item for pair in flat for item in pair]
+    return [(str(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
+def merge_newest(batches: Sequence[list[tuple[str, float]]], count: int) -> tuple[list[tuple[str, float]], bool]:
+    """Merge newest-first batches of (id, score), each at most ``count`` long, into the ``count`` newest,
+    and say whether nothing is left after them.
+
+    A full batch may have more entries past its last one, so the merge stops at the highest last entry
+    among full batches: past it, that shard's entries were not read (one batch: as before the merge).
+    """
+    full = [batch for batch in batches if len(batch) >= count]
+    merged = sorted((pair for batch in batches for pair in batch), key=lambda p: (p[1], p[0]), reverse=True)
+    if full:
+        edge = max((batch[-1][1], batch[-1][0]) for batch in full)
+        merged = [pair for pair in merged if (pair[1], pair[0]) >= edge]
+    return merged[:count], not full and len(merged) <= count
+
+
+def _concatenated(answers: list[Any]) -> list[str]:
+    """One list of the ids that the shards answered, in shard order."""
+    return [str(item) for answer in answers for item in answer]
 
 
 def summaries(keys: Keys, run_ids: Sequence[str]) -> Op[list[RunRecord | None]]:

@@ -9,7 +9,9 @@ segment needs: claim, append (with the probe), probe, settle, suspend.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypeVar
 
 import redis
@@ -29,6 +31,8 @@ POOL_CONNECTIONS = 64
 POOL_WAIT_S = 30.0
 """How long a round trip waits for a free connection before it fails as a store error."""
 
+Client = redis.asyncio.Redis | redis.asyncio.RedisCluster
+
 
 class AsyncRunStore:
     """Runs, steps and cancel keys in Redis under one namespace, from an event loop.
@@ -36,11 +40,16 @@ class AsyncRunStore:
     Its connections belong to the loop that first uses them: use one instance per loop.
     """
 
-    def __init__(self, client: redis.asyncio.Redis, namespace: str, *, retention_s: int = 0) -> None:
+    def __init__(self, client: Client, namespace: str, *, retention_s: int = 0) -> None:
         self._redis = client
         self.namespace = namespace
-        self.keys = core.Keys(namespace, retention_s)
+        self.keys = core.Keys(namespace, retention_s, cluster=isinstance(client, redis.asyncio.RedisCluster))
         self.where = core.describe(client)
+        self._turns: asyncio.Semaphore | None = None
+        if self.keys.cluster:
+            # A cluster client has no blocking pool: past max_connections it refuses at once. Round trips
+            # wait their turn here instead (each holds at most one connection per node).
+            self._turns = asyncio.Semaphore(POOL_CONNECTIONS)
 
     @classmethod
     def connect(cls, settings: Settings) -> AsyncRunStore:
@@ -50,6 +59,10 @@ class AsyncRunStore:
         want a round trip at once (a burst of cancels records hundreds of steps), and the default
         pool would refuse the 101st with "Too many connections" instead of making it wait its turn.
         """
+        if settings.redis_cluster:
+            cluster = redis.asyncio.RedisCluster.from_url(
+                settings.redis_url, max_connections=POOL_CONNECTIONS, **client_options(settings))
+            return cls(cluster, settings.namespace, retention_s=settings.retention_s)
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S, **client_options(settings)
         )
@@ -66,10 +79,26 @@ class AsyncRunStore:
             StoreError: when Redis cannot be reached and the op has no fallback.
         """
         try:
-            answers = await self._send(op)
-        except redis.RedisError as exc:
+            async with self._turn():
+                answers = await self._send(op)
+        except core.UNREACHABLE as exc:
             return core.failed(op, exc, self.where)
         return op.parse(answers)
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """On a cluster, wait (bounded) for one of the round trips allowed at once; elsewhere the pool waits."""
+        if self._turns is None:
+            yield
+            return
+        try:
+            await asyncio.wait_for(self._turns.acquire(), POOL_WAIT_S)
+        except TimeoutError:
+            raise redis.exceptions.ConnectionError(f"no free connection within {POOL_WAIT_S:g} s") from None
+        try:
+            yield
+        finally:
+            self._turns.release()
 
     async def _send(self, op: core.Op[Any]) -> list[Any]:
         if len(op.calls) == 1 and not op.transaction:
@@ -85,7 +114,7 @@ class AsyncRunStore:
 
     async def _one(self, call: core.Call) -> Any:
         if isinstance(call, core.Command):
-            return await self._redis.execute_command(*call.args)  # type: ignore[no-untyped-call]
+            return await self._redis.execute_command(*call.args)  # type: ignore[no-untyped-call, unused-ignore]
         try:
             return await self._redis.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
         except redis.exceptions.NoScriptError:

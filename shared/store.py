@@ -12,8 +12,9 @@ This one serves the CLI, the cancel listener's thread and the lease keeper.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import redis
@@ -29,6 +30,9 @@ __all__ = ["CancelRequest", "Claim", "Created", "RunRecord", "RunStore", "Transi
 
 T = TypeVar("T")
 
+Client = redis.Redis | redis.RedisCluster
+"""A single Redis, or a Redis Cluster (``RUNBRAKE_REDIS_CLUSTER``)."""
+
 
 def client_options(settings: Settings) -> dict[str, Any]:
     """How both executors connect: decoded answers, bounded waits."""
@@ -43,25 +47,54 @@ def client_options(settings: Settings) -> dict[str, Any]:
 class RunStore:
     """Runs, steps and cancel keys in Redis under one namespace (synchronous)."""
 
-    def __init__(self, client: redis.Redis, namespace: str, *, retention_s: int = 0) -> None:
-        self._redis = client
+    def __init__(self, client: Client | Callable[[], redis.RedisCluster], namespace: str, *, retention_s: int = 0,
+                 where: str = "") -> None:
+        """``client``: a client, or a function that makes a cluster client when it is first needed
+        (redis-py's asks the cluster for its slots as it is made; a store connects lazily)."""
+        self._client: Client | None = None
+        self._make: Callable[[], redis.RedisCluster] | None = None
+        if isinstance(client, (redis.Redis, redis.RedisCluster)):
+            self._client = client
+        else:
+            self._make = client
+        self._making = threading.Lock()
         self.namespace = namespace
-        self.keys = core.Keys(namespace, retention_s)
-        self.where = core.describe(client)
+        self.keys = core.Keys(namespace, retention_s, cluster=not isinstance(client, redis.Redis))
+        self.where = where or core.describe(client)
 
     @classmethod
     def connect(cls, settings: Settings) -> RunStore:
-        """A store on ``settings.redis_url`` under ``settings.namespace``. Connects lazily."""
+        """A store on ``settings.redis_url`` under ``settings.namespace``. Connects lazily. With
+        ``settings.redis_cluster`` the URL names a seed node of a Redis Cluster."""
+        if settings.redis_cluster:
+            return cls(lambda: redis.RedisCluster.from_url(settings.redis_url, **client_options(settings)),
+                       settings.namespace, retention_s=settings.retention_s,
+                       where=core.describe_url(settings.redis_url, cluster=True))
         client = redis.Redis.from_url(settings.redis_url, **client_options(settings))
         return cls(client, settings.namespace, retention_s=settings.retention_s)
 
     @property
-    def redis(self) -> redis.Redis:
-        """The client, for health checks and tests."""
-        return self._redis
+    def redis(self) -> Client:
+        """The client, for health checks and tests (a cluster's is made here on first use).
+
+        Raises:
+            RedisClusterException: when no seed node of the cluster answers.
+        """
+        if self._client is None:
+            with self._making:
+                if self._client is None and self._make is not None:
+                    self._client = self._make()
+        assert self._client is not None  # one of the two is always set
+        return self._client
+
+    @property
+    def cluster(self) -> bool:
+        """Whether this store is on a Redis Cluster."""
+        return self.keys.cluster
 
     def close(self) -> None:
-        self._redis.close()
+        if self._client is not None:
+            self._client.close()
 
     def execute(self, op: core.Op[T]) -> T:
         """Send one op (one round trip) and read its answer.
@@ -71,31 +104,43 @@ class RunStore:
         """
         try:
             answers = self._send(op)
-        except redis.RedisError as exc:
+        except core.UNREACHABLE as exc:
             return core.failed(op, exc, self.where)
         return op.parse(answers)
 
     def _send(self, op: core.Op[Any]) -> list[Any]:
         if len(op.calls) == 1 and not op.transaction:
             return [self._one(op.calls[0])]
-        with self._redis.pipeline(transaction=op.transaction) as pipe:
+        client = self.redis
+        with client.pipeline(transaction=op.transaction) as pipe:
             for call in op.calls:
-                core.queue(pipe, call)
+                core.queue(pipe, call, **self._route(client, call))
             answers: list[Any] = pipe.execute(raise_on_error=False)
         for i in core.missing_scripts(answers):
             answers[i] = self._one(op.calls[i])
         core.raise_first_error(answers)
         return answers
 
+    @staticmethod
+    def _route(client: Client, call: core.Call) -> dict[str, Any]:
+        """Where a cluster pipeline sends a script: named here, because redis-py's synchronous cluster
+        pipeline would otherwise ask a node for the keys of every EVALSHA (COMMAND GETKEYS), one round
+        trip each. A MOVED answer is still followed (the retry routes by the key)."""
+        if isinstance(client, redis.RedisCluster) and isinstance(call, core.ScriptCall):
+            return {"target_nodes": client.get_node_from_key(call.keys[0])}  # type: ignore[no-untyped-call]
+        return {}
+
     def _one(self, call: core.Call) -> Any:
+        client = self.redis
         if isinstance(call, core.Command):
-            return self._redis.execute_command(*call.args)  # type: ignore[no-untyped-call]
+            return client.execute_command(*call.args)  # type: ignore[no-untyped-call]
         try:
-            return self._redis.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            return client.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
         except redis.exceptions.NoScriptError:
             # Redis lost its script cache (a restart, SCRIPT FLUSH): load and send again; it did not run.
-            self._redis.script_load(call.script.source)
-            return self._redis.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            # (A cluster client loads it on every primary.)
+            client.script_load(call.script.source)
+            return client.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -178,8 +223,11 @@ class RunStore:
 
     @property
     def location(self) -> str:
-        """Where this store looks, for messages: ``namespace N in Redis host:port/db``."""
-        db = self._redis.connection_pool.connection_kwargs.get("db", 0)
+        """Where this store looks, for messages: ``namespace N in Redis host:port/db`` (``in Redis cluster
+        host:port`` on a cluster, which has no databases)."""
+        if self._client is None or isinstance(self._client, redis.RedisCluster):
+            return f"namespace {self.namespace!r} in Redis {self.where}"
+        db = self._client.connection_pool.connection_kwargs.get("db", 0)
         return f"namespace {self.namespace!r} in Redis {self.where}/{db}"
 
     def recent(self, *, limit: int = 20, status: RunStatus | None = None, scan: int = 1000) -> list[RunRecord]:
@@ -228,9 +276,21 @@ class RunStore:
         self.execute(core.forget(self.keys, dict(zip(due, idempotency, strict=True))))
         return list(due)
 
+    def persistence(self) -> list[tuple[str, dict[str | None, str | None]]]:
+        """Each node's ``appendonly`` and ``save`` (every primary of a cluster), for the worker's warning
+        about a Redis that keeps nothing on disk."""
+        client = self.redis
+        if isinstance(client, redis.Redis):
+            return [(self.where, {**client.config_get("appendonly"), **client.config_get("save")})]
+        primaries: list[Any] = client.get_primaries()  # type: ignore[no-untyped-call]
+        return [(node.name, {**client.config_get("appendonly", target_nodes=node),
+                             **client.config_get("save", target_nodes=node)}) for node in primaries]
+
     def delete_namespace(self) -> int:
-        """Delete every key under this namespace (tests and the demo clean up with this)."""
+        """Delete every key under this namespace (tests and the demo clean up with this; a cluster client
+        scans every primary)."""
         deleted = 0
-        for key in self._redis.scan_iter(match=f"{self.namespace}:*", count=500):
-            deleted += self._redis.delete(key)
+        client = self.redis
+        for key in client.scan_iter(match=f"{self.namespace}:*", count=500):
+            deleted += client.delete(key)
         return deleted

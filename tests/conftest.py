@@ -19,7 +19,8 @@ from runbrake.broker.wire import delete_topology
 from runbrake.shared import RunStore, Settings
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
-pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.api_helpers"]
+pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.api_helpers",
+                  "tests.cluster_helpers"]
 
 
 @pytest.fixture
@@ -50,7 +51,12 @@ def namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def settings(namespace: str) -> Settings:
+def settings(namespace: str, request: pytest.FixtureRequest) -> Settings:
+    """This test's settings; parametrized indirectly with ``"cluster"``, on a real three-master Redis Cluster
+    (tests/cluster_helpers.py), so that ``store`` and the worker processes use it too."""
+    if getattr(request, "param", "single") == "cluster":
+        cluster: Settings = request.getfixturevalue("cluster_settings")
+        return cluster
     return Settings.from_env()
 
 

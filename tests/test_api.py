@@ -139,6 +139,7 @@ def test_a_run_reads_as_show_json_and_unknown_or_malformed_ids_are_404_and_422(
     assert malformed.value.errors[0]["loc"] == ["path", "run_id"]
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 def test_runs_are_listed_newest_first_in_pages_with_a_cursor_and_filtered_by_status(
     api: ApiProcess, store: RunStore
 ) -> None:
@@ -212,6 +213,7 @@ def _ok() -> Any:
 # -- events --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 def test_events_replay_the_steps_then_follow_live_and_end_after_the_terminal_status(
     api: ApiProcess, store: RunStore
 ) -> None:

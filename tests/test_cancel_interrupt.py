@@ -99,6 +99,7 @@ def _cancel_mid_slow(
     return store.get(run.run_id)
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 def test_a_cancel_interrupts_the_tool_call_in_flight_and_records_it_cancelled_not_failed(
     toolbox: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
     publisher: CancelPublisher,
@@ -215,6 +216,7 @@ def test_a_cancel_message_without_the_fence_changes_nothing(
     assert matching_events(toolbox_http.events, "cancelled") == []
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 def test_the_backstop_interrupts_a_call_whose_cancel_message_was_lost(
     toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
 ) -> None:

@@ -200,6 +200,7 @@ def _depth(queue: str) -> float | None:
     return None
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 def test_one_process_samples_the_queue_depth_and_hands_over_when_it_stops(
     store: RunStore, rabbitmq: Settings,
 ) -> None:

@@ -33,6 +33,12 @@ from runbrake.shared import (
 
 pytestmark = pytest.mark.integration
 
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test of the store runs on a single Redis and on a three-master Redis Cluster."""
+    if "settings" in metafunc.fixturenames:
+        metafunc.parametrize("settings", ["single", "cluster"], indirect=True)
+
 OWNER = "worker-1/thread-1"
 OTHER = "worker-2/thread-7"
 BARRIER_TIMEOUT_S = 30
@@ -82,7 +88,7 @@ def snapshot(store: RunStore, run_id: str) -> dict[str, Any]:
         "cancel": r.get(store.cancel_key(run_id)),
         "cancel_ttl": r.ttl(store.cancel_key(run_id)),
         "indexed": r.zscore(f"{store.namespace}:runs", run_id),
-        "lease": r.zscore(f"{store.namespace}:leases", run_id),
+        "lease": r.zscore(leases_of(store, run_id), run_id),
         "record": store.get(run_id) if r.exists(store.run_key(run_id)) else None,
     }
 
@@ -105,6 +111,8 @@ def observed(settings: Settings) -> Iterator[tuple[RunStore, list[dict[str, Any]
     Uses MONITOR: every command the store's own connection sends is listed, then an ECHO marker
     closes the window. Deterministic even when other clients use the same Redis at the same time.
     """
+    if settings.redis_cluster:
+        pytest.skip("MONITOR watches one node: the commands sent are counted on a single Redis")
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True, single_connection_client=True)
     watcher = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=10)
     seen: list[dict[str, Any]] = []
@@ -864,7 +872,7 @@ def test_the_owner_renews_its_lease_on_a_running_run(store: RunStore) -> None:
     new = store.get(run_id).lease_expires_at
     assert new is not None
     assert new > old
-    assert store.redis.zscore(f"{store.namespace}:leases", run_id) == pytest.approx(new)
+    assert store.redis.zscore(leases_of(store, run_id), run_id) == pytest.approx(new)
 
 
 @pytest.mark.parametrize(("status", "owner"), [(RUNNING, OTHER), (CANCELLED, OWNER), (COMPLETED, OWNER)])
@@ -887,11 +895,16 @@ def test_many_leases_are_renewed_in_one_call_and_the_lost_ones_are_named(store: 
     assert lost == {finished}
 
 
+def leases_of(store: RunStore, run_id: str) -> str:
+    """The lease set a run is in (one per shard on a cluster)."""
+    return store.keys.leases(store.keys.shard(run_id))
+
+
 def expire_lease(store: RunStore, run_id: str) -> None:
     """Age a run's lease as if its worker had stopped renewing it a while ago."""
     past = time.time() - 5
     store.redis.hset(store.run_key(run_id), "lease_expires_at", repr(past))
-    store.redis.zadd(f"{store.namespace}:leases", {run_id: past})
+    store.redis.zadd(leases_of(store, run_id), {run_id: past})
 
 
 def test_a_running_run_whose_lease_expired_is_reaped_as_failed_lease_lost(store: RunStore) -> None:
@@ -904,7 +917,7 @@ def test_a_running_run_whose_lease_expired_is_reaped_as_failed_lease_lost(store:
     record = store.get(run_id)
     assert (record.status, record.termination_reason) == (FAILED, TerminationReason.LEASE_LOST)
     assert OWNER in record.error
-    assert store.redis.zscore(f"{store.namespace}:leases", run_id) is None
+    assert store.redis.zscore(leases_of(store, run_id), run_id) is None
     assert [e["run_id"] for e in logs if e["event"] == "run_lease_lost"] == [run_id]
     # Terminal is terminal: the worker's late settle is refused.
     assert not store.settle(run_id, COMPLETED, TerminationReason.COMPLETED, owner=OWNER)
@@ -921,7 +934,7 @@ def test_a_live_lease_is_not_reaped(store: RunStore) -> None:
 def test_a_lease_renewed_after_it_was_due_is_not_reaped(store: RunStore) -> None:
     run_id = run_in(store, RUNNING)
     expire_lease(store, run_id)
-    store.redis.zadd(f"{store.namespace}:leases", {run_id: time.time() - 5})
+    store.redis.zadd(leases_of(store, run_id), {run_id: time.time() - 5})
     store.redis.hset(store.run_key(run_id), "lease_expires_at", repr(time.time() + 600))
 
     assert store.reap_expired() == []
@@ -932,7 +945,7 @@ def test_a_lease_renewed_after_it_was_due_is_not_reaped(store: RunStore) -> None
 def test_only_running_runs_hold_a_lease(store: RunStore, status: RunStatus) -> None:
     run_id = run_in(store, status)
 
-    assert store.redis.zscore(f"{store.namespace}:leases", run_id) is None
+    assert store.redis.zscore(leases_of(store, run_id), run_id) is None
     assert store.reap_expired() == []
     assert store.status(run_id) is status
 

@@ -12,6 +12,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
+import redis
 
 from runbrake.broker.wire import (
     MAX_CANCEL_BODY_BYTES,
@@ -126,6 +127,7 @@ def test_the_terminal_check_in_lua_is_built_from_the_python_enum() -> None:
     assert "'completed'" not in _scripts.SETTLE.source
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 @pytest.mark.integration
 def test_the_store_heals_when_redis_lost_its_script_cache(store: RunStore) -> None:
     created = store.create({"input": "x"})
@@ -138,6 +140,7 @@ def test_the_store_heals_when_redis_lost_its_script_cache(store: RunStore) -> No
     assert store.status(created.run_id) is RunStatus.RUNNING
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 @pytest.mark.integration
 @pytest.mark.anyio
 async def test_the_async_store_heals_when_redis_lost_its_script_cache(store: RunStore, settings: Settings) -> None:
@@ -156,6 +159,7 @@ async def test_the_async_store_heals_when_redis_lost_its_script_cache(store: Run
     assert (appended.step.sequence, appended.cancelled) == (1, False)
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 @pytest.mark.integration
 @pytest.mark.anyio
 async def test_the_async_claim_reads_the_request_in_the_same_round_trip_and_the_append_probes(
@@ -189,9 +193,15 @@ async def test_the_async_store_names_redis_when_it_cannot_be_reached_and_its_pro
         await unreachable.aclose()
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 @pytest.mark.integration
-def test_every_status_change_and_appended_step_is_announced_on_the_events_channel(store: RunStore) -> None:
-    subscriber = store.redis.pubsub(ignore_subscribe_messages=True)
+def test_every_status_change_and_appended_step_is_announced_on_the_events_channel(
+    store: RunStore, settings: Settings
+) -> None:
+    # Subscribed as the API's event hub is (broker/events.py): one connection to the URL's node. On a
+    # cluster, the scripts publish on whichever node holds the run, and every node hears it.
+    listener = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    subscriber = listener.pubsub(ignore_subscribe_messages=True)
     subscriber.subscribe(store.keys.events)
     try:
         created = store.create({"input": "x"})
@@ -203,6 +213,7 @@ def test_every_status_change_and_appended_step_is_announced_on_the_events_channe
         late = _messages(subscriber, until=lambda _got: False, timeout=0.3)
     finally:
         subscriber.close()
+        listener.close()
 
     assert late == []
     assert [(e["event"], e.get("status")) for e in events] == [

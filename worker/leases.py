@@ -4,12 +4,16 @@ One :class:`LeaseKeeper` thread per worker process, every third of a lease, rene
 leases of the runs this process executes (one round trip for all of them) and reaps the
 runs whose lease expired: their worker stopped without a word (an OOM kill, SIGKILL, a
 lost host), and any worker fails them with reason ``lease_lost``. Each reap is one
-guarded script, so concurrent reapers never both win (docs/architecture.md, "Leases").
+guarded script, so concurrent reapers never both win; expiry is decided on Redis's clock, and a
+keeper that lost Redis reaps nothing until Redis has answered it for a lease again
+(docs/architecture.md, "Leases").
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -22,14 +26,26 @@ log = structlog.get_logger(__name__)
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews this process's leases and reaps expired ones, every third of a lease."""
+    """Renews this process's leases and reaps expired ones, every third of a lease.
 
-    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
+    After Redis failed it, the keeper renews as usual but does not reap until Redis has answered it for
+    a whole lease again (docs/architecture.md, "Leases"): during an outage nobody could renew, so a
+    lease that ran out then says nothing about its worker, and every worker still alive renews within a
+    third of a lease of reaching Redis again. ``clock`` is monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns,
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(name="runbrake-lease-keeper", daemon=True)
         self._lease_s = settings.lease_s
         self._store = store
         self._registry = registry
+        self._clock = clock
         self._stopping = threading.Event()
+        self._outage = False
+        """The last round trip failed: reaping waits for Redis to answer again."""
+        self._reap_from: float | None = None
+        """While set, no reaping before this ``clock`` time (a lease after Redis answered again)."""
 
     def run(self) -> None:
         while True:
@@ -37,13 +53,26 @@ class LeaseKeeper(threading.Thread):
             if self._stopping.wait(self._lease_s / 3):
                 return
 
+    @property
+    def reaping(self) -> bool:
+        """Whether this keeper reaps now (False during an outage and for a lease after it)."""
+        if self._outage:
+            return False
+        if self._reap_from is not None and self._clock() >= self._reap_from:
+            self._reap_from = None
+            log.info("lease_reaping_resumed")
+        return self._reap_from is None
+
     def tend(self) -> None:
-        """Renew, then reap, once. A store outage is logged and tried again next time."""
+        """Renew, then reap unless paused, once. A store outage is logged and tried again next time."""
         try:
-            lost = self._store.renew_leases(self._registry.owners(), lease_s=self._lease_s)
-            self._store.reap_expired()
+            lost = self._renew()
+            self._regained()
+            if self.reaping:
+                self._store.reap_expired()
         except StoreError as exc:
             log.warning("lease_upkeep_failed", error=str(exc))
+            self._outage = True
             return
         for run_id in lost:
             if run_id in self._registry:
@@ -52,6 +81,23 @@ class LeaseKeeper(threading.Thread):
                 # first, the cancelled call's step is still recorded: its owner is unchanged.)
                 log.warning("lease_not_renewed", run_id=run_id, action="interrupting the run")
                 self._registry.interrupt(run_id, lost=True)
+
+    def _renew(self) -> set[str]:
+        """Renew this process's leases; with none, PING: either round trip tells whether Redis answers,
+        which is what ends a pause (a keeper that skipped Redis could not see an outage)."""
+        owners = self._registry.owners()
+        if not owners:
+            self._store.ping()
+            return set()
+        return self._store.renew_leases(owners, lease_s=self._lease_s)
+
+    def _regained(self) -> None:
+        """Redis answered: after an outage, grant every lease a full lease before reaping again."""
+        if self._outage:
+            self._outage = False
+            self._reap_from = self._clock() + self._lease_s
+            log.warning("lease_reaping_paused", for_s=self._lease_s,
+                        why="Redis answered again after an outage: nobody could renew during it")
 
     def stop(self) -> None:
         self._stopping.set()

@@ -164,15 +164,17 @@ def drain(worker: Worker, registry: ActiveRuns, *, drain_s: float, hurry: thread
 
 def _warn_unless_persistent(store: RunStore) -> None:
     """Redis is the system of record: without AOF or snapshots a restart erases every run. Say so loudly
-    (docs/architecture.md, "The run store"); a Redis that does not let us ask (a managed one) is trusted."""
+    (docs/architecture.md, "The run store"); a Redis that does not let us ask (a managed one) is trusted.
+    On a cluster, each primary is asked."""
     try:
-        config = store.redis.config_get("appendonly") | store.redis.config_get("save")
+        nodes = store.persistence()
     except redis.RedisError:
         return
-    if config.get("appendonly") != "yes" and not config.get("save"):
-        log.warning("redis_not_persistent", redis=store.where, appendonly=config.get("appendonly"),
-                    save=config.get("save"), risk="a Redis restart erases every run",
-                    fix="appendonly yes, appendfsync everysec (deploy/compose.yaml, deploy/k8s)")
+    for where, config in nodes:
+        if config.get("appendonly") != "yes" and not config.get("save"):
+            log.warning("redis_not_persistent", redis=where, appendonly=config.get("appendonly"),
+                        save=config.get("save"), risk="a Redis restart erases every run",
+                        fix="appendonly yes, appendfsync everysec (deploy/compose.yaml, deploy/k8s)")
 
 
 def _check_rabbitmq(settings: Settings) -> None:

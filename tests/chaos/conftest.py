@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.cluster_helpers import RedisCluster
 from tests.mcp_helpers import free_port
 from tests.polling import poll_until
 
@@ -52,3 +53,21 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         client.close()
         process.terminate()
         process.wait(timeout=10)
+
+
+@dataclass
+class Outage:
+    """A Redis the test may stop (SIGSTOP) and start again: a private single one, or every node of the
+    session's cluster (tests/cluster_helpers.py; stopped together, the nodes see no failure of each other)."""
+
+    pids: list[int]
+    env: dict[str, str]
+
+
+@pytest.fixture(params=["single", "cluster"])
+def stoppable_redis(request: pytest.FixtureRequest) -> Outage:
+    if request.param == "cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        return Outage([p.pid for p in cluster.processes], cluster.env())
+    single: PrivateRedis = request.getfixturevalue("private_redis")
+    return Outage([single.process.pid], {"RUNBRAKE_REDIS_URL": single.url})

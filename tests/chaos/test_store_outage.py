@@ -15,7 +15,7 @@ from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
 from runbrake.shared.catalog import Admission
-from tests.chaos.conftest import PrivateRedis
+from tests.chaos.conftest import Outage, PrivateRedis
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -23,10 +23,11 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_redis_blip_during_tool_calls_fails_no_run_and_loses_no_step(
-    private_redis: PrivateRedis, toolbox_http: Toolbox, rabbitmq: Settings,
+    stoppable_redis: Outage, toolbox_http: Toolbox, rabbitmq: Settings,
     start_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("RUNBRAKE_REDIS_URL", private_redis.url)
+    for name, value in stoppable_redis.env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("RUNBRAKE_REDIS_TIMEOUT_S", "0.5")
     monkeypatch.setenv("RUNBRAKE_LEASE_S", "10")
     settings = Settings.from_env()
@@ -39,12 +40,14 @@ def test_a_redis_blip_during_tool_calls_fails_no_run_and_loses_no_step(
             {"tool_calls": [call("slow", seconds=2)]}, {"content": "done"}])).run_id for _ in range(5)]
         wait_for_event(toolbox_http.events, "started", tool="slow", count=5, timeout=20)
 
-        os.kill(private_redis.process.pid, signal.SIGSTOP)  # Redis stops answering; the calls finish meanwhile
+        for pid in stoppable_redis.pids:
+            os.kill(pid, signal.SIGSTOP)  # Redis stops answering; the calls finish meanwhile
         try:
             wait_for_event(toolbox_http.events, "finished", tool="slow", count=5, timeout=20)
             worker.wait_for_log("store_write_retrying", timeout=10)
         finally:
-            os.kill(private_redis.process.pid, signal.SIGCONT)
+            for pid in stoppable_redis.pids:
+                os.kill(pid, signal.SIGCONT)
 
         records = [wait_for_run(store, run_id, timeout=30) for run_id in runs]
     finally:

@@ -1,0 +1,129 @@
+"""A real three-master Redis Cluster for the tests, started once per session on free ports.
+
+Three ``redis-server --cluster-enabled yes`` (append-only file on, in a temporary folder), joined by
+``redis-cli --cluster create``; the fixture waits until every node says ``cluster_state:ok`` and
+stops them at the end. A test runs on the cluster when its ``settings`` fixture is parametrized
+indirectly with ``"cluster"`` (tests/conftest.py): ``store`` and the worker processes it starts then
+use the cluster too. Nothing here stands in for Redis.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from runbrake.shared import Settings
+from tests.polling import poll_until
+
+MASTERS = 3
+BUS_OFFSET = 10_000
+"""A cluster node also listens on its port + 10000 (the cluster bus), so ports stay below 55536."""
+
+
+@dataclass
+class RedisCluster:
+    """The session's cluster: its nodes' processes and ports."""
+
+    processes: list[subprocess.Popen[bytes]]
+    ports: list[int]
+
+    @property
+    def url(self) -> str:
+        """A seed node's URL, as ``RUNBRAKE_REDIS_URL`` takes it."""
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def env(self) -> dict[str, str]:
+        """What a worker process needs to use the cluster."""
+        return {"RUNBRAKE_REDIS_URL": self.url, "RUNBRAKE_REDIS_CLUSTER": "true"}
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_ports(count: int) -> list[int]:
+    """``count`` ports below 55536 that are free, each with its bus port (+10000) free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randint(20_000, 45_000)  # not a secret: any free port will do
+        if port not in ports and _free(port) and _free(port + BUS_OFFSET):
+            ports.append(port)
+    return ports
+
+
+def _cluster_ok(port: int) -> bool:
+    client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=1, decode_responses=True)
+    try:
+        info = client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+    if isinstance(info, dict):  # redis-py parses the answer
+        return info.get("cluster_state") == "ok"
+    return "cluster_state:ok" in str(info)
+
+
+
+def _answers(port: int) -> bool:
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli are not installed here")
+    folder: Path = tmp_path_factory.mktemp("redis-cluster")
+    ports = free_cluster_ports(MASTERS)
+    processes = [subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+         "--cluster-config-file", str(folder / f"nodes-{port}.conf"), "--cluster-node-timeout", "2000",
+         "--dir", str(folder), "--appendonly", "yes", "--appendfilename", f"appendonly-{port}.aof",
+         "--appenddirname", f"aof-{port}", "--save", ""],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    ) for port in ports]
+    try:
+        for port in ports:
+            poll_until(lambda port=port: _answers(port), timeout=10,  # type: ignore[misc]
+                       failure=lambda port=port: f"redis-server on {port} did not answer")  # type: ignore[misc]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30,
+        )
+        for port in ports:
+            poll_until(lambda port=port: _cluster_ok(port), timeout=20,  # type: ignore[misc]
+                       failure=lambda port=port: f"cluster node {port} never said cluster_state:ok")  # type: ignore[misc]
+        yield RedisCluster(processes, ports)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def cluster_settings(redis_cluster: RedisCluster, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """This test's settings on the cluster, also set for worker processes it starts."""
+    for name, value in redis_cluster.env().items():
+        monkeypatch.setenv(name, value)
+    return Settings.from_env()
