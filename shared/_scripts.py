@@ -101,6 +101,12 @@ return {1, ARGV[1]}
 CLAIM = _script("claim", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
+if st == '$status_running' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  -- this very claim landed before and its answer was lost: it is still this owner's (owners are unique)
+  redis.call('HSET', KEYS[1], 'lease_expires_at', ARGV[3])
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+  return {1, '$status_queued'}
+end
 if st ~= '$status_queued' then return {0, st} end
 redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'started_at', ARGV[2],
   'lease_expires_at', ARGV[3])
@@ -114,6 +120,11 @@ return {1, st}
 RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
+if st == '$status_running' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'lease_expires_at', ARGV[3])
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+  return {1, '$status_waiting_for_approval'}
+end
 if st ~= '$status_waiting_for_approval' then return {0, st} end
 if redis.call('HGET', KEYS[1], 'approval') ~= 'approved' then return {0, st} end
 redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'lease_expires_at', ARGV[3],
