@@ -75,7 +75,7 @@ def test_kill_9_of_one_of_two_workers_fails_only_its_runs_lease_lost_and_runs_no
     started = Counter(e["args"]["seconds"] for e in matching_events(toolbox_http.events, "started", tool="slow"))
     assert started == Counter(seconds.values())
     # Reaped within a lease and a third of the kill (the last renewal came before it; reaping runs every
-    # third of a lease). A small allowance for the reaper's own round trips.
+    # third of a lease). An allowance of a second for the reaper's round trips on a loaded machine.
     reaped_after = [records[run_id].finished_at - killed_at for run_id in lost]  # type: ignore[operator]
     print(f"reaped {len(lost)} run(s) {min(reaped_after):.2f}-{max(reaped_after):.2f} s after kill -9")
-    assert max(reaped_after) <= LEASE_S * 4 / 3 + 0.5
+    assert max(reaped_after) <= LEASE_S * 4 / 3 + 1.0
