@@ -1,7 +1,8 @@
 """The RabbitMQ node killed (kill -9) for 20 s under a batch of 100 queued runs: every run completes once
 the node is back, each worker's cancel listener reconnects by itself, and the cancels issued while the
 node was down (written to Redis; their wake-up message could not be published) are found by the backstop,
-so those runs end cancelled without waiting for the broker.
+so those runs end cancelled without waiting for the broker. The cancels go through ``cancel_run`` with a
+``CancelPublisher``, as ``runbrake cancel`` does: the fence in Redis, then a publish that fails.
 
 The node is the test's own (``private_rabbitmq``), killed and booted again on the same port and data
 folder: the durable run queue and its persistent, confirmed messages survive, as they would in production.
@@ -98,6 +99,8 @@ def test_a_20_s_rabbitmq_outage_under_100_queued_runs_loses_no_run_and_cancels_s
 
         records = {run_id: wait_for_run(store, run_id, timeout=60) for run_id in [*long_runs, *short]}
         drained_s = time.time() - back_at
+        for worker in workers:  # the other consumer thread of the same kind is back as well
+            worker.wait_for_log("cancel_requests_connected", count=2, timeout=15)
     finally:
         publisher.close()
         broker.close()
