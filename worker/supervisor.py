@@ -86,10 +86,10 @@ def _supervise(children: list[_Child], stopping: threading.Event) -> int:
                 continue
             status = child.process.poll()
             if status is None:
-                if time.monotonic() - child.started > EARLY_DEATH_S:
-                    child.early_deaths = 0
                 continue
-            early = time.monotonic() - child.started < EARLY_DEATH_S
+            # Exit 3 is the child saying it could not start (worker_cannot_start), however long that took: on
+            # a loaded host a child can take longer than EARLY_DEATH_S to find out, and must still count.
+            early = status == EXIT_UNAVAILABLE or time.monotonic() - child.started < EARLY_DEATH_S
             child.early_deaths = child.early_deaths + 1 if early else 0
             log.error("worker_process_exited", index=child.index, pid=child.process.pid, exit_status=status,
                       while_starting=early)
