@@ -77,10 +77,12 @@ def test_a_20_s_rabbitmq_outage_under_100_queued_runs_loses_no_run_and_cancels_s
             result = cancel_run(store, publisher, run_id, reason="outage drill", requested_by="chaos test")
             cancelled_at[run_id] = time.time()
             assert (result.won, result.message_confirmed) == (True, False)
-        found = poll_until(
-            lambda: (entries := [e for w in workers for e in w.logged("cancel_found_by_backstop")])
-            and len(entries) >= len(cancelled_at) and entries,
-            timeout=10, failure=lambda: "the backstop did not find the cancels made during the outage")
+        def found_by_backstop() -> list[dict[str, object]] | None:
+            entries = [e for w in workers for e in w.logged("cancel_found_by_backstop")]
+            return entries if len(entries) >= len(cancelled_at) else None
+
+        found = poll_until(found_by_backstop, timeout=10,
+                           failure=lambda: "the backstop did not find the cancels made during the outage")
         wait_for_event(toolbox_http.events, "cancelled", tool="slow", count=len(cancelled_at), timeout=10)
         assert time.time() - killed_at < OUTAGE_S, "the cancels landed only after the outage was over"
 
