@@ -115,6 +115,13 @@ return {1, ARGV[1]}
 CLAIM = _script("claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
+if st == '$status_running' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  -- this very claim landed before and its answer was lost: it is still this owner's (owners are unique)
+  local renewed = lease_end(redis_now(), ARGV[2])
+  redis.call('HSET', KEYS[1], 'lease_expires_at', renewed)
+  redis.call('ZADD', KEYS[2], renewed, ARGV[3])
+  return {1, '$status_queued'}
+end
 if st ~= '$status_queued' then return {0, st} end
 local now = redis_now()
 local expires = lease_end(now, ARGV[2])
@@ -130,6 +137,12 @@ return {1, st}
 RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
+if st == '$status_running' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  local renewed = lease_end(redis_now(), ARGV[2])
+  redis.call('HSET', KEYS[1], 'lease_expires_at', renewed)
+  redis.call('ZADD', KEYS[2], renewed, ARGV[3])
+  return {1, '$status_waiting_for_approval'}
+end
 if st ~= '$status_waiting_for_approval' then return {0, st} end
 if redis.call('HGET', KEYS[1], 'approval') ~= 'approved' then return {0, st} end
 local expires = lease_end(redis_now(), ARGV[2])

@@ -326,6 +326,29 @@ def test_a_second_claim_of_the_same_run_is_refused_and_keeps_the_first_owner(sto
     assert store.get(run_id).owner == OWNER
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_claim_tried_again_by_its_owner_after_its_answer_was_lost_is_still_won_and_counted_once(
+    store: RunStore, resume: bool
+) -> None:
+    # Owners are unique per attempt: the same owner again is the worker retrying a claim whose answer it
+    # never got (Redis paused past the client's timeout), not a second message.
+    run_id = run_in(store, WAITING) if resume else store.create({"input": "x"}).run_id
+    if resume:
+        assert store.approve(run_id)
+    claim = store.resume_claim if resume else store.claim
+    assert claim(run_id, OTHER, lease_s=60)
+    segments = store.get(run_id).segments
+
+    again = claim(run_id, OTHER, lease_s=90)
+
+    record = store.get(run_id)
+    assert (again.won, again.found) == (True, WAITING if resume else QUEUED)
+    assert again.request_json is not None
+    assert (record.status, record.owner, record.segments) == (RUNNING, OTHER, segments)
+    assert record.lease_expires_at == pytest.approx(time.time() + 90, abs=5)
+    assert not claim(run_id, "worker-3", lease_s=60)  # anyone else is still refused
+
+
 def test_a_cancelled_queued_run_cannot_be_claimed(store: RunStore) -> None:
     run_id = store.create({"input": "x"}).run_id
     assert store.cancel(run_id, reason="changed my mind", requested_by="ops")
@@ -427,7 +450,7 @@ def test_approving_a_run_twice_is_harmless_and_still_allows_one_resume(store: Ru
     assert store.approve(run_id)
     assert store.approve(run_id)
     assert store.resume_claim(run_id, OTHER, lease_s=30)
-    assert not store.resume_claim(run_id, OTHER, lease_s=30)
+    assert not store.resume_claim(run_id, "worker-3", lease_s=30)
 
 
 # -- settle -------------------------------------------------------------------------------------

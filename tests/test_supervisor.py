@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from runbrake.shared import Settings
+from runbrake.worker import supervisor
 from tests.worker_helpers import WorkerProcess, worker_env
 
 pytestmark = pytest.mark.integration
@@ -62,3 +64,25 @@ def test_the_supervisor_restarts_a_child_that_died_and_logs_its_exit_status(
 
     assert (exited["pid"], exited["exit_status"]) == (victim, -signal.SIGKILL)
     assert code == 0
+
+
+def test_children_that_exit_3_count_as_dying_at_start_however_long_they_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a loaded host a child with a wrong password can take longer than EARLY_DEATH_S to say so and exit 3;
+    # the supervisor used to count that as a late death (and reset the count while the child was still
+    # starting), so it restarted such children forever instead of exiting 3.
+    monkeypatch.setattr(supervisor, "EARLY_DEATH_S", 0.05)
+    monkeypatch.setattr(supervisor, "POLL_S", 0.05)
+    slow_failure = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"]
+    children = [supervisor._Child(i, slow_failure) for i in range(2)]
+    for child in children:
+        child.start()
+    monkeypatch.setattr(supervisor, "MAX_BACKOFF_S", 0.0)  # restart at once: the test is about counting
+
+    code = supervisor._supervise(children, threading.Event())
+
+    for child in children:
+        child.process.wait(timeout=10)
+    assert code == 3
+    assert max(child.early_deaths for child in children) == supervisor.EARLY_DEATHS_TO_GIVE_UP

@@ -180,7 +180,11 @@ class Runtime:
         """Claim and run one segment of a run. Never raises for the run's own failures."""
         with structlog.contextvars.bound_contextvars(run_id=run_id, segment="resume" if resume else "start"):
             owner = new_owner()
-            claim = await self._store.claim(run_id, owner, lease_s=self._settings.lease_s, resume=resume)
+            # Tried again with the same owner while Redis cannot be reached: a claim that landed but whose
+            # answer was lost is then recognised as this owner's, instead of stranding the run "running".
+            claim = await durably(lambda: self._store.claim(run_id, owner, lease_s=self._settings.lease_s,
+                                                            resume=resume),
+                                  within_s=self._settings.lease_s, what="claim")
             if not claim.won:
                 metrics.MESSAGES_SKIPPED.inc()
                 if claim.exists:

@@ -87,8 +87,8 @@ def _supervise(children: list[_Child], stopping: threading.Event) -> int:
             status = child.process.poll()
             if status is None:
                 continue
-            # Exit 3 is only ever a failure to start (however slowly the process got there, e.g. on a
-            # loaded host); any other death soon after a start counts too.
+            # Exit 3 is the child saying it could not start (worker_cannot_start), however long that took: on
+            # a loaded host a child can take longer than EARLY_DEATH_S to find out, and must still count.
             early = status == EXIT_UNAVAILABLE or time.monotonic() - child.started < EARLY_DEATH_S
             child.early_deaths = child.early_deaths + 1 if early else 0
             log.error("worker_process_exited", index=child.index, pid=child.process.pid, exit_status=status,

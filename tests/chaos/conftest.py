@@ -1,13 +1,26 @@
-"""Chaos tests start their own services (never the machine's shared ones) and break them on purpose."""
+"""Chaos tests start their own services (never the machine's shared ones) and break them on purpose.
+
+``private_redis``: a redis-server with AOF on, in the test's temporary folder, that the test may
+stop, pause or restart. ``private_rabbitmq``: a RabbitMQ node of the test's own (its own node name,
+ports, data and log folders, config file and Erlang cookie) that the test may kill -9 and start
+again on the same port with the same data. The machine's shared Redis (6379) and RabbitMQ (5672)
+are never touched.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import pika
+import pika.exceptions
 import pytest
 import redis
 
@@ -15,17 +28,55 @@ from tests.cluster_helpers import RedisCluster
 from tests.mcp_helpers import free_port
 from tests.polling import poll_until
 
+REDIS_START_TIMEOUT_S = 10.0
+RABBITMQ_START_TIMEOUT_S = 60.0
+"""A node boots in about 3 s on an idle 2-core machine; generous for a loaded CI runner."""
+
 
 @dataclass
 class PrivateRedis:
-    """A redis-server of this test's own, with AOF on in a temporary folder."""
+    """A redis-server of this test's own, with AOF on (``appendfsync everysec``) in a temporary folder."""
 
     process: subprocess.Popen[bytes]
     port: int
+    command: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def answers(self) -> bool:
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """A clean shutdown: SIGTERM makes redis-server fsync its AOF and exit (a SHUTDOWN, not a crash)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        self.process.wait(timeout=10)
+
+    def start(self) -> None:
+        """Start redis-server (again) on the same port and folder; returns once it answers PING."""
+        self.process = _spawn_redis(self.command)
+        self.wait_until_answering()
+
+    def wait_until_answering(self) -> None:
+        poll_until(self.answers, timeout=REDIS_START_TIMEOUT_S,
+                   failure=lambda: f"redis-server on {self.port} did not answer",
+                   give_up=lambda: self.process.poll() is not None)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def _spawn_redis(command: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture
@@ -33,26 +84,14 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed here")
     port = free_port()
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path), "--appendonly", "yes",
-         "--appendfsync", "everysec", "--save", ""],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-
-    def answers() -> bool:
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+               "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+    server = PrivateRedis(_spawn_redis(command), port, command)
     try:
-        poll_until(answers, timeout=10, failure=lambda: f"redis-server on {port} did not answer")
-        yield PrivateRedis(process, port)
+        server.wait_until_answering()
+        yield server
     finally:
-        client.close()
-        process.terminate()
-        process.wait(timeout=10)
+        server.stop()
 
 
 @dataclass
@@ -71,3 +110,109 @@ def stoppable_redis(request: pytest.FixtureRequest) -> Outage:
         return Outage([p.pid for p in cluster.processes], cluster.env())
     single: PrivateRedis = request.getfixturevalue("private_redis")
     return Outage([single.process.pid], {"RUNBRAKE_REDIS_URL": single.url})
+
+
+RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+"""The server script itself: Debian's /usr/sbin wrapper would switch to the rabbitmq user (whose home holds
+the shared node's cookie) and send the output to /var/log/rabbitmq."""
+
+
+@dataclass
+class PrivateRabbitMQ:
+    """A RabbitMQ node of this test's own. ``kill()`` is a kill -9 of the whole node (its process group:
+    the start script, beam.smp and its port programs); ``start()`` boots it again on the same port and
+    data folder, so durable queues and the persistent messages in them survive."""
+
+    base: Path
+    port: int
+    dist_port: int
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def nodename(self) -> str:
+        return f"chaos-{self.port}@localhost"
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "HOME": str(self.base / "home"),  # the Erlang cookie of this node and its rabbitmqctl
+            "RABBITMQ_CONF_ENV_FILE": str(self.base / "rabbitmq-env.conf"),  # not /etc's (NODENAME=rabbit@…)
+            "RABBITMQ_NODENAME": self.nodename,
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.base / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
+            # RabbitMQ 3.10 takes the .conf path with its extension (checked: "Config file(s): …/rabbitmq.conf").
+            "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq.conf"),
+        }
+
+    def prepare(self) -> None:
+        for folder in ("home", "mnesia", "log"):
+            (self.base / folder).mkdir(parents=True, exist_ok=True)
+        (self.base / "rabbitmq-env.conf").write_text("")
+        (self.base / "enabled_plugins").write_text("[].\n")
+        # /etc/rabbitmq/rabbitmq.conf pins the listener to 5672: this node has a file of its own.
+        (self.base / "rabbitmq.conf").write_text(
+            f"listeners.tcp.local = 127.0.0.1:{self.port}\nloopback_users = none\n")
+
+    def answers(self) -> bool:
+        parameters = pika.URLParameters(self.url)
+        parameters.connection_attempts = 1
+        parameters.socket_timeout = 1
+        parameters.blocked_connection_timeout = 1
+        try:
+            pika.BlockingConnection(parameters).close()
+        except pika.exceptions.AMQPError:
+            return False
+        return True
+
+    def start(self) -> float:
+        """Boot the node and return once it accepts an AMQP connection; returns how long that took (s)."""
+        assert self.process is None or self.process.poll() is not None, "the node is running"
+        self.starts += 1
+        began = time.monotonic()
+        with (self.base / f"server-{self.starts}.out").open("wb") as out:
+            self.process = subprocess.Popen(
+                [RABBITMQ_SERVER], env=self.env(), cwd=self.base, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,  # its own process group, for kill()
+            )
+        process = self.process
+        poll_until(self.answers, timeout=RABBITMQ_START_TIMEOUT_S, interval=0.2,
+                   give_up=lambda: process.poll() is not None, failure=self._failure)
+        return time.monotonic() - began
+
+    def kill(self) -> None:
+        """kill -9 of the node's process group; returns once the node no longer accepts connections."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+        poll_until(lambda: not self.answers(), timeout=10, failure=lambda: f"{self.nodename} still answers")
+
+    def _failure(self) -> str:
+        state = "exited" if self.process is not None and self.process.poll() is not None else "running"
+        out = (self.base / f"server-{self.starts}.out").read_text(errors="replace")[-3000:]
+        return (f"RabbitMQ node {self.nodename} ({state}) did not accept AMQP within "
+                f"{RABBITMQ_START_TIMEOUT_S:g} s:\n{out}")
+
+
+@pytest.fixture
+def private_rabbitmq(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
+    if not os.access(RABBITMQ_SERVER, os.X_OK):
+        pytest.skip(f"{RABBITMQ_SERVER} is not installed here")
+    port = free_port()
+    dist_port = free_port()
+    node = PrivateRabbitMQ(tmp_path / "rabbitmq", port, dist_port)
+    node.prepare()
+    try:
+        node.start()
+        yield node
+    finally:
+        node.kill()
