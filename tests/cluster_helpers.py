@@ -78,8 +78,9 @@ def _cluster_ok(port: int) -> bool:
 
 
 
-def _answers(port: int) -> bool:
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+def redis_answers(port: int) -> bool:
+    """Does the redis-server on this loopback port answer a PING (within a fraction of a second)?"""
+    client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=0.5)
     try:
         return bool(client.ping())
     except redis.RedisError:
@@ -103,7 +104,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     ) for port in ports]
     try:
         for port in ports:
-            poll_until(lambda port=port: _answers(port), timeout=10,  # type: ignore[misc]
+            poll_until(lambda port=port: redis_answers(port), timeout=10,  # type: ignore[misc]
                        failure=lambda port=port: f"redis-server on {port} did not answer")  # type: ignore[misc]
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports),

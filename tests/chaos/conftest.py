@@ -15,16 +15,19 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pika
 import pika.exceptions
 import pytest
-import redis
 
-from tests.cluster_helpers import RedisCluster
+from runbrake.broker.producer import Producer
+from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.shared import RunStore, Settings
+from runbrake.shared.catalog import Admission
+from tests.cluster_helpers import RedisCluster, redis_answers
 from tests.mcp_helpers import free_port
 from tests.polling import poll_until
 
@@ -46,13 +49,7 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def answers(self) -> bool:
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-        finally:
-            client.close()
+        return redis_answers(self.port)
 
     def stop(self) -> None:
         """A clean shutdown: SIGTERM makes redis-server fsync its AOF and exit (a SHUTDOWN, not a crash)."""
@@ -92,6 +89,39 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+@dataclass
+class Client:
+    """What a test needs to enqueue runs and read them on a Redis of its own."""
+
+    settings: Settings
+    store: RunStore
+    producer: Producer
+
+
+@pytest.fixture
+def point_at(monkeypatch: pytest.MonkeyPatch, rabbitmq: Settings) -> Iterator[Callable[..., Client]]:
+    """``point_at(env, lease_s=…)``: this test, and the workers it starts from now on, use the Redis that
+    ``env`` names (``RUNBRAKE_REDIS_URL``…), with this lease and a short socket timeout (half a second:
+    a paused Redis is noticed at once). The namespace is
+    deleted there at the end."""
+    opened: list[tuple[RunStore, RunbrakeBroker]] = []
+
+    def point(env: Mapping[str, str], *, lease_s: int, redis_timeout_s: float = 0.5) -> Client:
+        for name, value in {**env, "RUNBRAKE_REDIS_TIMEOUT_S": str(redis_timeout_s),
+                            "RUNBRAKE_LEASE_S": str(lease_s)}.items():
+            monkeypatch.setenv(name, value)
+        settings = Settings.from_env()
+        store, broker = RunStore.connect(settings), build_broker(settings)
+        opened.append((store, broker))
+        return Client(settings, store, Producer(store, broker, Admission.from_settings(settings)))
+
+    yield point
+    for store, broker in opened:
+        broker.close()
+        store.delete_namespace()
+        store.close()
 
 
 @dataclass

@@ -16,11 +16,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.shared import RunStatus, RunStore, Settings
-from runbrake.shared.catalog import Admission
-from tests.chaos.conftest import PrivateRedis
+from runbrake.shared import RunStatus
+from tests.chaos.conftest import Client, PrivateRedis
 from tests.mcp_helpers import Toolbox, matching_events
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -30,40 +27,30 @@ RUNS = 3
 
 
 def test_a_claim_whose_answer_was_lost_still_runs_the_run_once(
-    private_redis: PrivateRedis, toolbox_http: Toolbox, rabbitmq: Settings,
-    start_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch,
+    private_redis: PrivateRedis, toolbox_http: Toolbox, point_at: Callable[..., Client],
+    start_worker: Callable[..., WorkerProcess],
 ) -> None:
-    monkeypatch.setenv("RUNBRAKE_REDIS_URL", private_redis.url)
-    monkeypatch.setenv("RUNBRAKE_REDIS_TIMEOUT_S", "0.5")
-    monkeypatch.setenv("RUNBRAKE_LEASE_S", "5")
-    settings = Settings.from_env()
-    store = RunStore.connect(settings)
-    broker = build_broker(settings)
+    client = point_at({"RUNBRAKE_REDIS_URL": private_redis.url}, lease_s=5)
+    store, producer = client.store, client.producer
     worker = start_worker()
+    # Warm-up, four at once: the worker's pool then holds open connections, so each claim below is
+    # written to Redis's socket at once (a new connection would time out in its handshake instead).
+    warm = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=0.5)]}, {"content": "done"}])).run_id for _ in range(4)]
+    for run_id in warm:
+        wait_for_run(store, run_id)
+    # Written to Redis without a message; the messages go out while Redis is paused.
+    runs = [store.create(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("get-sum", a=i, b=1000)]}, {"content": "done"}]).raw).run_id for i in range(RUNS)]
+    os.kill(private_redis.process.pid, signal.SIGSTOP)
     try:
-        producer = Producer(store, broker, Admission.from_settings(settings))
-        # Warm-up, four at once: the worker's pool then holds open connections, so each claim below is
-        # written to Redis's socket at once (a new connection would time out in its handshake instead).
-        warm = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-            {"tool_calls": [call("slow", seconds=0.5)]}, {"content": "done"}])).run_id for _ in range(4)]
-        for run_id in warm:
-            wait_for_run(store, run_id)
-        # Written to Redis without a message; the messages go out while Redis is paused.
-        runs = [store.create(spec({"toolbox": toolbox_http.spec}, [
-            {"tool_calls": [call("get-sum", a=i, b=1000)]}, {"content": "done"}]).raw).run_id for i in range(RUNS)]
-        os.kill(private_redis.process.pid, signal.SIGSTOP)
-        try:
-            for run_id in runs:
-                producer.send(run_id)
-            # Each claim timed out on the worker's side; Redis holds it, unanswered.
-            worker.wait_for_log("store_write_retrying", write="claim", count=RUNS, timeout=20)
-        finally:
-            os.kill(private_redis.process.pid, signal.SIGCONT)
-        records = [wait_for_run(store, run_id, timeout=30) for run_id in runs]
+        for run_id in runs:
+            producer.send(run_id)
+        # Each claim timed out on the worker's side; Redis holds it, unanswered.
+        worker.wait_for_log("store_write_retrying", write="claim", count=RUNS, timeout=20)
     finally:
-        broker.close()
-        store.delete_namespace()
-        store.close()
+        os.kill(private_redis.process.pid, signal.SIGCONT)
+    records = [wait_for_run(store, run_id, timeout=30) for run_id in runs]
 
     assert [r.status for r in records] == [RunStatus.COMPLETED] * RUNS
     assert worker.logged("run_lease_lost") == []

@@ -6,16 +6,12 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import redis
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
-from runbrake.shared.catalog import Admission
-from tests.chaos.conftest import Outage, PrivateRedis
+from runbrake.shared import RunStatus, Settings, StepKind, ToolOutcome
+from tests.chaos.conftest import Client, Outage, PrivateRedis
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -23,37 +19,24 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_redis_blip_during_tool_calls_fails_no_run_and_loses_no_step(
-    stoppable_redis: Outage, toolbox_http: Toolbox, rabbitmq: Settings,
-    start_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    stoppable_redis: Outage, toolbox_http: Toolbox, point_at: Callable[..., Client],
+    start_worker: Callable[..., WorkerProcess],
 ) -> None:
-    for name, value in stoppable_redis.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("RUNBRAKE_REDIS_TIMEOUT_S", "0.5")
-    monkeypatch.setenv("RUNBRAKE_LEASE_S", "10")
-    settings = Settings.from_env()
-    store = RunStore.connect(settings)
-    broker = build_broker(settings)
+    client = point_at(stoppable_redis.env, lease_s=10)
     worker = start_worker()
+    runs = [client.producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=2)]}, {"content": "done"}])).run_id for _ in range(5)]
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=5, timeout=20)
+
+    for pid in stoppable_redis.pids:
+        os.kill(pid, signal.SIGSTOP)  # Redis stops answering; the calls finish meanwhile
     try:
-        producer = Producer(store, broker, Admission.from_settings(settings))
-        runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-            {"tool_calls": [call("slow", seconds=2)]}, {"content": "done"}])).run_id for _ in range(5)]
-        wait_for_event(toolbox_http.events, "started", tool="slow", count=5, timeout=20)
-
-        for pid in stoppable_redis.pids:
-            os.kill(pid, signal.SIGSTOP)  # Redis stops answering; the calls finish meanwhile
-        try:
-            wait_for_event(toolbox_http.events, "finished", tool="slow", count=5, timeout=20)
-            worker.wait_for_log("store_write_retrying", timeout=10)
-        finally:
-            for pid in stoppable_redis.pids:
-                os.kill(pid, signal.SIGCONT)
-
-        records = [wait_for_run(store, run_id, timeout=30) for run_id in runs]
+        wait_for_event(toolbox_http.events, "finished", tool="slow", count=5, timeout=20)
+        worker.wait_for_log("store_write_retrying", timeout=10)
     finally:
-        broker.close()
-        store.delete_namespace()
-        store.close()
+        for pid in stoppable_redis.pids:
+            os.kill(pid, signal.SIGCONT)
+    records = [wait_for_run(client.store, run_id, timeout=30) for run_id in runs]
 
     assert [r.status for r in records] == [RunStatus.COMPLETED] * 5
     assert all([(s.kind, s.tool_outcome) for s in r.steps] == [

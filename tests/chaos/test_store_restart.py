@@ -15,11 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
-from runbrake.shared.catalog import Admission
-from tests.chaos.conftest import PrivateRedis
+from runbrake.shared import RunStatus, StepKind, ToolOutcome
+from tests.chaos.conftest import Client, PrivateRedis
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -31,33 +28,21 @@ RESTART_AFTER = 30
 
 
 def test_a_redis_restart_during_100_runs_loses_no_record_and_every_run_completes(
-    private_redis: PrivateRedis, toolbox_http: Toolbox, rabbitmq: Settings,
-    start_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch,
+    private_redis: PrivateRedis, toolbox_http: Toolbox, point_at: Callable[..., Client],
+    start_worker: Callable[..., WorkerProcess],
 ) -> None:
-    monkeypatch.setenv("RUNBRAKE_REDIS_URL", private_redis.url)
-    monkeypatch.setenv("RUNBRAKE_REDIS_TIMEOUT_S", "0.5")
-    monkeypatch.setenv("RUNBRAKE_LEASE_S", "10")
-    settings = Settings.from_env()
-    store = RunStore.connect(settings)
-    broker = build_broker(settings)
+    client = point_at({"RUNBRAKE_REDIS_URL": private_redis.url}, lease_s=10)
     workers = [start_worker(threads=4), start_worker(threads=4)]
-    try:
-        producer = Producer(store, broker, Admission.from_settings(settings))
-        # A short call whose length names the run in the server's events.
-        seconds = {producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-            {"tool_calls": [call("slow", seconds=0.3 + i / 10_000)]}, {"content": "done"}])).run_id: 0.3 + i / 10_000
-            for i in range(RUNS)}
-        wait_for_event(toolbox_http.events, "finished", tool="slow", count=RESTART_AFTER, timeout=60)
+    # A short call whose length names the run in the server's events.
+    seconds = {client.producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=0.3 + i / 10_000)]}, {"content": "done"}])).run_id: 0.3 + i / 10_000
+        for i in range(RUNS)}
+    wait_for_event(toolbox_http.events, "finished", tool="slow", count=RESTART_AFTER, timeout=60)
 
-        began = time.monotonic()
-        private_redis.restart()
-        restart_s = time.monotonic() - began
-
-        records = [wait_for_run(store, run_id, timeout=60) for run_id in seconds]
-    finally:
-        broker.close()
-        store.delete_namespace()
-        store.close()
+    began = time.monotonic()
+    private_redis.restart()
+    restart_s = time.monotonic() - began
+    records = [wait_for_run(client.store, run_id, timeout=60) for run_id in seconds]
 
     print(f"redis restarted in {restart_s:.2f} s; "
           + ", ".join(f"{event}: {sum(len(w.logged(event)) for w in workers)}"

@@ -10,11 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.shared import RunStatus, RunStore, Settings, TerminationReason
-from runbrake.shared.catalog import Admission
-from tests.chaos.conftest import PrivateRedis
+from runbrake.shared import RunStatus, TerminationReason
+from tests.chaos.conftest import Client, PrivateRedis
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -27,35 +24,24 @@ TOOL_S = 2.0
 
 
 def test_kill_9_of_one_of_two_workers_fails_only_its_runs_lease_lost_and_runs_nothing_twice(
-    private_redis: PrivateRedis, toolbox_http: Toolbox, rabbitmq: Settings,
-    start_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch,
+    private_redis: PrivateRedis, toolbox_http: Toolbox, point_at: Callable[..., Client],
+    start_worker: Callable[..., WorkerProcess],
 ) -> None:
-    monkeypatch.setenv("RUNBRAKE_REDIS_URL", private_redis.url)
-    monkeypatch.setenv("RUNBRAKE_LEASE_S", str(LEASE_S))
-    settings = Settings.from_env()
-    store = RunStore.connect(settings)
-    broker = build_broker(settings)
+    client = point_at({"RUNBRAKE_REDIS_URL": private_redis.url}, lease_s=LEASE_S, redis_timeout_s=2.0)
     doomed = start_worker(threads=THREADS)
     survivor = start_worker(threads=THREADS)
-    try:
-        producer = Producer(store, broker, Admission.from_settings(settings))
-        # Each run's call waits a length of its own, which names the run in the server's events.
-        seconds = {producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-            {"tool_calls": [call("slow", seconds=TOOL_S + i / 100)]}, {"content": "done"}])).run_id: TOOL_S + i / 100
-            for i in range(RUNS)}
-        # Both workers busy: each holds as many runs as it has threads, every one inside its tool call.
-        wait_for_event(toolbox_http.events, "started", tool="slow", count=2 * THREADS, timeout=30)
-        assert doomed.logged("run_claimed"), "the doomed worker took no run"
+    # Each run's call waits a length of its own, which names the run in the server's events.
+    seconds = {client.producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=TOOL_S + i / 100)]}, {"content": "done"}])).run_id: TOOL_S + i / 100
+        for i in range(RUNS)}
+    # Both workers busy: each holds as many runs as it has threads, every one inside its tool call.
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=2 * THREADS, timeout=30)
+    assert doomed.logged("run_claimed"), "the doomed worker took no run"
 
-        killed_at = time.time()
-        doomed.process.send_signal(signal.SIGKILL)
-        doomed.process.wait(timeout=10)
-
-        records = {run_id: wait_for_run(store, run_id, timeout=40) for run_id in seconds}
-    finally:
-        broker.close()
-        store.delete_namespace()
-        store.close()
+    killed_at = time.time()
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    records = {run_id: wait_for_run(client.store, run_id, timeout=40) for run_id in seconds}
 
     claimed, ended = ({e["run_id"] for e in doomed.logged(event)} for event in ("run_claimed", "run_segment_ended"))
     held = claimed - ended  # what the killed worker was executing
