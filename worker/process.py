@@ -1,5 +1,5 @@
-"""One worker process: Dramatiq worker threads, the event loop, the cancel listener, the backstop and
-the lease keeper."""
+"""One worker process: the intake (a few Dramatiq consumer threads feeding ``--concurrency`` runs on the
+event loop, worker/intake.py), the cancel listener, the backstop and the lease keeper."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pika
 import pika.exceptions
 import redis
 import structlog
-from dramatiq import Worker
 
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
@@ -28,6 +27,7 @@ from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.cancel_requests import CancelRequestConsumer
 from runbrake.worker.health import WorkerHealth
+from runbrake.worker.intake import Intake
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
@@ -36,18 +36,26 @@ from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
 
-SHUTDOWN_GRACE_MS = 10_000
+SHUTDOWN_GRACE_S = 10.0
 WATCHDOG_INTERVAL_S = 5.0
 
+
+DEFAULT_CONCURRENCY = 8
+"""Runs in flight per worker process unless ``--concurrency`` says otherwise (the former ``--threads`` default)."""
+MAX_CONCURRENCY = 10_000
+"""The highest ``--concurrency`` accepted; README.md, "Sizing", says what a process holds in practice."""
 
 EXIT_UNAVAILABLE = 3
 """Redis or RabbitMQ could not be reached (or refused the credentials) at start."""
 
 
-def run_worker_process(settings: Settings, *, threads: int, index: int = 0, include_noop: bool = False) -> int:
+def run_worker_process(
+    settings: Settings, *, concurrency: int, index: int = 0, include_noop: bool = False
+) -> int:
     """Run until SIGTERM or SIGINT, then stop: stop consuming, interrupt the segments in flight
-    (each records ``worker_shutdown``), close the listener. Returns the exit code: 3 at once, with one
-    log line, when Redis or RabbitMQ cannot be reached at start (a wrong password included)."""
+    (each records ``worker_shutdown``), close the listener. At most ``concurrency`` runs are in flight.
+    Returns the exit code: 3 at once, with one log line, when Redis or RabbitMQ cannot be reached at
+    start (a wrong password included)."""
     configure_logging()
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)
@@ -65,7 +73,8 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings))
     broker = build_broker(settings)
     topology = Topology.of(settings)
-    declare_run_actor(broker, runtime, settings)
+    intake = Intake(runtime, concurrency=concurrency)
+    declare_run_actor(broker, intake, settings)
     queues = {topology.run_queue}
     if include_noop:
         declare_noop_actor(broker, settings)
@@ -85,10 +94,6 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     leases.start()
     sweeper.start()
     redriver.start()
-    # worker_timeout: how often idle consumers wake up; 200 ms makes a stop take a fraction of a second.
-    worker = Worker(broker, queues=queues, worker_threads=threads, worker_timeout=200)
-    # A prefetched message is a run nobody executes yet: hold at most one per thread.
-    worker.queue_prefetch = threads
     stop = threading.Event()
     draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
 
@@ -101,16 +106,17 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     signal.signal(signal.SIGINT, on_signal)
     # Before consuming: a health port already taken fails the process before it takes a run.
     health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
-    worker.start()
+    intake.start_consuming(broker, queues)
     listener.ready.wait(10)
-    log.info("worker_started", threads=threads, queues=sorted(queues), listener_ready=listener.ready.is_set())
+    log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
+             queues=sorted(queues), listener_ready=listener.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         if not listener.is_alive():
             # Should never happen (the listener survives its own errors); if it does, say so loudly.
             log.critical("cancel_listener_died", action="starting a new one")
             listener = CancelListener(settings, store, registry, ready=listener.ready)
             listener.start()
-    worker.stop(timeout=SHUTDOWN_GRACE_MS)
+    intake.stop(grace_s=SHUTDOWN_GRACE_S)
     listener.stop()
     requests.stop()
     backstop.stop()

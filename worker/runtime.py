@@ -165,11 +165,19 @@ class Runtime:
         self.registry = registry
         self._admission = admission
 
-    async def execute(self, run_id: str, *, resume: bool = False) -> RunOutcome:
-        """Claim and run one segment of a run. Never raises for the run's own failures."""
+    async def execute(
+        self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None
+    ) -> RunOutcome:
+        """Claim and run one segment of a run. Never raises for the run's own failures.
+
+        ``on_claim(won)`` is called as soon as the claim is decided, before the segment runs: the consumer
+        thread that took the message waits only for that (worker/intake.py).
+        """
         with structlog.contextvars.bound_contextvars(run_id=run_id, segment="resume" if resume else "start"):
             owner = new_owner()
             claim = await self._store.claim(run_id, owner, lease_s=self._settings.lease_s, resume=resume)
+            if on_claim is not None:
+                on_claim(claim.won)
             if not claim.won:
                 metrics.MESSAGES_SKIPPED.inc()
                 if claim.exists:
