@@ -5,7 +5,7 @@ A benchmark runs inside :class:`Bench`::
 
     with Bench("throughput") as bench:
         server = bench.start_toolbox()
-        worker = bench.start_worker(threads=8, noop=True)
+        worker = bench.start_worker(concurrency=8, noop=True)
         ...
         bench.write_results({...})
 
@@ -410,9 +410,9 @@ class Bench:
         """What a producer checks specs against: this benchmark's catalog and settings."""
         return Admission.from_settings(self.settings)
 
-    def start_worker(self, *, threads: int, noop: bool = False) -> Worker:
-        """``python -m runbrake.worker --threads N [--noop]`` here; returns once it logged worker_started."""
-        arguments = ["-m", "runbrake.worker", "--threads", str(threads)]
+    def start_worker(self, *, concurrency: int, noop: bool = False) -> Worker:
+        """``python -m runbrake.worker --concurrency N [--noop]`` here; returns once it logged worker_started."""
+        arguments = ["-m", "runbrake.worker", "--concurrency", str(concurrency)]
         if noop:
             arguments.append("--noop")
         return self.start_logging_process("worker", arguments)

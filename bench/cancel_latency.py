@@ -634,7 +634,7 @@ class Workers:
             return self._current
         self.retire()
         print(f"starting a worker (--threads {threads}, RUNBRAKE_CANCEL_POLL_MS={self._poll_ms})…")
-        worker = self._bench.start_worker(threads=threads)
+        worker = self._bench.start_worker(concurrency=threads)
         self._current, self._threads = (worker, Observations(self._server.events, worker.log)), threads
         return self._current
 

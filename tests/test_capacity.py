@@ -90,6 +90,23 @@ def test_a_message_waiting_for_a_slot_is_run_by_another_worker_when_its_worker_s
     assert wait_for_run(store, waiting, timeout=30).status is RunStatus.COMPLETED
 
 
+def test_a_message_a_full_worker_holds_is_handed_back_for_a_worker_with_room(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
+) -> None:
+    full = start_worker(concurrency=1)
+    producer.enqueue(slow_run(toolbox_http))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=30)
+    waiting = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [{"content": "done"}])).run_id
+    # Held SLOT_WAIT_S, then handed back through Dramatiq's delay queue (logged as a retry, not an error).
+    poll_until(lambda: any(str(e.get("event")).startswith("Retrying message") for e in full.events()), timeout=15,
+               failure=lambda: "the full worker never handed the message back")
+
+    start_worker(concurrency=1)
+
+    assert wait_for_run(store, waiting, timeout=30).status is RunStatus.COMPLETED
+    assert not full.logged("run_claimed", run_id=waiting)
+
+
 def test_threads_is_kept_as_an_alias_of_concurrency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[dict[str, int]] = []
 

@@ -12,7 +12,7 @@ from runbrake.broker.wire import NOOP_ACTOR, RUN_ACTOR, Topology
 from runbrake.shared.errors import RunbrakeError, StoreError
 from runbrake.shared.records import RUN_ID
 from runbrake.shared.settings import Settings
-from runbrake.worker.intake import CapacityClosed, Intake
+from runbrake.worker.intake import HandBack, Intake
 
 log = structlog.get_logger(__name__)
 
@@ -21,12 +21,12 @@ def declare_run_actor(broker: RunbrakeBroker, intake: Intake, settings: Settings
     """``execute_run(run_id, resume=False)``: take a slot, claim the run, and leave its segment running on
     the event loop (worker/intake.py); the message is acked once the claim is decided.
 
-    Retries only when Redis could not be reached at claim, or the worker stopped before a slot came free
-    (:func:`retry_store_outages`): the claim is guarded, so a retried message either claims a run nobody
+    Retries only when Redis could not be reached at claim, or the worker handed the message back, full or
+    stopping (:func:`retry_store_outages`): the claim is guarded, so a retried message either claims a run nobody
     claimed yet or is a no-op. Nothing else is retried, and a cancelled run is never re-run. The segment
     itself outlives the actor: the runtime's own time limit bounds it (reason ``time_limit``) and a
     stopping worker interrupts it (``Intake.stop``, reason ``worker_shutdown``). Dramatiq's time limit
-    bounds only the wait for a slot, which lasts at most until some segment ends.
+    bounds only the wait for a slot and a claim (seconds).
     """
 
     def execute_run(run_id: str, resume: bool = False) -> None:
@@ -58,12 +58,15 @@ STORE_OUTAGE_RETRIES = 30
 
 def retry_store_outages(retries: int, exception: BaseException) -> bool:
     """Dramatiq's ``retry_when``: retry a run message only when the run store could not be reached, or the
-    worker stopped before it could take the run (:class:`~runbrake.worker.intake.CapacityClosed`).
+    worker handed it back unclaimed (:class:`~runbrake.worker.intake.HandBack`: full or stopping; as often
+    as that happens, since every worker may be full for long).
 
     Without it, a Redis blip at the moment of the claim would dead-letter the message and leave
     the run ``queued`` until the re-drive sends it again (worker/redrive.py).
     """
-    return isinstance(exception, StoreError | CapacityClosed) and retries < STORE_OUTAGE_RETRIES
+    if isinstance(exception, HandBack):
+        return True
+    return isinstance(exception, StoreError) and retries < STORE_OUTAGE_RETRIES
 
 
 def declare_noop_actor(broker: RunbrakeBroker, settings: Settings) -> Any:

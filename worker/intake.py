@@ -5,9 +5,10 @@ A run spends nearly all its life awaiting a model or an MCP server, so holding a
 in flight (each blocked on its coroutine) buys nothing and costs a stack, a wake-up a second and a share
 of the GIL. Instead a message goes through three steps on one of a handful of consumer threads:
 
-1. take a **slot** (:class:`Slots`): block while ``--concurrency`` runs are in flight. A consumer thread
+1. take a **slot** (:class:`Slots`): wait while ``--concurrency`` runs are in flight. A consumer thread
    waiting here holds its message unacked, so RabbitMQ's prefetch (one message per consumer thread)
-   bounds what a full worker holds back from the queue;
+   bounds what a full worker holds back from the queue; and it holds it for :data:`SLOT_WAIT_S` at most,
+   then hands it back (:class:`HandBack`, through Dramatiq's delay queue) for a worker with room;
 2. start the run's segment on the loop and wait only until its **claim is decided**: a store outage at
    claim raises here, on the thread, so Dramatiq retries the message (``worker/actors.py``,
    ``retry_store_outages``); a refused claim (a duplicate, a cancelled or unknown run) is a no-op;
@@ -24,16 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Iterable
 
 import structlog
-from dramatiq import Broker, Worker
+from dramatiq import Broker, Retry, Worker
 from dramatiq.asyncio import get_event_loop_thread
-from dramatiq.middleware import Interrupt
 
-from runbrake.shared.errors import RunbrakeError
 from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -41,15 +41,31 @@ log = structlog.get_logger(__name__)
 CONSUMER_THREADS = 4
 """Dramatiq worker threads per process: each only waits for a slot and a claim (milliseconds), so a few
 keep the loop fed (bench/throughput.py) whatever ``--concurrency`` is."""
+SLOT_WAIT_S = 2.0
+"""How long a consumer thread of a full worker holds a message before handing it back to the queue."""
+HAND_BACK_DELAY_MS = 1_000
+"""A handed-back message waits this long in Dramatiq's delay queue: a full worker does not take it straight back."""
 WAIT_SLICE_S = 1.0
 """A consumer thread blocked on a slot or a claim wakes this often, so Dramatiq's Interrupt reaches it."""
 WORKER_TIMEOUT_MS = 200
 """How often idle Dramatiq threads wake up; 200 ms makes a stop take a fraction of a second."""
 
 
-class CapacityClosed(RunbrakeError):
-    """The worker stopped taking runs while this message waited for a slot; retried, so another worker
-    (or this one, started again) runs it (``worker/actors.py``, ``retry_store_outages``)."""
+class HandBack(Retry):
+    """The message goes back to the queue, after :data:`HAND_BACK_DELAY_MS` in Dramatiq's delay queue, for
+    any worker to take; the run was not claimed. A ``Retry``, so Dramatiq logs it as a retry, not an error
+    (``worker/actors.py``, ``retry_store_outages``, retries it however often it happened)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, delay=HAND_BACK_DELAY_MS)
+
+
+class WorkerFull(HandBack):
+    """No slot came free within :data:`SLOT_WAIT_S`."""
+
+
+class CapacityClosed(HandBack):
+    """The worker stopped taking runs while this message waited for a slot, or before its run started."""
 
 
 class Slots:
@@ -64,19 +80,24 @@ class Slots:
         self._closed = False
         self._changed = threading.Condition()
 
-    def acquire(self) -> None:
-        """Block until a slot is free and take it.
+    def acquire(self, timeout: float) -> bool:
+        """Take a slot, waiting up to ``timeout`` seconds for one to come free; False when none did.
 
         Raises:
             CapacityClosed: the gate closed (the worker is stopping) before a slot came free.
         """
+        deadline = time.monotonic() + timeout
         with self._changed:
             while not self._closed and self._taken >= self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
                 # In slices: Dramatiq delivers its Interrupt (a time limit) only between Python bytecodes.
-                self._changed.wait(WAIT_SLICE_S)
+                self._changed.wait(min(left, WAIT_SLICE_S))
             if self._closed:
                 raise CapacityClosed("the worker stopped taking runs")
             self._taken += 1
+            return True
 
     def release(self) -> None:
         with self._changed:
@@ -115,8 +136,9 @@ class Intake:
         self.consumer_threads = min(concurrency, CONSUMER_THREADS)
         self._runtime = runtime
         self._slots = Slots(concurrency)
-        self._lock = threading.Lock()
-        self._segments: set[concurrent.futures.Future[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        """The segments' tasks; touched on the loop only."""
+        self._interrupted = False
         self._worker: Worker | None = None
 
     # -- the run actor's body, on a consumer thread --
@@ -125,23 +147,17 @@ class Intake:
         """Take a slot, start the run's segment on the loop, return once its claim is decided.
 
         Raises:
-            CapacityClosed: the worker stopped before a slot came free (the message is retried).
+            HandBack: the worker is full or stopping; the message goes back to the queue.
             StoreError: Redis could not be reached at claim (the message is retried).
         """
+        if not self._slots.acquire(SLOT_WAIT_S):
+            raise WorkerFull(f"{self.concurrency} runs in flight here")
         try:
-            self._slots.acquire()
-        except Interrupt as exc:  # Dramatiq's time limit ran out while the worker was full: give the message back
-            raise CapacityClosed("no slot came free within the message's time limit") from exc
-        try:
-            loop = _loop()
             decided: concurrent.futures.Future[bool] = concurrent.futures.Future()
-            segment = asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided), loop)
+            asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided), _loop())
         except BaseException:
             self._slots.release()
             raise
-        with self._lock:
-            self._segments.add(segment)
-        segment.add_done_callback(self._ended)
         while True:
             try:
                 decided.result(WAIT_SLICE_S)  # re-raises what the claim raised
@@ -150,26 +166,32 @@ class Intake:
             return
 
     async def _segment(self, run_id: str, resume: bool, decided: concurrent.futures.Future[bool]) -> None:
-        """The segment on the loop; tells ``decided`` how the claim went, whatever happens."""
+        """The segment on the loop; tells ``decided`` how the claim went, and gives the slot back, whatever
+        happens. Its task is known to :meth:`interrupt_all` for as long as it runs."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
         try:
-            await self._runtime.execute(run_id, resume=resume, on_claim=decided.set_result)
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError) and not decided.done():
+            if self._interrupted:  # started after interrupt_all: claim nothing, send the message again
+                decided.set_exception(CapacityClosed("the worker stopped before the run started"))
+            else:
+                await self._runtime.execute(run_id, resume=resume, on_claim=decided.set_result)
+        except asyncio.CancelledError:
+            if not decided.done():
                 # Stopped before the claim was decided: the message is sent again (a claimed run refuses it).
                 decided.set_exception(CapacityClosed("the worker stopped while claiming the run"))
-            elif not decided.done():
+            raise
+        except BaseException as exc:
+            if not decided.done():
                 decided.set_exception(exc)  # a store outage is retried, anything else dead-letters the message
-            elif not isinstance(exc, asyncio.CancelledError):
+            else:
                 log.exception("run_segment_crashed", run_id=run_id)
             raise
         finally:
+            self._tasks.discard(task)
             if not decided.done():
                 decided.set_result(False)
-
-    def _ended(self, segment: concurrent.futures.Future[None]) -> None:
-        with self._lock:
-            self._segments.discard(segment)
-        self._slots.release()
+            self._slots.release()
 
     # -- starting and stopping the process (worker/process.py) --
 
@@ -201,13 +223,17 @@ class Intake:
         return self._slots.wait_idle(timeout)
 
     def interrupt_all(self) -> int:
-        """Cancel every segment in flight; each records ``worker_shutdown`` on its way out (the ladder's
-        last arm, ``worker/runtime.py``). Returns how many were asked; from any thread."""
-        with self._lock:
-            segments = list(self._segments)
-        for segment in segments:
-            segment.cancel()  # thread-safe: hops onto the loop and cancels the task there
-        return len(segments)
+        """Cancel every segment in flight, and any submitted but not started yet; each records
+        ``worker_shutdown`` on its way out (the ladder's last arm, ``worker/runtime.py``). From any thread;
+        returns how many runs were in flight. The cancel happens on the loop: a task is not thread-safe."""
+        self._interrupted = True
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nothing runs on it any more
+            _loop().call_soon_threadsafe(self._cancel_tasks)
+        return self.in_flight
+
+    def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
 
     def stop(self, *, grace_s: float) -> None:
         """Stop taking runs, interrupt what is still in flight, wait up to ``grace_s`` for those segments
