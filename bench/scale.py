@@ -20,7 +20,7 @@ What it does, in its own namespace (``bench-<hex>``), on loopback only:
    four producer threads, timed from the first enqueue until every run is terminal in the store;
 4. **(b) in flight**: each child's RSS is read idle, then ``--in-flight`` runs whose first turn calls
    ``slow(--slow-s)`` are enqueued (round-robin over the servers) and the bench waits until the servers have
-   *started* every call; then each child's RSS (``VmRSS``) and peak (``VmHWM``), memory per run in flight
+   *started* every call (or their count stopped growing for 20 s: ``held`` says how many were); then each child's RSS (``VmRSS``) and peak (``VmHWM``), memory per run in flight
    (the children's RSS growth over the runs they hold), and the CPU the workers and servers use over a
    five-second hold;
 5. **(c) cancel latency** while (b) holds: ``--cancels`` runs picked at random are cancelled one at a time
@@ -74,6 +74,8 @@ WARMUP_RUNS = 8
 HOLD_S = 5.0
 """How long the CPU of workers and servers is measured while the runs are held."""
 CANCEL_TIMEOUT_S = 10.0
+PLATEAU_S = 20.0
+"""Starting runs gives up once the count of calls in flight has not grown for this long."""
 START_TIMEOUT_S = 60.0
 START_TIMEOUT_PER_RUN_S = 0.1
 RUN_TIMEOUT_PER_RUN_S = 0.25
@@ -184,27 +186,46 @@ class Config:
         t0 = time.perf_counter()
         ids = enqueue_all(self.bench, specs)
         enqueued_s = time.perf_counter() - t0
-        wait_until(lambda: self._started_calls() - started_before >= count,
-                   timeout=START_TIMEOUT_S + START_TIMEOUT_PER_RUN_S * count,
-                   what=f"{count} slow calls to start on the servers", interval=0.05, alive=[supervisor.process])
+        self._wait_for_starts(started_before + count, supervisor)
+        held = self._started_calls() - started_before
         ramp_s = time.perf_counter() - t0
         rss = {pid: status_kib(pid, "VmRSS") for pid in children}
         peak = {pid: status_kib(pid, "VmHWM") for pid in children}
         growth_kib = sum(rss[pid] - idle[pid] for pid in children)
         cpu = self._hold_cpu(children)
         self.results["in_flight"] = {
-            "runs": count, "enqueue_s": round(enqueued_s, 1), "all_started_s": round(ramp_s, 1),
+            "runs": count, "held": held, "enqueue_s": round(enqueued_s, 1), "all_started_s": round(ramp_s, 1),
             "rss_idle_mib": [round(idle[p] / 1024, 1) for p in children],
             "rss_mib": [round(rss[p] / 1024, 1) for p in children],
             "peak_rss_mib": [round(peak[p] / 1024, 1) for p in children],
-            "kib_per_run_in_flight": round(growth_kib / count, 1),
+            "kib_per_run_in_flight": round(growth_kib / max(held, 1), 1),
             **cpu,
         }
-        self.results["cancel"] = self._cancels(ids, supervisor)
+        self.results["cancel"] = self._cancels(self._running(ids), supervisor)
         stop_started = time.perf_counter()
         code = supervisor.process.stop()
         self.results["stop"] = {"exit_code": code, "seconds": round(time.perf_counter() - stop_started, 1),
                                 "runs_left_running": running_count(self.bench, ids)}
+
+    def _wait_for_starts(self, target: int, supervisor: Worker) -> None:
+        """Until the servers have started ``target`` slow calls in all, or the count stopped growing for
+        :data:`PLATEAU_S` (the processes hold no more: the figures are then for as many as they hold)."""
+        last, grew_at = -1, time.monotonic()
+
+        def done() -> bool:
+            nonlocal last, grew_at
+            started = self._started_calls()
+            if started > last:
+                last, grew_at = started, time.monotonic()
+            return started >= target or time.monotonic() - grew_at > PLATEAU_S
+
+        wait_until(done, timeout=START_TIMEOUT_S + START_TIMEOUT_PER_RUN_S * self.args.in_flight,
+                   what=f"{self.args.in_flight} slow calls to start", interval=0.05, alive=[supervisor.process])
+
+    def _running(self, ids: list[str]) -> list[str]:
+        """The runs whose slow call is in flight: running, no tool step yet."""
+        return [r for r in ids if (record := self.bench.store.get(r)).status is RunStatus.RUNNING
+                and not any(s.kind is StepKind.TOOL for s in record.steps)]
 
     def _started_calls(self) -> int:
         self.events.read_new()
@@ -288,7 +309,7 @@ def print_table(configs: Sequence[dict[str, Any]]) -> None:
           f"{'cancel p50':>10} {'p99':>7} {'missed':>6} {'worker CPU %':>14} {'server CPU %':>13}")
     for c in configs:
         flight, cancel = c["in_flight"], c["cancel"]
-        print(f"{c['processes']:>5} {c['concurrency']:>5} {c['throughput']['runs_per_s']:>7} {flight['runs']:>9} "
+        print(f"{c['processes']:>5} {c['concurrency']:>5} {c['throughput']['runs_per_s']:>7} {flight['held']:>9} "
               f"{flight['kib_per_run_in_flight']:>8} {_joined(flight['peak_rss_mib']):>16} "
               f"{cancel.get('p50', '-'):>10} {cancel.get('p99', '-'):>7} {cancel['missed']:>6} "
               f"{_joined(flight['workers_cpu_pct']):>14} {_joined(flight['servers_cpu_pct']):>13}")
