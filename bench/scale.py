@@ -20,7 +20,8 @@ What it does, in its own namespace (``bench-<hex>``), on loopback only:
    four producer threads, timed from the first enqueue until every run is terminal in the store;
 4. **(b) in flight**: each child's RSS is read idle, then ``--in-flight`` runs whose first turn calls
    ``slow(--slow-s)`` are enqueued (round-robin over the servers) and the bench waits until the servers have
-   *started* every call (or their count stopped growing for 20 s: ``held`` says how many were); then each child's RSS (``VmRSS``) and peak (``VmHWM``), memory per run in flight
+   *started* every call (or their count stopped growing for 20 s: ``held`` says how many were); then
+   each child's RSS (``VmRSS``) and peak (``VmHWM``), memory per run in flight
    (the children's RSS growth over the runs they hold), and the CPU the workers and servers use over a
    five-second hold;
 5. **(c) cancel latency** while (b) holds: ``--cancels`` runs picked at random are cancelled one at a time
