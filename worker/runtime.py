@@ -238,7 +238,7 @@ class Runtime:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TOOL_LOOP_ERROR,
                                 f"{type(exc).__name__}: {exc}")
         except BaseException:
-            # Dramatiq interrupted the segment (worker shutdown; its own time limit sits above ours):
+            # The worker interrupted the segment on its way out (Intake.interrupt_all, worker/intake.py):
             # say so in the record before going, rather than leave the run "running" forever.
             await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.WORKER_SHUTDOWN,
                          "the worker stopped while the run was executing")
