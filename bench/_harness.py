@@ -377,15 +377,16 @@ class Bench:
                 command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
 
-    def start_toolbox(self) -> ToolboxServer:
-        """The example toolbox server over HTTP on a free loopback port, writing an events file."""
+    def start_toolbox(self, *arguments: str) -> ToolboxServer:
+        """The example toolbox server over HTTP on a free loopback port, writing an events file; ``arguments``
+        are more of its options (``--progress-s 10``)."""
         events = self.workdir / "toolbox-events.jsonl"
         log_path = self.workdir / "toolbox.log"
         for _ in range(3):  # another process may take the free port between probe and bind
             port = free_port()
             popen = self._spawn(
                 [sys.executable, *TOOLBOX_SERVER, "--transport", "http", "--host", "127.0.0.1",
-                 "--port", str(port), "--events", str(events)],
+                 "--port", str(port), "--events", str(events), *arguments],
                 log_path,
             )
             process = ManagedProcess("toolbox server", popen, log_path)

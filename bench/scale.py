@@ -4,13 +4,14 @@ process, memory per run in flight), and cancel latency while they are held.
 Run from the repository root::
 
     .venv/bin/python -m bench.scale [--processes 1,2,4] [--in-flight 2000] [--cancels 100]
-        [--short-runs 400] [--servers 2] [--slow-s 900] [--redis-cluster redis://SEED:PORT/0]
+        [--short-runs 400] [--servers 2] [--slow-s 900] [--progress-s 1] [--redis-cluster redis://SEED:PORT/0]
 
 A short sanity run: ``--processes 1 --in-flight 50 --cancels 10 --short-runs 20``.
 
 What it does, in its own namespace (``bench-<hex>``), on loopback only:
 
-1. starts ``--servers`` example toolbox MCP servers over HTTP (catalog names ``toolbox``, ``toolbox-1``, …):
+1. starts ``--servers`` example toolbox MCP servers over HTTP (catalog names ``toolbox``, ``toolbox-1``, …),
+   whose ``slow`` tool reports progress every ``--progress-s`` seconds:
    2,000 ``slow`` calls each sending MCP progress every second cost one server process a core by
    themselves on this machine, so they are spread over several; the servers share the machine's cores
    with the workers, which the CPU figures show;
@@ -285,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cancels", type=int, default=100, help="cancels measured while they are held")
     parser.add_argument("--short-runs", type=int, default=400, help="short runs for the throughput figure")
     parser.add_argument("--servers", type=int, default=2, help="toolbox MCP server processes (2)")
+    parser.add_argument("--progress-s", type=float, default=1.0,
+                        help="how often each slow call reports MCP progress, seconds (1)")
     parser.add_argument("--slow-s", type=float, default=900.0, help="length of each slow call, seconds (900)")
     parser.add_argument("--redis-cluster", metavar="URL", help="a Redis Cluster seed URL (RUNBRAKE_REDIS_CLUSTER)")
     parser.add_argument("--keep", action="store_true", help="keep the logs (printed path)")
@@ -295,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_machine(info)
     results: dict[str, Any] = {"machine": info, "options": vars(args), "configs": []}
     with Bench("scale", env=env, keep=args.keep) as bench:
-        servers = [bench.start_toolbox() for _ in range(args.servers)]
+        servers = [bench.start_toolbox("--progress-s", str(args.progress_s)) for _ in range(args.servers)]
         bench.catalog.write_text("".join(f'[mcp_servers.{server_name(i)}]\nurl = "{s.url}"\n'
                                          for i, s in enumerate(servers)), encoding="utf-8")
         events = servers[0].events  # every server appends to the same events file
