@@ -488,6 +488,20 @@ def quick_run_spec(server: ToolboxServer | str, index: int, *, echo_argument: st
     })
 
 
+def slow_run_spec(seconds: float, *, server: str = SERVER_NAME, input_text: str = "slow run") -> RunSpec:
+    """A run whose first turn calls ``slow(seconds)`` on the catalog's ``server``; the benchmarks cancel it
+    (or stop its worker) long before a second turn."""
+    return RunSpec.parse({
+        "input": input_text,
+        "model": {"provider": "scripted", "turns": [
+            {"tool_calls": [{"server": server, "tool": "slow", "arguments": {"seconds": seconds}}]},
+            {"content": "not reached"},
+        ]},
+        "mcp_servers": [server],
+        "tool_timeout_s": max(120.0, seconds + 60.0),
+    })
+
+
 def in_threads(count: int, total: int, work: Callable[[int], None]) -> None:
     """Call ``work(i)`` for i in range(total), spread over ``count`` threads (each its own broker connection:
     Dramatiq's RabbitMQ broker keeps one per thread). Re-raises the first failure."""

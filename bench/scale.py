@@ -59,6 +59,7 @@ from bench._harness import (
     machine,
     print_machine,
     quick_run_spec,
+    slow_run_spec,
     summary_ms,
     wait_until,
 )
@@ -85,18 +86,6 @@ RUN_TIMEOUT_PER_RUN_S = 0.25
 
 def server_name(index: int) -> str:
     return "toolbox" if index == 0 else f"toolbox-{index}"
-
-
-def slow_spec(server: str, seconds: float) -> RunSpec:
-    return RunSpec.parse({
-        "input": "scale",
-        "model": {"provider": "scripted", "turns": [
-            {"tool_calls": [{"server": server, "tool": "slow", "arguments": {"seconds": seconds}}]},
-            {"content": "not reached"},
-        ]},
-        "mcp_servers": [server],
-        "tool_timeout_s": seconds + 60.0,
-    })
 
 
 def children_of(pid: int) -> list[int]:
@@ -184,7 +173,8 @@ class Config:
         idle = {pid: status_kib(pid, "VmRSS") for pid in children}
         count, servers = self.args.in_flight, len(self.servers)
         started_before = self._started_calls()
-        specs = [slow_spec(server_name(i % servers), self.args.slow_s) for i in range(count)]
+        specs = [slow_run_spec(self.args.slow_s, server=server_name(i % servers), input_text="scale")
+                 for i in range(count)]
         t0 = time.perf_counter()
         ids = enqueue_all(self.bench, specs)
         enqueued_s = time.perf_counter() - t0
