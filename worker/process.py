@@ -27,7 +27,7 @@ from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.cancel_requests import CancelRequestConsumer
 from runbrake.worker.health import WorkerHealth
-from runbrake.worker.intake import Intake
+from runbrake.worker.intake import Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
@@ -106,6 +106,7 @@ def run_worker_process(
     signal.signal(signal.SIGINT, on_signal)
     # Before consuming: a health port already taken fails the process before it takes a run.
     health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
+    tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
     log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
