@@ -54,15 +54,16 @@ WORKER_TIMEOUT_MS = 200
 
 GC_THRESHOLDS = (50_000, 20, 100)
 """Python's defaults are (700, 10, 10). Thousands of runs in flight keep millions of objects alive, and
-each progress notification allocates tasks and events by the hundred: with the defaults the collector
-took two thirds of the loop's time at 2,000 runs in flight (py-spy --native: ``gc_collect_main``)."""
+each progress notification allocates dozens more (two tasks with their scopes and events): with the
+defaults the collector took two thirds of the loop's time at 2,000 runs in flight (py-spy --native:
+``gc_collect_main``)."""
 
 
 def tune_gc() -> None:
     """Freeze what the process built to start (imports, settings, threads) out of the collector's sight,
     and collect young objects every 50,000 allocations instead of 700 (:data:`GC_THRESHOLDS`): most of
-    a run's churn dies young either way, and full collections, which walk every run's objects, come
-    ten times less often. Called once, before the process takes runs."""
+    a run's churn dies young either way, and full collections, which walk every run's objects, come far
+    less often. Called once, before the process takes runs."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
