@@ -17,6 +17,7 @@ from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStore, Settings, TerminationReason
 from runbrake.worker import supervisor
 from runbrake.worker.intake import CONSUMER_THREADS
+from runbrake.worker.process import DEFAULT_CONCURRENCY, MAX_CONCURRENCY
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run, worker_env
@@ -121,6 +122,9 @@ def test_threads_is_kept_as_an_alias_of_concurrency(tmp_path: Path, monkeypatch:
         assert result.exit_code == 0, result.output
     assert asked == [{"processes": 2, "concurrency": 300}] * 2 + [{"processes": 2, "concurrency": 8}]
     assert "--concurrency, --threads" in runner.invoke(main, ["worker", "--help"]).output
+    # The CLI spells the worker's bounds out (it does not import the worker): they must agree.
+    [option] = [p for p in main.commands["worker"].params if p.name == "concurrency"]
+    assert (option.default, option.type.max) == (DEFAULT_CONCURRENCY, MAX_CONCURRENCY)  # type: ignore[attr-defined]
 
     # The worker process itself takes both spellings too.
     worker = WorkerProcess(tmp_path / "worker.log", worker_env(),
