@@ -5,7 +5,7 @@ A benchmark runs inside :class:`Bench`::
 
     with Bench("throughput") as bench:
         server = bench.start_toolbox()
-        worker = bench.start_worker(threads=8, noop=True)
+        worker = bench.start_worker(concurrency=8, noop=True)
         ...
         bench.write_results({...})
 
@@ -377,15 +377,16 @@ class Bench:
                 command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
 
-    def start_toolbox(self) -> ToolboxServer:
-        """The example toolbox server over HTTP on a free loopback port, writing an events file."""
+    def start_toolbox(self, *arguments: str) -> ToolboxServer:
+        """The example toolbox server over HTTP on a free loopback port, writing an events file; ``arguments``
+        are more of its options (``--progress-s 10``)."""
         events = self.workdir / "toolbox-events.jsonl"
         log_path = self.workdir / "toolbox.log"
         for _ in range(3):  # another process may take the free port between probe and bind
             port = free_port()
             popen = self._spawn(
                 [sys.executable, *TOOLBOX_SERVER, "--transport", "http", "--host", "127.0.0.1",
-                 "--port", str(port), "--events", str(events)],
+                 "--port", str(port), "--events", str(events), *arguments],
                 log_path,
             )
             process = ManagedProcess("toolbox server", popen, log_path)
@@ -410,9 +411,9 @@ class Bench:
         """What a producer checks specs against: this benchmark's catalog and settings."""
         return Admission.from_settings(self.settings)
 
-    def start_worker(self, *, threads: int, noop: bool = False) -> Worker:
-        """``python -m runbrake.worker --threads N [--noop]`` here; returns once it logged worker_started."""
-        arguments = ["-m", "runbrake.worker", "--threads", str(threads)]
+    def start_worker(self, *, concurrency: int, noop: bool = False) -> Worker:
+        """``python -m runbrake.worker --concurrency N [--noop]`` here; returns once it logged worker_started."""
+        arguments = ["-m", "runbrake.worker", "--concurrency", str(concurrency)]
         if noop:
             arguments.append("--noop")
         return self.start_logging_process("worker", arguments)
@@ -484,6 +485,20 @@ def quick_run_spec(server: ToolboxServer | str, index: int, *, echo_argument: st
             {"content": "done"},
         ]},
         "mcp_servers": [SERVER_NAME],
+    })
+
+
+def slow_run_spec(seconds: float, *, server: str = SERVER_NAME, input_text: str = "slow run") -> RunSpec:
+    """A run whose first turn calls ``slow(seconds)`` on the catalog's ``server``; the benchmarks cancel it
+    (or stop its worker) long before a second turn."""
+    return RunSpec.parse({
+        "input": input_text,
+        "model": {"provider": "scripted", "turns": [
+            {"tool_calls": [{"server": server, "tool": "slow", "arguments": {"seconds": seconds}}]},
+            {"content": "not reached"},
+        ]},
+        "mcp_servers": [server],
+        "tool_timeout_s": max(120.0, seconds + 60.0),
     })
 
 

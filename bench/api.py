@@ -216,7 +216,7 @@ def main() -> None:
         connection = pika.BlockingConnection(pika.URLParameters(bench.settings.rabbitmq_url))
         connection.channel().queue_purge(Topology.of(bench.settings).run_queue)
         connection.close()
-        bench.start_worker(threads=8)
+        bench.start_worker(concurrency=8)
         results["cancel_api"] = cancel_phase(bench, url, server, options.cancels, "api")
         print("cancel_api", json.dumps(results["cancel_api"]))
         results["cancel_request"] = cancel_phase(bench, url, server, options.cancels, "amqp")

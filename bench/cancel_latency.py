@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench._harness import (
-    SERVER_NAME,
     Bench,
     BenchError,
     JsonLines,
@@ -70,6 +69,7 @@ from bench._harness import (
     machine,
     print_machine,
     quick_run_spec,
+    slow_run_spec,
     summary_ms,
     wait_until,
 )
@@ -141,17 +141,9 @@ def _key(seconds: float) -> float:
     return round(float(seconds), 6)
 
 
-def slow_spec(server: ToolboxServer, seconds: float) -> RunSpec:
+def slow_spec(_server: ToolboxServer, seconds: float) -> RunSpec:
     """A run whose first turn calls slow(seconds); it is cancelled long before a second turn."""
-    return RunSpec.parse({
-        "input": "cancel latency",
-        "model": {"provider": "scripted", "turns": [
-            {"tool_calls": [{"server": SERVER_NAME, "tool": "slow", "arguments": {"seconds": seconds}}]},
-            {"content": "not reached"},
-        ]},
-        "mcp_servers": [SERVER_NAME],
-        "tool_timeout_s": max(120.0, seconds + 60.0),
-    })
+    return slow_run_spec(seconds, input_text="cancel latency")
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,7 +626,7 @@ class Workers:
             return self._current
         self.retire()
         print(f"starting a worker (--threads {threads}, RUNBRAKE_CANCEL_POLL_MS={self._poll_ms})…")
-        worker = self._bench.start_worker(threads=threads)
+        worker = self._bench.start_worker(concurrency=threads)
         self._current, self._threads = (worker, Observations(self._server.events, worker.log)), threads
         return self._current
 

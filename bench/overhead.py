@@ -300,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.use_server(url)
         print(f"starting the workers (runbrake and the peer, {args.threads} threads each)…")
         bench.on_close(lambda: delete_peer_queues(bench.settings), after_processes=True)
-        runbrake_worker = bench.start_worker(threads=args.threads)
+        runbrake_worker = bench.start_worker(concurrency=args.threads)
         peer_worker = bench.start_logging_process("peer worker", ["-m", "bench._peer", "--threads", str(args.threads)])
         runbrake_broker = build_broker(bench.settings)
         bench.on_close(runbrake_broker.close)

@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "drains them…")
         noop, worker = noop_backlog_phase(
             bench, broker, args.noop, producers=args.producers, timeout=args.timeout,
-            start_worker=lambda: bench.start_worker(threads=args.threads, noop=True),
+            start_worker=lambda: bench.start_worker(concurrency=args.threads, noop=True),
         )
         runs_phase(bench, producer, server, WARMUP_RUNS, producers=args.producers, timeout=args.timeout,
                    label="warm-up runs")

@@ -309,17 +309,23 @@ def _refused_unless_decided(decision: Decision) -> None:
 @main.command()
 @click.option("--processes", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Worker processes, each with its own event loop and cancel listener.")
-@click.option("--threads", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Dramatiq worker threads per process: the runs one process executes at once.")
+@click.option("--concurrency", "--threads", "concurrency", type=click.IntRange(1, 10_000), default=8,
+              show_default=True,
+              help="Runs in flight per process, all on its one event loop (--threads is its former name, "
+                   "deprecated). README: Sizing.")
 @user_errors
-def worker(processes: int, threads: int) -> None:
-    """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C."""
+def worker(processes: int, concurrency: int) -> None:
+    """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C.
+
+    Each process takes runs on a few consumer threads and runs up to --concurrency of them at once on its
+    event loop; a full process leaves further messages in the queue for other workers.
+    """
     from runbrake.worker.supervisor import run_workers  # noqa: PLC0415 - the producer side never loads the worker
 
     settings = settings_from_env()
     with open_store(settings) as store:
         store.ping()
-    sys.exit(run_workers(settings, processes=processes, threads=threads))
+    sys.exit(run_workers(settings, processes=processes, concurrency=concurrency))
 
 
 @main.command()

@@ -2,13 +2,12 @@
 
 - Publisher confirms on: ``enqueue`` returns only once RabbitMQ has the message.
 - Queue names come from ``broker/wire.py``: ``<ns>.runs`` (plus Dramatiq's ``.DQ``/``.XQ`` twins).
-- RabbitMQ's consumer timeout: a run's message stays unacked while the run executes.
-  Where the server honours ``x-consumer-timeout`` (RabbitMQ 3.12+), the run queue
-  raises it to the run's time limit. On older servers the 30-minute default still
-  applies, and closes the channel; that costs nothing, because a run's durability
-  lives in Redis and not in the message: the redelivered message finds the run no
-  longer queued and is acked as a no-op, and the worker thread executing the run
-  goes on (its late ack fails harmlessly).
+- RabbitMQ's consumer timeout: a run's message is acked once its claim is decided
+  (``worker/intake.py``), so it no longer stays unacked while the run executes. The
+  run queue still raises ``x-consumer-timeout`` (RabbitMQ 3.12+) to the run's time
+  limit; where a channel is closed anyway, a run's durability lives in Redis and not
+  in the message: a redelivered message finds the run no longer queued and is acked
+  as a no-op.
 - The middleware is chosen, not inherited: ``Retries`` with ``max_retries=0`` by default
   (Dramatiq's default is 20 with backoff); the run actor retries only store outages
   (``worker/actors.py``), and a cancelled run is never retried. ``TimeLimit`` set per
@@ -67,10 +66,11 @@ INTERRUPT_CHECK_S = 1.0
 class RunbrakeAsyncIO(AsyncIO):
     """Dramatiq's AsyncIO middleware, its worker threads waking once a second instead of ten times.
 
-    Each worker thread waits on its run's coroutine in slices, to notice Dramatiq's Interrupt (shutdown,
-    time limit). With hundreds of threads holding long runs, ten wake-ups a second each contend for the
-    GIL with the event loop and the cancel listener, which is where cancel latency goes; a second is
-    still prompt for a shutdown (docs/architecture.md, "Pitfalls: the AsyncIO middleware").
+    A worker thread running an async actor waits on its coroutine in slices, to notice Dramatiq's
+    Interrupt (shutdown, time limit). When each run held such a thread, hundreds of them waking ten times
+    a second contended for the GIL with the event loop and the cancel listener. The run actor no longer
+    waits that way (worker/intake.py); the middleware still runs the process's event loop
+    (docs/architecture.md, "Pitfalls: the AsyncIO middleware").
     """
 
     def before_worker_boot(self, broker: Any, worker: Any) -> None:

@@ -122,17 +122,21 @@ async def fail(message: str = "the tool failed on purpose") -> str:
         raise ToolError(message)
 
 
+_progress_s = 1.0
+"""How often ``slow`` reports progress (``--progress-s``)."""
+
+
 @mcp.tool(description="Wait the given number of seconds, then say so. Cancellable. Reports MCP progress "
                       "every second (when the client asked for progress).")
 async def slow(ctx: Context, seconds: float = 30) -> str:
     with _recorded("slow", seconds=seconds):
         deadline = anyio.current_time() + seconds
-        done = 0
+        done = 0.0
         while (left := deadline - anyio.current_time()) > 0:
-            await anyio.sleep(min(1.0, left))
-            done += 1
+            await anyio.sleep(min(_progress_s, left))
+            done += _progress_s
             if done < seconds:
-                await ctx.report_progress(done, seconds, f"{done} of {seconds:g} s")
+                await ctx.report_progress(done, seconds, f"{done:g} of {seconds:g} s")
         return f"slept {seconds} s"
 
 
@@ -144,7 +148,7 @@ async def echo(text: str) -> str:
 
 def main() -> None:
     """Parse the command line and serve until killed."""
-    global _events_path  # noqa: PLW0603 - set once, before the server starts
+    global _events_path, _progress_s  # set once, before the server starts
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--transport", choices=["http", "stdio"], default="http",
                         help="streamable HTTP at http://HOST:PORT/mcp, or stdio (default: http)")
@@ -153,8 +157,10 @@ def main() -> None:
     parser.add_argument("--events", type=Path, help="append one JSON line per tool event to this file")
     parser.add_argument("--bearer-env", metavar="VAR",
                         help="HTTP only: refuse requests without 'Authorization: Bearer <the value of VAR>'")
+    parser.add_argument("--progress-s", type=float, default=1.0,
+                        help="how often the slow tool reports progress, in seconds (default: 1)")
     options = parser.parse_args()
-    _events_path = options.events
+    _events_path, _progress_s = options.events, options.progress_s
     if options.bearer_env:
         mcp.bearer = os.environ[options.bearer_env]
     if options.transport == "stdio":

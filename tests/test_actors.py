@@ -12,6 +12,7 @@ from runbrake.broker.wire import RUN_ACTOR, Topology
 from runbrake.shared import AsyncRunStore, Settings, StoreError
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.worker.actors import STORE_OUTAGE_RETRIES, declare_run_actor, retry_store_outages
+from runbrake.worker.intake import CapacityClosed, Intake
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import Runtime
 
@@ -20,6 +21,7 @@ def test_only_a_store_outage_is_retried_and_only_so_often() -> None:
     assert retry_store_outages(0, StoreError("Redis at 127.0.0.1:6379: connection refused"))
     assert retry_store_outages(STORE_OUTAGE_RETRIES - 1, StoreError("still down"))
     assert not retry_store_outages(STORE_OUTAGE_RETRIES, StoreError("still down"))
+    assert retry_store_outages(0, CapacityClosed("the worker stopped taking runs"))
     assert not retry_store_outages(0, ValueError("a bug"))
     assert not retry_store_outages(0, RuntimeError("anything else"))
 
@@ -29,14 +31,16 @@ def test_the_run_actor_is_declared_on_the_namespaced_queue_with_explicit_limits(
     broker = StubBroker(middleware=default_middleware())
     runtime = Runtime(settings, AsyncRunStore.connect(settings), ActiveRuns(), Admission(Catalog.empty()))
 
-    actor = declare_run_actor(broker, runtime, settings)
+    actor = declare_run_actor(broker, Intake(runtime, concurrency=8), settings)
 
     assert (actor.actor_name, actor.queue_name) == (RUN_ACTOR, Topology("wiring").run_queue)
     assert (actor.actor_name, actor.queue_name) == ("execute_run", "wiring.runs")
     assert actor.options["retry_when"] is retry_store_outages
-    # Dramatiq's own limit sits above the runtime's, so the runtime's fires first (reason time_limit).
-    assert actor.options["time_limit"] == (120 + 60) * 1000
-    assert actor.options["notify_shutdown"] is True
+    # The actor only waits for a slot and a claim; its limit outlasts the longest a segment can hold a slot
+    # (the runtime's limit, then a settle retried for a lease), so only a stuck wait gives the message back.
+    assert actor.options["time_limit"] == (120 + 60 + 60) * 1000
+    # The segment outlives the actor (acked at claim): the intake interrupts it on shutdown, not Dramatiq.
+    assert not actor.options.get("notify_shutdown")
     broker.close()
 
 

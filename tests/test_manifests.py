@@ -321,7 +321,7 @@ def test_keda_scales_the_worker_deployment_on_the_run_queue_counting_runs_in_fli
     assert trigger["metadata"]["queueName"] == f"{namespace}.runs"
     assert trigger["metadata"]["mode"] == "QueueLength"
     assert (trigger["metadata"]["protocol"], trigger["metadata"]["excludeUnacknowledged"]) == ("http", "false")
-    assert trigger["metadata"]["value"] == option(worker["command"], "--threads")
+    assert trigger["metadata"]["value"] == option(worker["command"], "--concurrency")
     auth = one(objects, "TriggerAuthentication", trigger["authenticationRef"]["name"])
     assert [ref["parameter"] for ref in auth["spec"]["secretTargetRef"]] == ["host"]
     assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]

@@ -38,14 +38,14 @@ class WorkerProcess:
     """One ``python -m runbrake.worker`` process with its log file."""
 
     def __init__(
-        self, log_path: Path, env: Mapping[str, str], *, threads: int = 4, noop: bool = False,
+        self, log_path: Path, env: Mapping[str, str], *, concurrency: int = 4, noop: bool = False,
         command: list[str] | None = None, started: int = 1,
     ) -> None:
         """Start ``python -m runbrake.worker`` (or ``command``, e.g. ``runbrake worker``) and wait until ``started``
         worker processes logged ``worker_started``."""
         self.log_path = log_path
         if command is None:
-            command = [sys.executable, "-m", "runbrake.worker", "--threads", str(threads)]
+            command = [sys.executable, "-m", "runbrake.worker", "--concurrency", str(concurrency)]
             if noop:
                 command.append("--noop")
         with log_path.open("wb") as log:
@@ -105,11 +105,12 @@ def worker_env(**overrides: str) -> dict[str, str]:
 
 @pytest.fixture(name="start_worker")
 def start_worker_fixture(store: RunStore, rabbitmq: Settings, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
-    """A factory: ``start_worker(threads=4, **env)`` starts a worker; all are stopped at teardown."""
+    """A factory: ``start_worker(concurrency=4, **env)`` starts a worker; all are stopped at teardown."""
     started: list[WorkerProcess] = []
 
-    def start(*, threads: int = 4, noop: bool = False, **env: str) -> WorkerProcess:
-        worker = WorkerProcess(tmp_path / f"worker-{len(started)}.log", worker_env(**env), threads=threads, noop=noop)
+    def start(*, concurrency: int = 4, noop: bool = False, **env: str) -> WorkerProcess:
+        worker = WorkerProcess(tmp_path / f"worker-{len(started)}.log", worker_env(**env), concurrency=concurrency,
+                               noop=noop)
         started.append(worker)
         return worker
 

@@ -12,29 +12,30 @@ from runbrake.broker.wire import NOOP_ACTOR, RUN_ACTOR, Topology
 from runbrake.shared.errors import RunbrakeError, StoreError
 from runbrake.shared.records import RUN_ID
 from runbrake.shared.settings import Settings
-from runbrake.worker.runtime import Runtime
+from runbrake.worker.intake import HandBack, Intake
 
 log = structlog.get_logger(__name__)
 
 
-def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settings) -> Any:
-    """``execute_run(run_id, resume=False)``: claim and run one segment.
+def declare_run_actor(broker: RunbrakeBroker, intake: Intake, settings: Settings) -> Any:
+    """``execute_run(run_id, resume=False)``: take a slot, claim the run, and leave its segment running on
+    the event loop (worker/intake.py); the message is acked once the claim is decided.
 
-    Retries only when Redis could not be reached (:func:`retry_store_outages`): the
-    claim is guarded, so a retried message either claims a run nobody claimed yet or
-    is a no-op. Nothing else is retried, and a cancelled run is never re-run.
-    Dramatiq's time limit sits above the runtime's own, so the runtime's fires first and
-    is recorded as ``time_limit``. ``notify_shutdown``: a stopping worker interrupts the
-    segment, which records ``worker_shutdown`` instead of leaving the run "running".
+    Retries only when Redis could not be reached at claim, or the worker handed the message back, full or
+    stopping (:func:`retry_store_outages`): the claim is guarded, so a retried message either claims a run nobody
+    claimed yet or is a no-op. Nothing else is retried, and a cancelled run is never re-run. The segment
+    itself outlives the actor: the runtime's own time limit bounds it (reason ``time_limit``) and a
+    stopping worker interrupts it (``Intake.stop``, reason ``worker_shutdown``). Dramatiq's time limit
+    bounds only the wait for a slot and a claim (seconds).
     """
 
-    async def execute_run(run_id: str, resume: bool = False) -> None:
+    def execute_run(run_id: str, resume: bool = False) -> None:
         if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id) or not isinstance(resume, bool):
             # Anyone with access to the queue can publish; a message that cannot name a run is
             # dead-lettered once (this error is not retried) instead of looking like a store outage.
             log.error("run_message_malformed", run_id=repr(run_id)[:100], resume=repr(resume)[:20])
             raise MalformedMessage(f"a run message must carry a run id, not {type(run_id).__name__}")
-        await runtime.execute(run_id, resume=resume)
+        intake.take(run_id, resume=resume)
 
     return dramatiq.actor(
         broker=broker,
@@ -43,8 +44,7 @@ def declare_run_actor(broker: RunbrakeBroker, runtime: Runtime, settings: Settin
         retry_when=retry_store_outages,
         min_backoff=1_000,
         max_backoff=60_000,
-        time_limit=(settings.run_time_limit_s + 60) * 1000,
-        notify_shutdown=True,
+        time_limit=(settings.run_time_limit_s + settings.lease_s + 60) * 1000,
     )(execute_run)
 
 
@@ -57,11 +57,15 @@ STORE_OUTAGE_RETRIES = 30
 
 
 def retry_store_outages(retries: int, exception: BaseException) -> bool:
-    """Dramatiq's ``retry_when``: retry a run message only when the run store could not be reached.
+    """Dramatiq's ``retry_when``: retry a run message only when the run store could not be reached, or the
+    worker handed it back unclaimed (:class:`~runbrake.worker.intake.HandBack`: full or stopping; as often
+    as that happens, since every worker may be full for long).
 
     Without it, a Redis blip at the moment of the claim would dead-letter the message and leave
-    the run ``queued`` forever.
+    the run ``queued`` until the re-drive sends it again (worker/redrive.py).
     """
+    if isinstance(exception, HandBack):
+        return True
     return isinstance(exception, StoreError) and retries < STORE_OUTAGE_RETRIES
 
 

@@ -1,4 +1,5 @@
-"""The MCP transport edge: one open client per server per segment, and interruptible calls.
+"""The MCP transport edge: one open client per server per segment (over one HTTP connection pool per
+server and event loop), and interruptible calls.
 
 Every error the MCP SDK, httpx2 or the operating system raises is translated here into
 :class:`~shared.errors.ToolTransportError` (chained with ``from exc``); nothing outside
@@ -18,10 +19,13 @@ one task, as the SDK requires (docs/architecture.md, "Pitfalls: one MCP client p
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import math
 import os
 import ssl
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Final, assert_never
@@ -130,7 +134,7 @@ class McpConnection:
             # client's own task groups are still open, which anyio refuses.
             with anyio.CancelScope(deadline=anyio.current_time() + connect_timeout_s) as connecting:
                 async with AsyncExitStack() as stack:
-                    client = await stack.enter_async_context(Client(await _target(self.spec, stack)))
+                    client = await stack.enter_async_context(Client(_target(self.spec)))
                     connecting.deadline = math.inf
                     self._client = client
                     self._ready.set()
@@ -261,21 +265,15 @@ class McpConnection:
         )
 
 
-async def _target(spec: McpServerSpec, stack: AsyncExitStack) -> Transport | StdioServerParameters:
+def _target(spec: McpServerSpec) -> Transport | StdioServerParameters:
     match spec:
         case HttpServerSpec():
-            # The SDK's default HTTP client builds a new SSL context per connection: ~50 ms of CPU on
-            # the event loop every segment, stalling every run on it (bench/throughput.py profile).
-            # One context per process, and a client per connection that this task closes.
             # Catalog headers are expanded here, in the worker, when it connects (docs/security.md).
             headers = {
                 name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.headers.{name}")
                 for name, value in spec.headers.items()
             }
-            http = await stack.enter_async_context(
-                httpx2.AsyncClient(verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers)
-            )
-            return streamable_http_client(spec.url, http_client=http)
+            return streamable_http_client(spec.url, http_client=_http_client(spec.url, headers))
         case StdioServerSpec():
             # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
             # worker's whole environment with its credentials.
@@ -288,6 +286,35 @@ async def _target(spec: McpServerSpec, stack: AsyncExitStack) -> Transport | Std
             )
         case _:
             assert_never(spec)
+
+
+_http_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], httpx2.AsyncClient]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
+    """The HTTP client (and connection pool) of one server URL and header set, shared by every run on this
+    event loop; the SDK leaves a client it was given open.
+
+    A client per segment cost each run in flight its own pool and transport, and a connect per segment;
+    shared, a run costs just the connections its streams hold (docs/architecture.md, "Capacity"). No cap
+    on connections: each call in flight holds one, and ``--concurrency`` bounds the calls. The SDK's
+    default client would also build an SSL context per connection, ~50 ms of CPU on the loop
+    (bench/throughput.py profile): one context per process.
+    """
+    clients = _http_clients.setdefault(asyncio.get_running_loop(), {})
+    key = (url, json.dumps(headers, sort_keys=True))
+    client = clients.get(key)
+    if client is None:
+        client = clients[key] = httpx2.AsyncClient(
+            verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers,
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=_KEEPALIVE_CONNECTIONS),
+        )
+    return client
+
+
+_KEEPALIVE_CONNECTIONS: Final = 64
+"""Idle connections kept per server for the next segments' connects."""
 
 
 @functools.cache

@@ -1,18 +1,18 @@
-"""One worker process: Dramatiq worker threads, the event loop, the cancel listener, the backstop and
-the lease keeper."""
+"""One worker process: the intake (a few Dramatiq consumer threads feeding ``--concurrency`` runs on the
+event loop, worker/intake.py), the cancel listener, the backstop and the lease keeper."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 
 import pika
 import pika.exceptions
 import redis
 import structlog
-from dramatiq import Worker
 
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
@@ -28,6 +28,7 @@ from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.cancel_requests import CancelRequestConsumer
 from runbrake.worker.health import WorkerHealth
+from runbrake.worker.intake import Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
@@ -36,17 +37,25 @@ from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
 
-SHUTDOWN_GRACE_MS = 10_000
+SHUTDOWN_GRACE_S = 10.0
 WATCHDOG_INTERVAL_S = 5.0
 
+
+DEFAULT_CONCURRENCY = 8
+"""Runs in flight per worker process unless ``--concurrency`` says otherwise (the former ``--threads`` default)."""
+MAX_CONCURRENCY = 10_000
+"""The highest ``--concurrency`` accepted; README.md, "Sizing", says what a process holds in practice."""
 
 EXIT_UNAVAILABLE = 3
 """Redis or RabbitMQ could not be reached (or refused the credentials) at start."""
 
 
-def run_worker_process(settings: Settings, *, threads: int, index: int = 0, include_noop: bool = False) -> int:
+def run_worker_process(
+    settings: Settings, *, concurrency: int, index: int = 0, include_noop: bool = False
+) -> int:
     """Run until SIGTERM or SIGINT, then drain: stop consuming, let the runs in flight go on for up to
     ``RUNBRAKE_DRAIN_S`` and hand the rest over to other workers (:func:`drain`), close the listener.
+    At most ``concurrency`` runs are in flight.
     Returns the exit code: 3 at once, with one log line, when Redis or RabbitMQ cannot be reached at
     start (a wrong password included)."""
     configure_logging()
@@ -68,7 +77,8 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings),
                       sender=producer)
     topology = Topology.of(settings)
-    declare_run_actor(broker, runtime, settings)
+    intake = Intake(runtime, concurrency=concurrency)
+    declare_run_actor(broker, intake, settings)
     queues = {topology.run_queue}
     if include_noop:
         declare_noop_actor(broker, settings)
@@ -88,10 +98,6 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     leases.start()
     sweeper.start()
     redriver.start()
-    # worker_timeout: how often idle consumers wake up; 200 ms makes a stop take a fraction of a second.
-    worker = Worker(broker, queues=queues, worker_threads=threads, worker_timeout=200)
-    # A prefetched message is a run nobody executes yet: hold at most one per thread.
-    worker.queue_prefetch = threads
     stop = threading.Event()
     draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
     hurry = threading.Event()  # a second signal: hand the runs over now, without waiting out the drain
@@ -109,17 +115,19 @@ def run_worker_process(settings: Settings, *, threads: int, index: int = 0, incl
     signal.signal(signal.SIGINT, on_signal)
     # Before consuming: a health port already taken fails the process before it takes a run.
     health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
-    worker.start()
+    tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
+    intake.start_consuming(broker, queues)
     listener.ready.wait(10)
-    log.info("worker_started", threads=threads, queues=sorted(queues), listener_ready=listener.ready.is_set())
+    log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
+             queues=sorted(queues), listener_ready=listener.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         if not listener.is_alive():
             # Should never happen (the listener survives its own errors); if it does, say so loudly.
             log.critical("cancel_listener_died", action="starting a new one")
             listener = CancelListener(settings, store, registry, ready=listener.ready)
             listener.start()
-    drain(worker, registry, drain_s=settings.drain_s, hurry=hurry)
-    worker.stop(timeout=SHUTDOWN_GRACE_MS)
+    drain(intake, registry, drain_s=settings.drain_s, hurry=hurry)
+    intake.stop(grace_s=SHUTDOWN_GRACE_S)  # what is left after the hand-over is failed worker_shutdown
     listener.stop()
     requests.stop()
     backstop.stop()
@@ -140,7 +148,7 @@ HANDOVER_WAIT_S = 10.0
 is recorded first)."""
 
 
-def drain(worker: Worker, registry: ActiveRuns, *, drain_s: float, hurry: threading.Event) -> None:
+def drain(intake: Intake, registry: ActiveRuns, *, drain_s: float, hurry: threading.Event) -> None:
     """Stop taking runs, let those in flight go on for up to ``drain_s`` seconds, then hand the rest over.
 
     A handed-over run has its call in flight cut off (recorded ``cancelled``, ``detail.reason`` =
@@ -148,17 +156,17 @@ def drain(worker: Worker, registry: ActiveRuns, *, drain_s: float, hurry: thread
     continues it (docs/architecture.md, "Drain and hand-over"). The cancel listener keeps running
     meanwhile, so a cancel during the drain still interrupts at once.
     """
-    for thread in worker.workers:
-        thread.stop()  # a worker thread takes no further message; one it holds runs to its end
-    in_flight = len(registry)
+    deadline = time.monotonic() + drain_s
+    intake.stop_consuming()
+    in_flight = intake.in_flight
     log.info("worker_draining", runs_in_flight=in_flight, drain_s=drain_s)
-    if registry.wait_empty(drain_s, unless=hurry):
+    if intake.wait_idle(max(0.0, deadline - time.monotonic()), unless=hurry):
         log.info("worker_drained", runs_finished=in_flight)
         return
     asked = registry.hand_over_all()
     log.warning("worker_handing_over", runs=asked, drain_s=drain_s)
-    if not registry.wait_empty(HANDOVER_WAIT_S):
-        log.error("worker_handover_incomplete", runs=len(registry),
+    if not intake.wait_idle(HANDOVER_WAIT_S):
+        log.error("worker_handover_incomplete", runs=intake.in_flight,
                   action="the runs left are failed worker_shutdown as the worker stops")
 
 

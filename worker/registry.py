@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,7 +78,6 @@ class ActiveRuns:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._emptied = threading.Condition(self._lock)
         self._runs: dict[str, RunHandle] = {}
         self._handing_over = False
         """Set by :meth:`hand_over_all`: a run that registers after it is handed over at once."""
@@ -96,20 +94,6 @@ class ActiveRuns:
         with self._lock:
             if self._runs.get(handle.run_id) is handle:
                 del self._runs[handle.run_id]
-            if not self._runs:
-                self._emptied.notify_all()
-
-    def wait_empty(self, timeout: float, *, unless: threading.Event | None = None) -> bool:
-        """Wait until no run is active (True), for at most ``timeout`` seconds, or until ``unless`` is set."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._runs:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or (unless is not None and unless.is_set()):
-                    return False
-                # In slices, so that ``unless`` (a second SIGTERM) is noticed without a notifier of its own.
-                self._emptied.wait(min(remaining, 0.25))
-            return True
 
     def run_ids(self) -> list[str]:
         with self._lock:

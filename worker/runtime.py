@@ -176,8 +176,14 @@ class Runtime:
         self._sender = sender
         """Sends a handed-over run's message (None: the re-drive sends it, RUNBRAKE_REDRIVE_S later)."""
 
-    async def execute(self, run_id: str, *, resume: bool = False) -> RunOutcome:
-        """Claim and run one segment of a run. Never raises for the run's own failures."""
+    async def execute(
+        self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None
+    ) -> RunOutcome:
+        """Claim and run one segment of a run. Never raises for the run's own failures.
+
+        ``on_claim(won)`` is called as soon as the claim is decided, before the segment runs: the consumer
+        thread that took the message waits only for that (worker/intake.py).
+        """
         with structlog.contextvars.bound_contextvars(run_id=run_id, segment="resume" if resume else "start"):
             owner = new_owner()
             # Tried again with the same owner while Redis cannot be reached: a claim that landed but whose
@@ -185,6 +191,8 @@ class Runtime:
             claim = await durably(lambda: self._store.claim(run_id, owner, lease_s=self._settings.lease_s,
                                                             resume=resume),
                                   within_s=self._settings.lease_s, what="claim")
+            if on_claim is not None:
+                on_claim(claim.won)
             if not claim.won:
                 metrics.MESSAGES_SKIPPED.inc()
                 if claim.exists:
@@ -245,7 +253,7 @@ class Runtime:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TOOL_LOOP_ERROR,
                                 f"{type(exc).__name__}: {exc}")
         except BaseException:
-            # Dramatiq interrupted the segment (worker shutdown; its own time limit sits above ours):
+            # The worker interrupted the segment on its way out (Intake.interrupt_all, worker/intake.py):
             # say so in the record before going, rather than leave the run "running" forever.
             await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.WORKER_SHUTDOWN,
                          "the worker stopped while the run was executing")

@@ -46,13 +46,13 @@ class _Child:
         self.started = time.monotonic()
 
 
-def run_workers(settings: Settings, *, processes: int, threads: int) -> int:
+def run_workers(settings: Settings, *, processes: int, concurrency: int) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code."""
     configure_logging()
     if processes == 1:
-        return run_worker_process(settings, threads=threads)
+        return run_worker_process(settings, concurrency=concurrency)
     children = [
-        _Child(i, [sys.executable, "-m", "runbrake.worker", "--index", str(i), "--threads", str(threads)])
+        _Child(i, [sys.executable, "-m", "runbrake.worker", "--index", str(i), "--concurrency", str(concurrency)])
         for i in range(processes)
     ]
     for child in children:
@@ -67,7 +67,7 @@ def run_workers(settings: Settings, *, processes: int, threads: int) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    log.info("workers_started", processes=processes, threads=threads, pids=[c.process.pid for c in children])
+    log.info("workers_started", processes=processes, concurrency=concurrency, pids=[c.process.pid for c in children])
     code = _supervise(children, stopping)
     for child in children:
         child.process.wait()

@@ -52,7 +52,7 @@ def test_a_20_s_rabbitmq_outage_under_100_queued_runs_loses_no_run_and_cancels_s
     store = RunStore.connect(settings)
     broker = build_broker(settings)
     publisher = CancelPublisher(settings)
-    workers = [start_worker(threads=4), start_worker(threads=4)]
+    workers = [start_worker(concurrency=4), start_worker(concurrency=4)]
     try:
         producer = Producer(store, broker, Admission.from_settings(settings))
 

@@ -32,7 +32,7 @@ def test_a_redis_restart_during_100_runs_loses_no_record_and_every_run_completes
     start_worker: Callable[..., WorkerProcess],
 ) -> None:
     client = point_at({"RUNBRAKE_REDIS_URL": private_redis.url}, lease_s=10)
-    workers = [start_worker(threads=4), start_worker(threads=4)]
+    workers = [start_worker(concurrency=4), start_worker(concurrency=4)]
     # A short call whose length names the run in the server's events.
     seconds = {client.producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
         {"tool_calls": [call("slow", seconds=0.3 + i / 10_000)]}, {"content": "done"}])).run_id: 0.3 + i / 10_000

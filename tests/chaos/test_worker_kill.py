@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 LEASE_S = 5  # the shortest lease Settings accepts
 RUNS = 20
-THREADS = 4
+CONCURRENCY = 4
 TOOL_S = 2.0
 
 
@@ -28,14 +28,14 @@ def test_kill_9_of_one_of_two_workers_fails_only_its_runs_lease_lost_and_runs_no
     start_worker: Callable[..., WorkerProcess],
 ) -> None:
     client = point_at({"RUNBRAKE_REDIS_URL": private_redis.url}, lease_s=LEASE_S, redis_timeout_s=2.0)
-    doomed = start_worker(threads=THREADS)
-    survivor = start_worker(threads=THREADS)
+    doomed = start_worker(concurrency=CONCURRENCY)
+    survivor = start_worker(concurrency=CONCURRENCY)
     # Each run's call waits a length of its own, which names the run in the server's events.
     seconds = {client.producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
         {"tool_calls": [call("slow", seconds=TOOL_S + i / 100)]}, {"content": "done"}])).run_id: TOOL_S + i / 100
         for i in range(RUNS)}
-    # Both workers busy: each holds as many runs as it has threads, every one inside its tool call.
-    wait_for_event(toolbox_http.events, "started", tool="slow", count=2 * THREADS, timeout=30)
+    # Both workers busy: each holds as many runs as its concurrency, every one inside its tool call.
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=2 * CONCURRENCY, timeout=30)
     assert doomed.logged("run_claimed"), "the doomed worker took no run"
 
     killed_at = time.time()

@@ -1,0 +1,279 @@
+"""How a worker process takes runs: a few Dramatiq consumer threads feeding many runs on the one event loop
+(docs/architecture.md, "Capacity: runs in flight").
+
+A run spends nearly all its life awaiting a model or an MCP server, so holding a thread for each run
+in flight (each blocked on its coroutine) buys nothing and costs a stack, a wake-up a second and a share
+of the GIL. Instead a message goes through three steps on one of a handful of consumer threads:
+
+1. take a **slot** (:class:`Slots`): wait while ``--concurrency`` runs are in flight. A consumer thread
+   waiting here holds its message unacked, so RabbitMQ's prefetch (one message per consumer thread)
+   bounds what a full worker holds back from the queue; and it holds it for :data:`SLOT_WAIT_S` at most,
+   then hands it back (:class:`HandBack`, through Dramatiq's delay queue) for a worker with room;
+2. start the run's segment on the loop and wait only until its **claim is decided**: a store outage at
+   claim raises here, on the thread, so Dramatiq retries the message (``worker/actors.py``,
+   ``retry_store_outages``); a refused claim (a duplicate, a cancelled or unknown run) is a no-op;
+3. return: Dramatiq acks the message while the segment goes on on the loop. The slot is given back
+   when the segment ends.
+
+Acking early changes nothing a run relies on: its durability lives in Redis, a claimed run is never run
+again (the claim guard refuses a second message), a killed worker's run is failed ``lease_lost`` by
+another worker's lease keeper, and the runtime's own time limit (``RUNBRAKE_RUN_TIME_LIMIT_S``) bounds a
+segment, since Dramatiq's time limit and shutdown notices only reach a thread that still runs the actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import gc
+import threading
+import time
+from collections.abc import Iterable
+
+import structlog
+from dramatiq import Broker, Retry, Worker
+from dramatiq.asyncio import get_event_loop_thread
+
+from runbrake.worker.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+CONSUMER_THREADS = 4
+"""Dramatiq worker threads per process: each only waits for a slot and a claim (milliseconds), so a few
+keep the loop fed (bench/throughput.py) whatever ``--concurrency`` is."""
+SLOT_WAIT_S = 2.0
+"""How long a consumer thread of a full worker holds a message before handing it back to the queue."""
+HAND_BACK_DELAY_MS = 1_000
+"""A handed-back message waits this long in Dramatiq's delay queue: a full worker does not take it straight back."""
+WAIT_SLICE_S = 1.0
+"""A consumer thread blocked on a slot or a claim wakes this often, so Dramatiq's Interrupt reaches it."""
+WORKER_TIMEOUT_MS = 200
+"""How often idle Dramatiq threads wake up; 200 ms makes a stop take a fraction of a second."""
+
+
+GC_THRESHOLDS = (50_000, 20, 100)
+"""Python's defaults are (700, 10, 10). Thousands of runs in flight keep millions of objects alive, and
+each progress notification allocates dozens more (two tasks with their scopes and events): with the
+defaults the collector took two thirds of the loop's time at 2,000 runs in flight (py-spy --native:
+``gc_collect_main``)."""
+
+
+def tune_gc() -> None:
+    """Freeze what the process built to start (imports, settings, threads) out of the collector's sight,
+    and collect young objects every 50,000 allocations instead of 700 (:data:`GC_THRESHOLDS`): most of
+    a run's churn dies young either way, and full collections, which walk every run's objects, come far
+    less often. Called once, before the process takes runs."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+class HandBack(Retry):
+    """The message goes back to the queue, after :data:`HAND_BACK_DELAY_MS` in Dramatiq's delay queue, for
+    any worker to take; the run was not claimed. A ``Retry``, so Dramatiq logs it as a retry, not an error
+    (``worker/actors.py``, ``retry_store_outages``, retries it however often it happened)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, delay=HAND_BACK_DELAY_MS)
+
+
+class WorkerFull(HandBack):
+    """No slot came free within :data:`SLOT_WAIT_S`."""
+
+
+class CapacityClosed(HandBack):
+    """The worker stopped taking runs while this message waited for a slot, or before its run started."""
+
+
+class Slots:
+    """A counter of runs in flight, at most ``capacity``; taken on a consumer thread, given back on the loop.
+
+    Not a ``threading.Semaphore``: a closed gate must wake its waiters, and :meth:`wait_idle` must see zero.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._taken = 0
+        self._closed = False
+        self._changed = threading.Condition()
+
+    def acquire(self, timeout: float) -> bool:
+        """Take a slot, waiting up to ``timeout`` seconds for one to come free; False when none did.
+
+        Raises:
+            CapacityClosed: the gate closed (the worker is stopping) before a slot came free.
+        """
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self._closed and self._taken >= self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # In slices: Dramatiq delivers its Interrupt (a time limit) only between Python bytecodes.
+                self._changed.wait(min(left, WAIT_SLICE_S))
+            if self._closed:
+                raise CapacityClosed("the worker stopped taking runs")
+            self._taken += 1
+            return True
+
+    def release(self) -> None:
+        with self._changed:
+            self._taken -= 1
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Take no more runs: every waiter (and every later :meth:`acquire`) raises :class:`CapacityClosed`."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        with self._changed:
+            return self._taken
+
+    def wait_idle(self, timeout: float, *, unless: threading.Event | None = None) -> bool:
+        """Block until no slot is taken, at most ``timeout`` seconds or until ``unless`` is set; True when idle."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._taken:
+                left = deadline - time.monotonic()
+                if left <= 0 or (unless is not None and unless.is_set()):
+                    return False
+                self._changed.wait(min(left, WAIT_SLICE_S))
+            return True
+
+
+class Intake:
+    """The runs one worker process takes: ``concurrency`` in flight on the loop, fed by a few consumer
+    threads. :meth:`take` is the run actor's body; the rest is for starting and stopping the process."""
+
+    def __init__(self, runtime: Runtime, *, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.consumer_threads = min(concurrency, CONSUMER_THREADS)
+        self._runtime = runtime
+        self._slots = Slots(concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        """The segments' tasks; touched on the loop only."""
+        self._interrupted = False
+        self._worker: Worker | None = None
+
+    # -- the run actor's body, on a consumer thread --
+
+    def take(self, run_id: str, *, resume: bool) -> None:
+        """Take a slot, start the run's segment on the loop, return once its claim is decided.
+
+        Raises:
+            HandBack: the worker is full or stopping; the message goes back to the queue.
+            StoreError: Redis could not be reached at claim (the message is retried).
+        """
+        if not self._slots.acquire(SLOT_WAIT_S):
+            raise WorkerFull(f"{self.concurrency} runs in flight here")
+        try:
+            decided: concurrent.futures.Future[bool] = concurrent.futures.Future()
+            asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided), _loop())
+        except BaseException:
+            self._slots.release()
+            raise
+        while True:
+            try:
+                decided.result(WAIT_SLICE_S)  # re-raises what the claim raised
+            except concurrent.futures.TimeoutError:
+                continue
+            return
+
+    async def _segment(self, run_id: str, resume: bool, decided: concurrent.futures.Future[bool]) -> None:
+        """The segment on the loop; tells ``decided`` how the claim went, and gives the slot back, whatever
+        happens. Its task is known to :meth:`interrupt_all` for as long as it runs."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            if self._interrupted:  # started after interrupt_all: claim nothing, send the message again
+                decided.set_exception(CapacityClosed("the worker stopped before the run started"))
+            else:
+                await self._runtime.execute(run_id, resume=resume, on_claim=decided.set_result)
+        except asyncio.CancelledError:
+            if not decided.done():
+                # Stopped before the claim was decided: the message is sent again (a claimed run refuses it).
+                decided.set_exception(CapacityClosed("the worker stopped while claiming the run"))
+            raise
+        except BaseException as exc:
+            if not decided.done():
+                decided.set_exception(exc)  # a store outage is retried, anything else dead-letters the message
+            else:
+                log.exception("run_segment_crashed", run_id=run_id)
+            raise
+        finally:
+            self._tasks.discard(task)
+            if not decided.done():
+                decided.set_result(False)
+            self._slots.release()
+
+    # -- starting and stopping the process (worker/process.py) --
+
+    def start_consuming(self, broker: Broker, queues: Iterable[str]) -> None:
+        """Start Dramatiq's consumers and threads on ``queues``."""
+        worker = Worker(broker, queues=set(queues), worker_threads=self.consumer_threads,
+                        worker_timeout=WORKER_TIMEOUT_MS)
+        # A prefetched message waits for a thread, a thread with a message waits for a slot: one per
+        # thread keeps what a full worker holds back from other workers to its few threads.
+        worker.queue_prefetch = self.consumer_threads
+        worker.start()
+        self._worker = worker
+
+    def stop_consuming(self) -> None:
+        """Take no new runs; the runs in flight go on. Consumer threads waiting for a slot give their
+        message back (retried: another worker runs it); messages prefetched but not taken stay unacked
+        until :meth:`stop`, which closes the channel and RabbitMQ requeues them."""
+        self._slots.close()
+        if self._worker is not None:
+            # Not Worker.pause(): it waits for every consumer to notice, which takes Dramatiq's consumer
+            # restart delay (3 s) and would eat into the drain. The flags are enough: a paused thread
+            # takes no further message, and a closed gate starts no run.
+            for consumer in self._worker.consumers.values():
+                consumer.pause()
+            for thread in self._worker.workers:
+                thread.pause()
+
+    @property
+    def in_flight(self) -> int:
+        """Runs whose segment is in flight here (or whose claim is being decided)."""
+        return self._slots.in_flight
+
+    def wait_idle(self, timeout: float, *, unless: threading.Event | None = None) -> bool:
+        """Block until every segment in flight ended, at most ``timeout`` seconds or until ``unless`` is set
+        (a second SIGTERM); True when they all did."""
+        return self._slots.wait_idle(timeout, unless=unless)
+
+    def interrupt_all(self) -> int:
+        """Cancel every segment in flight, and any submitted but not started yet; each records
+        ``worker_shutdown`` on its way out (the ladder's last arm, ``worker/runtime.py``). From any thread;
+        returns how many runs were in flight. The cancel happens on the loop: a task is not thread-safe."""
+        self._interrupted = True
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nothing runs on it any more
+            _loop().call_soon_threadsafe(self._cancel_tasks)
+        return self.in_flight
+
+    def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    def stop(self, *, grace_s: float) -> None:
+        """Stop taking runs, interrupt what is still in flight, wait up to ``grace_s`` for those segments
+        to record how they ended, then stop Dramatiq (which stops the event loop)."""
+        self.stop_consuming()
+        interrupted = self.interrupt_all()
+        if not self.wait_idle(grace_s):
+            log.warning("segments_still_in_flight", count=self.in_flight, interrupted=interrupted)
+        if self._worker is not None:
+            self._worker.stop(timeout=int(grace_s * 1000))
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop, which Dramatiq's AsyncIO middleware runs on a thread of its own."""
+    loop_thread = get_event_loop_thread()
+    if loop_thread is None:
+        raise RuntimeError("the AsyncIO middleware's event loop is not running")
+    return loop_thread.loop
