@@ -306,13 +306,13 @@ def test_every_runbrake_process_declares_the_same_queues(objects: tuple[Object, 
     assert None not in next(iter(seen.values()))
 
 
-def test_keda_scales_the_worker_deployment_on_the_run_queue_counting_runs_in_flight(
+def test_keda_scales_the_worker_deployment_on_the_run_queue_and_the_runs_in_flight(
     objects: tuple[Object, ...],
 ) -> None:
     scaled = one(objects, "ScaledObject", "runbrake-worker")
     worker = container(objects, "worker")
     namespace = effective_env(objects, worker)["RUNBRAKE_NAMESPACE"]
-    (trigger,) = scaled["spec"]["triggers"]
+    trigger, in_flight = scaled["spec"]["triggers"]
 
     assert scaled["spec"]["scaleTargetRef"]["name"] == "runbrake-worker"
     assert find(objects, "Deployment", "runbrake-worker")
@@ -322,6 +322,16 @@ def test_keda_scales_the_worker_deployment_on_the_run_queue_counting_runs_in_fli
     assert trigger["metadata"]["mode"] == "QueueLength"
     assert (trigger["metadata"]["protocol"], trigger["metadata"]["excludeUnacknowledged"]) == ("http", "false")
     assert trigger["metadata"]["value"] == option(worker["command"], "--concurrency")
+    # The queue alone does not see runs in flight (acked at claim): the second trigger counts them.
+    assert in_flight["type"] == "prometheus"
+    assert in_flight["metadata"]["threshold"] == option(worker["command"], "--concurrency")
+    queried = set(re.findall(r"runbrake_[a-z_]+", in_flight["metadata"]["query"]))
+    assert queried == {"runbrake_runs_in_flight", "runbrake_queue_depth"}
+    assert queried <= _exported().keys()
+    metrics_service = one(objects, "ServiceMonitor", "runbrake-worker")
+    assert 'service="runbrake-worker-metrics"' in in_flight["metadata"]["query"]
+    assert metrics_service["spec"]["selector"]["matchLabels"].items() <= one(
+        objects, "Service", "runbrake-worker-metrics")["metadata"]["labels"].items()
     auth = one(objects, "TriggerAuthentication", trigger["authenticationRef"]["name"])
     assert [ref["parameter"] for ref in auth["spec"]["secretTargetRef"]] == ["host"]
     assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
