@@ -229,11 +229,10 @@ class Intake:
         until :meth:`stop`, which closes the channel and RabbitMQ requeues them."""
         self._slots.close()
         if self._worker is not None:
-            # Not Worker.pause(): it waits for every consumer to notice, which takes Dramatiq's consumer
-            # restart delay (3 s) and would eat into the drain. The flags are enough: a paused thread
-            # takes no further message, and a closed gate starts no run.
-            for consumer in self._worker.consumers.values():
-                consumer.pause()
+            # Only the worker threads, and not Worker.pause(): a paused consumer closes its channel and
+            # sleeps Dramatiq's consumer restart delay (3 s), which the stop would then wait out. A
+            # paused thread takes no further message and a closed gate starts no run; what the consumer
+            # still prefetches stays unacked until the stop closes its channel and RabbitMQ requeues it.
             for thread in self._worker.workers:
                 thread.pause()
 
