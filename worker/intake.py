@@ -230,9 +230,7 @@ class Intake:
         self._slots.close()
         if self._worker is not None:
             # Only the worker threads, and not Worker.pause(): a paused consumer closes its channel and
-            # sleeps Dramatiq's consumer restart delay (3 s), which the stop would then wait out. A
-            # paused thread takes no further message and a closed gate starts no run; what the consumer
-            # still prefetches stays unacked until the stop closes its channel and RabbitMQ requeues it.
+            # sleeps Dramatiq's consumer restart delay (3 s), which the stop would then wait out.
             for thread in self._worker.workers:
                 thread.pause()
 

@@ -63,7 +63,7 @@ class LoopEndKind(StrEnum):
     """The worker shuts down: the state goes back to the queue for another worker to continue."""
 
 
-HANDOFF_REASON = "worker_shutdown"
+HANDOFF_REASON = TerminationReason.WORKER_SHUTDOWN.value
 """``detail.reason`` of a call cut off by a hand-over (docs/architecture.md, "Drain and hand-over")."""
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,15 +62,17 @@ class RunHandle:
             self.lost = True
         else:
             self.cancel_seen = True
-        if self.scope is not None and not self.scope.cancel_called:
-            self.scope.cancel()
-            log.info("call_interrupted", run_id=self.run_id)
+        self._cut_off("lease_lost" if lost else "cancelled")
 
     def _hand_over_on_loop(self) -> None:
         self.handing_over = True
+        self._cut_off("worker_shutdown")
+
+    def _cut_off(self, reason: str) -> None:
+        """Cancel the call in flight, if any (the flag just set cancels any later one on entry)."""
         if self.scope is not None and not self.scope.cancel_called:
             self.scope.cancel()
-            log.info("call_interrupted", run_id=self.run_id, reason="worker_shutdown")
+            log.info("call_interrupted", run_id=self.run_id, reason=reason)
 
 
 class ActiveRuns:
@@ -127,11 +129,7 @@ class ActiveRuns:
             if handle is None or handle.interrupt_requested:
                 return False
             handle.interrupt_requested = True
-        try:
-            handle.loop.call_soon_threadsafe(handle._interrupt_on_loop, lost)
-        except RuntimeError:  # the loop closed: the run is over anyway
-            return False
-        return True
+        return _on_loop(handle, handle._interrupt_on_loop, lost)
 
     def hand_over_all(self) -> int:
         """Ask every run of this process to go back to the queue at its next boundary, cutting off its
@@ -140,11 +138,14 @@ class ActiveRuns:
         with self._lock:
             self._handing_over = True
             handles = list(self._runs.values())
-        asked = 0
-        for handle in handles:
-            try:
-                handle.loop.call_soon_threadsafe(handle._hand_over_on_loop)
-            except RuntimeError:  # the loop closed: the run is over anyway
-                continue
-            asked += 1
-        return asked
+        return sum(_on_loop(handle, handle._hand_over_on_loop) for handle in handles)
+
+
+def _on_loop(handle: RunHandle, action: Callable[..., None], *args: object) -> bool:
+    """Run ``action`` on the run's loop (its handle is touched there only); False when the loop closed,
+    and the run with it."""
+    try:
+        handle.loop.call_soon_threadsafe(action, *args)
+    except RuntimeError:
+        return False
+    return True
