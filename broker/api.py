@@ -64,6 +64,8 @@ LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "[::1]")
 """The ``Host`` names a token-less API answers unless RUNBRAKE_API_ALLOWED_HOSTS says otherwise."""
 METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Methods the metrics name; any other is counted as ``other`` (a label must not take a client's words)."""
+PROBES: Final = frozenset({"/healthz", "/readyz"})
+"""Answered whatever the ``Host``: probes reach a replica by its address, and these say nothing but up or not."""
 AMQP_THREADS: Final = 8
 """Threads for the calls that publish on RabbitMQ; each holds its own connections."""
 READY_CACHE_S: Final = 1.0
@@ -706,7 +708,7 @@ def _host_allowed(host: str, allowed: frozenset[str]) -> bool:
 class RequestGuard:
     """What every request meets before a route sees it (pure ASGI), and what it leaves behind:
 
-    - a ``Host`` outside the allowed hosts is ``400`` (DNS rebinding);
+    - a ``Host`` outside the allowed hosts is ``400`` (DNS rebinding), except on the probes;
     - an answer given before the request's body was read to its end (a ``401``, a ``415``, a ``413``)
       closes the connection, so that the client cannot make the server take in a body nobody reads.
     """
@@ -722,7 +724,7 @@ class RequestGuard:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         has_body = any(name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
                        for name, value in headers)
-        if self.allowed_hosts is not None:
+        if self.allowed_hosts is not None and scope["path"] not in PROBES:
             hosts = [value.decode("latin-1") for name, value in headers if name == b"host"]
             if len(hosts) != 1 or not _host_allowed(hosts[0], self.allowed_hosts):
                 log.info("api_host_refused", host=hosts[0][:200] if len(hosts) == 1 else None, hosts=len(hosts))
