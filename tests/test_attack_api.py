@@ -9,10 +9,12 @@ that nothing was written to Redis on its behalf.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import json
 import random
 import re
+import select
 import socket
 import string
 import threading
@@ -116,7 +118,8 @@ def test_without_a_token_a_chunked_body_is_answered_401_and_the_connection_close
                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
         sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         status, headers, _ = read_head(sock)
-        read_to_eof(sock)
+        with contextlib.suppress(ConnectionResetError):  # the chunk the server never read may earn a reset
+            read_to_eof(sock)
 
     assert (status, headers["connection"]) == (401, "close")
     assert namespace_keys(store) == []
@@ -407,29 +410,28 @@ def test_an_idempotency_key_belongs_to_the_token_that_used_it(
 def test_a_client_that_dribbles_its_headers_is_cut_off(start_api: Callable[..., ApiProcess]) -> None:
     api = start_api(RUNBRAKE_API_HEADER_TIMEOUT_S="1")
     head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: " + b"a" * 400 + b"\r\n\r\n"
-    answer = b""
+    answer, reset = b"", False
     with connect(api) as sock:
-        sock.settimeout(0.05)  # the pace of the dribble: one byte, then listen a moment
         sent = 0
         while sent < len(head):
+            readable, _, _ = select.select([sock], [], [], 0.05)  # the dribble's pace: listen, then one byte
+            if readable:
+                break
             try:
                 sock.sendall(head[sent:sent + 1])
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError:  # the server closed just before this byte, which it answered with a reset
+                reset = True
                 break
             sent += 1
-            try:
-                chunk = sock.recv(4096)
-            except TimeoutError:
-                continue
-            answer += chunk
-            if not chunk:
-                break
-        sock.settimeout(SOCKET_TIMEOUT_S)
-        answer += read_to_eof(sock)
+        try:
+            answer = read_to_eof(sock)
+        except ConnectionResetError:
+            reset = True
 
     assert sent < len(head), "the whole head went through: the server waited for it"
-    assert answer.startswith(b"HTTP/1.1 408 ")
-    assert b'"error"' in answer
+    # The 408 is lost only when a byte crossed the server's close (then the reset is the answer).
+    assert answer.startswith(b"HTTP/1.1 408 ") or (reset and answer == b""), answer
+    assert b'"error"' in answer or reset
     assert "api_header_timeout" in api.log()
 
 
