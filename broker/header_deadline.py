@@ -1,4 +1,4 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline on a request's headers (docs/http-api.md, "Limits").
+"""uvicorn's HTTP/1.1 protocol with a deadline on a request's headers (docs/http-api.md, "Requests").
 
 uvicorn (0.54, h11) bounds an idle keep-alive connection (``timeout_keep_alive``, armed only after a
 response) and the size of an incomplete head (``h11_max_incomplete_event_size``), but not the time a
