@@ -227,6 +227,14 @@ def _next_cursor(position: tuple[float, str] | None) -> str | None:
 
 # -- the app -------------------------------------------------------------------------------------
 
+_ERROR_SCHEMA: Final = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_BODY_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
+    413: {"description": "The body is larger than its bound (docs/http-api.md, \"Requests\").",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+    415: {"description": "The request does not say Content-Type: application/json.",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+}
+
 
 def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     """The ASGI app of ``runbrake serve``."""
@@ -295,7 +303,7 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
 
 
 def _routes(app: FastAPI) -> None:
-    @app.post("/v1/runs", status_code=201, tags=["runs"], openapi_extra={"requestBody": {
+    @app.post("/v1/runs", status_code=201, tags=["runs"], responses=_BODY_ERRORS, openapi_extra={"requestBody": {
         "required": True,
         "content": {"application/json": {"schema": {
             "type": "object", "description": "A run spec: see GET /v1/schema/run-spec"}}},
@@ -378,7 +386,8 @@ def _routes(app: FastAPI) -> None:
         return StreamingResponse(_counted(state.metrics, status_events(state.hub, subscriber)),
                                  media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"], openapi_extra=_REASON_BODY)
+    @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"], responses=_BODY_ERRORS,
+              openapi_extra=_REASON_BODY)
     async def cancel(request: Request, run_id: RunId, who: Operator) -> JSONResponse:
         """Win the fence in Redis, then wake the worker that runs the run (like ``runbrake cancel``)."""
         state = _state(request)
@@ -393,7 +402,8 @@ def _routes(app: FastAPI) -> None:
         return JSONResponse({"run_id": run_id, "cancelled": True, "message_confirmed": result.message_confirmed},
                             status_code=202)
 
-    @app.post("/v1/runs/{run_id}/approve", tags=["decisions"], openapi_extra=_REASON_BODY)
+    @app.post("/v1/runs/{run_id}/approve", tags=["decisions"], responses=_BODY_ERRORS,
+              openapi_extra=_REASON_BODY)
     async def approve(request: Request, run_id: RunId, who: Operator) -> dict[str, Any]:
         """Approve the call the run waits for (recorded with who and why); a worker resumes the run."""
         state = _state(request)
@@ -408,7 +418,8 @@ def _routes(app: FastAPI) -> None:
         _decided(decision.exists, decision.decided, run_id, decision.found)
         return {"run_id": run_id, "approved": True}
 
-    @app.post("/v1/runs/{run_id}/deny", tags=["decisions"], openapi_extra=_REASON_BODY)
+    @app.post("/v1/runs/{run_id}/deny", tags=["decisions"], responses=_BODY_ERRORS,
+              openapi_extra=_REASON_BODY)
     async def deny(request: Request, run_id: RunId, who: Operator) -> dict[str, Any]:
         """Deny the call the run waits for: the run ends failed (approval_denied)."""
         state = _state(request)

@@ -449,3 +449,13 @@ def test_a_connection_that_sends_nothing_or_idles_after_a_request_is_closed(
 
     assert status == 200
     assert b"408 " in rest
+
+
+def test_the_openapi_document_describes_the_decision_bodies_and_the_415(api: ApiProcess) -> None:
+    paths = httpx2.get(f"{api.url}/openapi.json").json()["paths"]
+    for action in ("cancel", "approve", "deny"):
+        post = paths[f"/v1/runs/{{run_id}}/{action}"]["post"]
+        schema = post["requestBody"]["content"]["application/json"]["schema"]
+        assert set(schema["properties"]) == {"reason"}
+        assert {"413", "415"} <= set(post["responses"])
+    assert {"413", "415"} <= set(paths["/v1/runs"]["post"]["responses"])
