@@ -288,6 +288,14 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         log.warning("api_store_unavailable", error=str(exc))
         return JSONResponse({"error": "the run store (Redis) could not be reached"}, status_code=503)
 
+    @app.exception_handler(PublishError)
+    async def broker_down(_request: Request, exc: PublishError) -> JSONResponse:
+        # An enqueue whose message RabbitMQ did not confirm (the run is settled failed, enqueue_failed);
+        # like a StoreError, the message names the address: logged, not answered.
+        log.warning("api_publish_failed", error=str(exc))
+        return JSONResponse({"error": "RabbitMQ did not take the run's message; the run is failed (enqueue_failed)"},
+                            status_code=503)
+
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
         """A bug: the documented shape and nothing of the exception (Starlette logs it and re-raises)."""

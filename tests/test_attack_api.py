@@ -373,6 +373,25 @@ def test_a_store_error_answer_does_not_name_the_redis_address(
     assert str(port) in api.log()  # the operator still learns where
 
 
+def test_a_rabbitmq_error_answer_does_not_name_its_address(
+    start_api: Callable[..., ApiProcess], store: RunStore
+) -> None:
+    port = free_port()  # nothing listens there
+    api = start_api(RUNBRAKE_RABBITMQ_URL=f"amqp://guest:guest@127.0.0.1:{port}/")
+    with httpx2.Client(base_url=api.url, timeout=30) as http:
+        enqueued = http.post("/v1/runs", json=valid_spec())
+        ready = http.get("/readyz")
+
+    assert enqueued.status_code == 503, enqueued.text
+    assert set(enqueued.json()) == {"error"}
+    assert ready.status_code == 503
+    assert ready.json()["rabbitmq"] == "unreachable"
+    for response in (enqueued, ready):
+        assert str(port) not in response.text
+    [run] = store.recent()
+    assert (run.status, run.termination_reason.value) == (RunStatus.FAILED, "enqueue_failed")
+
+
 # -- idempotency keys ------------------------------------------------------------------------------
 
 
