@@ -339,6 +339,7 @@ def serve(host: str, port: int) -> None:
 
     from runbrake.broker.api import create_app  # noqa: PLC0415
     from runbrake.broker.auth import Tokens, TokensFileError  # noqa: PLC0415
+    from runbrake.broker.header_deadline import header_deadline_protocol  # noqa: PLC0415
 
     settings = settings_from_env()
     tokens = None
@@ -357,7 +358,8 @@ def serve(host: str, port: int) -> None:
     click.echo(f"runbrake serve: http://{host if ':' not in host else f'[{host}]'}:{port}/ "
                f"(namespace {settings.namespace})", err=True)
     uvicorn.run(create_app(settings, tokens), host=host, port=port, log_level="warning", access_log=False,
-                lifespan="on", timeout_graceful_shutdown=5)
+                lifespan="on", timeout_graceful_shutdown=5,
+                http=header_deadline_protocol(settings.api_header_timeout_s))
 
 
 def _is_loopback(host: str) -> bool:

@@ -11,6 +11,7 @@ from typing import TypeVar
 from runbrake.shared.errors import ConfigError
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ALLOWED_HOST = re.compile(r"^(\*|([a-z0-9][a-z0-9.-]{0,252}|\[[0-9a-f:.]{2,45}\])(:[0-9]{1,5})?)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,13 @@ class Settings:
     queue_type: str = "classic"
     """``classic`` or ``quorum``: how the run and cancel-request queues are declared.
     ``RUNBRAKE_QUEUE_TYPE``."""
+    api_allowed_hosts: tuple[str, ...] | None = None
+    """``Host`` headers the HTTP API answers (lowercase; ``name`` any port, ``name:port`` that port, ``*``
+    any host); unset: the loopback names without tokens, any host with tokens (docs/http-api.md, "Allowed
+    hosts"). ``RUNBRAKE_API_ALLOWED_HOSTS``, comma-separated."""
+    api_header_timeout_s: float = 10.0
+    """How long the HTTP API waits for a request's headers to be complete, in seconds, before it closes
+    the connection (slowloris). ``RUNBRAKE_API_HEADER_TIMEOUT_S``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -119,6 +127,8 @@ class Settings:
             health_port=_int(env, "RUNBRAKE_HEALTH_PORT", defaults.health_port, 0, 65535),
             redis_cluster=_bool(env, "RUNBRAKE_REDIS_CLUSTER", defaults.redis_cluster),
             queue_type=_choice(env, "RUNBRAKE_QUEUE_TYPE", defaults.queue_type, ("classic", "quorum")),
+            api_allowed_hosts=_hosts(env, "RUNBRAKE_API_ALLOWED_HOSTS"),
+            api_header_timeout_s=_float(env, "RUNBRAKE_API_HEADER_TIMEOUT_S", defaults.api_header_timeout_s),
         )
 
 
@@ -142,6 +152,17 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     if raw not in choices:
         raise ConfigError(name, f"must be one of {', '.join(choices)}, got {raw!r}")
     return raw
+
+
+def _hosts(env: Mapping[str, str], name: str) -> tuple[str, ...] | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    hosts = tuple(part.strip().lower() for part in raw.split(","))
+    for host in hosts:
+        if not _ALLOWED_HOST.fullmatch(host):
+            raise ConfigError(name, f"must be comma-separated host names (host, host:port, [::1] or *), got {host!r}")
+    return hosts
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int = 10**9) -> int:
