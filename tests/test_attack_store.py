@@ -370,7 +370,8 @@ _LAYOUT = """
   const at = text.textContent.indexOf(prefix);
   plainRange.setStart(text, at); plainRange.setEnd(text, at + prefix.length);
   const userRange = document.createRange();
-  userRange.setStart(text, 0); userRange.setEnd(text, at);
+  const from = text.textContent.indexOf(isolate.textContent);
+  userRange.setStart(text, from); userRange.setEnd(text, from + isolate.textContent.length);
   const result = {
     isolated: getComputedStyle(isolate).unicodeBidi,
     userRight: isolate.getBoundingClientRect().right, afterLeft: range.getBoundingClientRect().left,
@@ -391,6 +392,8 @@ def test_the_page_isolates_outside_text_so_an_override_cannot_flip_the_attributi
     # Model content is not attribution and keeps its characters; the page isolates it.
     store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=1, content="\u202eevil reply",
                                       detail={"tool_calls": calls}))
+    store.append_step(run_id, RunStep(kind=StepKind.APPROVAL, round=1, content="\u202eevil note",
+                                      detail={"decision": "approved", "decided_by": "ops"}))
     _post(api, f"/v1/runs/{run_id}/cancel", {"reason": "\u202eevil reason"}, 202)
     # A record stored before bidi controls were stripped: the page must isolate it anyway.
     raw = redis.Redis.from_url(settings.redis_url, decode_responses=True)
@@ -405,8 +408,10 @@ def test_the_page_isolates_outside_text_so_an_override_cannot_flip_the_attributi
     expect(page.get_by_test_id("run-cancel")).to_contain_text("(by anonymous)")
     cancel = page.evaluate(_LAYOUT, ["[data-testid=run-cancel]", " (by "])
     model = page.evaluate(_LAYOUT, ["[data-testid=step-row][data-kind=model] td.detail", " (calls "])
+    approval = page.evaluate(_LAYOUT, ["[data-testid=step-row][data-kind=approval] td.detail", " (by "])
 
-    for layout in (cancel, model):
+    expect(page.locator("[data-testid=step-row][data-kind=approval]")).to_contain_text("evil note (by ops)")
+    for layout in (cancel, model, approval):
         assert layout["isolated"] == "isolate"
         # Isolated: "(by …)" follows the reason, left to right.
         assert layout["afterLeft"] >= layout["userRight"] - 1
