@@ -276,9 +276,9 @@ class ScriptCall:
 _READS_AND_DELETES: Final = frozenset({
     "GET", "MGET", "EXISTS", "HGET", "HMGET", "HGETALL", "HEXISTS", "HLEN", "LRANGE", "LLEN", "LINDEX",
     "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE", "ZREVRANGEBYSCORE", "ZSCORE", "ZCARD", "ZCOUNT", "SCAN",
-    "DEL", "UNLINK", "HDEL", "ZREM", "PING", "ECHO", "TTL", "PTTL", "TYPE",
+    "DEL", "UNLINK", "HDEL", "ZREM", "EXPIRE", "PEXPIRE", "PING", "ECHO", "TTL", "PTTL", "TYPE",
 })
-"""What a plain command may do: read, delete, ask. A write is a script, whose arguments go through
+"""What a plain command may do: read, delete, expire, ask. A write is a script, whose arguments go through
 :func:`wire`."""
 
 
