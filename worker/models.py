@@ -228,7 +228,7 @@ def _arguments(name: str, raw: str) -> Mapping[str, Any]:
         # for a float are not JSON (RFC 8259), though Python reads them: refused like any arguments that are
         # not JSON, before they reach the tool or the store (docs/security.md).
         arguments = json.loads(raw, parse_constant=_not_a_number, parse_float=_finite) if raw.strip() else {}
-    except (json.JSONDecodeError, ValueError) as exc:
+    except ValueError as exc:  # a JSONDecodeError, or a number refused below
         raise ProviderError(f"the model called {name!r} with arguments that are not JSON: {raw!r:.200}") from exc
     if not isinstance(arguments, dict):
         raise ProviderError(f"the model called {name!r} with arguments that are not a JSON object: {raw!r:.200}")
