@@ -51,6 +51,12 @@ class Settings:
     """Longest ``input`` accepted, in characters. ``RUNBRAKE_MAX_INPUT_CHARS``."""
     max_argument_chars: int = 16_000
     """Bound on a tool call's arguments as stored (JSON characters). ``RUNBRAKE_MAX_ARGUMENT_CHARS``."""
+    max_model_content_chars: int = 100_000
+    """Bound on a model turn's text as kept (the step, the conversation, the final answer), in characters;
+    a longer one is cut with a mark and its step's ``detail.content_truncated`` says so. The default is
+    the bound on ``input`` (``RUNBRAKE_MAX_INPUT_CHARS``): some 25,000 tokens, past the output limit of
+    most models, while a step stays small enough to send whole on every events replay.
+    ``RUNBRAKE_MAX_MODEL_CONTENT_CHARS``."""
     max_tool_calls_per_turn: int = 32
     """Most tool calls one model turn may ask for; more fails the run (``too_many_tool_calls``).
     ``RUNBRAKE_MAX_TOOL_CALLS_PER_TURN``."""
@@ -117,6 +123,8 @@ class Settings:
             max_spec_bytes=_int(env, "RUNBRAKE_MAX_SPEC_BYTES", defaults.max_spec_bytes, 1024, 64 * 1_048_576),
             max_input_chars=_int(env, "RUNBRAKE_MAX_INPUT_CHARS", defaults.max_input_chars, 1, 10_000_000),
             max_argument_chars=_int(env, "RUNBRAKE_MAX_ARGUMENT_CHARS", defaults.max_argument_chars, 100, 10_000_000),
+            max_model_content_chars=_int(
+                env, "RUNBRAKE_MAX_MODEL_CONTENT_CHARS", defaults.max_model_content_chars, 1000, 10_000_000),
             max_tool_calls_per_turn=_int(
                 env, "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", defaults.max_tool_calls_per_turn, 1, 1000),
             max_steps_cap=_int(env, "RUNBRAKE_MAX_STEPS_CAP", defaults.max_steps_cap, 1, 1_000_000),
