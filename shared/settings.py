@@ -75,6 +75,12 @@ class Settings:
     queue_type: str = "classic"
     """``classic`` or ``quorum``: how the run and cancel-request queues are declared.
     ``RUNBRAKE_QUEUE_TYPE``."""
+    api_send_timeout_s: float = 30.0
+    """How long ``runbrake serve`` waits for an events client to take the next chunk of its stream before
+    it drops the client (its socket buffer stayed full), in seconds. ``RUNBRAKE_API_SEND_TIMEOUT_S``."""
+    api_max_streams_per_token: int = 16
+    """Event streams one token may hold open at once on one ``serve`` process (without tokens: all
+    clients together); the next is ``429``. ``RUNBRAKE_API_MAX_STREAMS_PER_TOKEN``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -119,6 +125,9 @@ class Settings:
             health_port=_int(env, "RUNBRAKE_HEALTH_PORT", defaults.health_port, 0, 65535),
             redis_cluster=_bool(env, "RUNBRAKE_REDIS_CLUSTER", defaults.redis_cluster),
             queue_type=_choice(env, "RUNBRAKE_QUEUE_TYPE", defaults.queue_type, ("classic", "quorum")),
+            api_send_timeout_s=_float(env, "RUNBRAKE_API_SEND_TIMEOUT_S", defaults.api_send_timeout_s),
+            api_max_streams_per_token=_int(
+                env, "RUNBRAKE_API_MAX_STREAMS_PER_TOKEN", defaults.api_max_streams_per_token, 1, 100_000),
         )
 
 
