@@ -6,7 +6,10 @@ that does not read: uvicorn then closes the transport, and asyncio's ``close()``
 bytes are written, which for a peer that never reads is forever, so the socket and the bytes stay. The
 server's protocol class is therefore wrapped (uvicorn accepts a protocol class as ``http``) so that each
 connection's transport is known by its peer address, which ASGI does give the application
-(``scope["client"]``), and :meth:`Connections.abort` closes it at once, dropping what it buffered.
+(``scope["client"]``), and the callable :meth:`Connections.aborter` answers closes it at once, dropping
+what it buffered. A request whose ``scope["client"]`` uvicorn's proxy-headers middleware rewrote from
+``X-Forwarded-For`` (sent by a trusted proxy, by default one on loopback) is not found: its stream still
+ends, and uvicorn closes that connection the graceful way (the proxy is then the one not reading).
 """
 
 from __future__ import annotations

@@ -200,6 +200,6 @@ def _progress(value: str | None) -> Mapping[str, Any] | None:
     """The stored progress report; anything unreadable counts as none (it is a courtesy, never a crash)."""
     try:
         data = json.loads(value) if value else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
