@@ -455,10 +455,10 @@ def _last_event_id(value: str | None) -> int:
     """The step sequence a reconnecting client had last (0: none); anything but digits is 422."""
     if not value:
         return 0
-    if not LAST_EVENT_ID.fullmatch(value.strip()):
+    if not LAST_EVENT_ID.fullmatch(value.strip(" \t")):
         raise ApiError(422, "invalid Last-Event-ID", errors=[
             {"loc": ["header", "last-event-id"], "msg": "a step sequence: 1 to 18 digits"}])
-    return int(value.strip())
+    return int(value.strip(" \t"))
 
 
 async def _stream_slot(state: ApiState, who: str) -> Callable[[], None]:

@@ -305,6 +305,8 @@ def test_the_stream_settings_are_checked_naming_the_variable() -> None:
 
     assert Settings.from_env({}).api_send_timeout_s == 30.0
     assert Settings.from_env({}).api_max_streams_per_token == 16
+    assert Settings.from_env({"RUNBRAKE_API_SEND_TIMEOUT_S": "2.5"}).api_send_timeout_s == 2.5
+    assert Settings.from_env({"RUNBRAKE_API_MAX_STREAMS_PER_TOKEN": "3"}).api_max_streams_per_token == 3
     for name, value in (("RUNBRAKE_API_SEND_TIMEOUT_S", "soon"), ("RUNBRAKE_API_SEND_TIMEOUT_S", "0"),
                         ("RUNBRAKE_API_SEND_TIMEOUT_S", "nan"), ("RUNBRAKE_API_MAX_STREAMS_PER_TOKEN", "0"),
                         ("RUNBRAKE_API_MAX_STREAMS_PER_TOKEN", "2.5")):
