@@ -307,6 +307,8 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool]) -> Event | None:
         if not isinstance(status, str) or not isinstance(reason, str):
             raise Unreadable("status and termination_reason must be strings")
         parsed = RunStatus(status)  # ValueError for a status that is none
+        if parsed is RunStatus.UNKNOWN:
+            raise Unreadable("unknown is no status a run is ever in")
         return Event("status", run_id, 0, frame("status", status_data(run_id, parsed.value, reason)), parsed.value)
     if not wanted(run_id):
         return None

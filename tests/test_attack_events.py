@@ -92,6 +92,7 @@ def poisoned_messages(run_id: str) -> list[bytes]:
         '{"event":"status","run_id":{"a":1}}',
         f'{{"event":"status","run_id":"{run_id}","status":["running"]}}',
         f'{{"event":"status","run_id":"{run_id}","status":"exploded"}}',
+        f'{{"event":"status","run_id":"{run_id}","status":"unknown"}}',
         f'{{"event":"status","run_id":"{run_id}","status":"running","termination_reason":7}}',
         f'{{"event":["step"],"run_id":"{run_id}"}}',
         f'{{"event":"step","run_id":"{run_id}","step":[1,2,3]}}',
