@@ -21,7 +21,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Annotated, Any, Final, TypeVar
@@ -39,7 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runbrake.broker.approval import approve_run, deny_run
 from runbrake.broker.auth import Tokens
 from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.events import EventHub, run_events, status_events
+from runbrake.broker.connections import Connections
+from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
 from runbrake.broker.producer import Enqueued, Producer
 from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.broker.render import run_json, run_summary, server_health
@@ -113,6 +114,18 @@ class Metrics:
                                    registry=self.registry)
         self.dropped = Counter("runbrake_api_event_clients_dropped_total",
                                "Event clients dropped because they fell too far behind.", registry=self.registry)
+        self.stalled = Counter("runbrake_api_event_clients_stalled_total",
+                               "Event clients dropped because a send did not complete within "
+                               "RUNBRAKE_API_SEND_TIMEOUT_S.", registry=self.registry)
+        self.streams_refused = Counter("runbrake_api_event_streams_refused_total",
+                                       "Event streams refused (429): the token held its "
+                                       "RUNBRAKE_API_MAX_STREAMS_PER_TOKEN.", registry=self.registry)
+        self.events_unreadable = Counter("runbrake_api_events_unreadable_total",
+                                         "Messages on <ns>:events the event hub could not read and skipped.",
+                                         registry=self.registry)
+        self.hub_restarts = Counter("runbrake_api_event_hub_restarts_total",
+                                    "Times the event hub failed on something unexpected and started again.",
+                                    registry=self.registry)
 
 
 class AmqpWorkers:
@@ -155,6 +168,10 @@ class ApiState:
     metrics: Metrics
     admission: Admission
     """What a spec must meet: the operator's catalog (read again when it changes) and the bounds."""
+    connections: Connections
+    """This process's HTTP connections, so that a stream can abort a client's (broker/connections.py)."""
+    streams: StreamSlots
+    """Event streams open per token (``RUNBRAKE_API_MAX_STREAMS_PER_TOKEN``)."""
     rabbitmq_checked: tuple[float, str | None] = (0.0, None)
 
 
@@ -237,16 +254,21 @@ _BODY_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
 
 
 def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
-    """The ASGI app of ``runbrake serve``."""
+    """The ASGI app of ``runbrake serve``. Its ``state.connections`` makes the protocol class to serve it
+    with (``http=app.state.connections.protocol()``), without which a stalled stream's connection is closed
+    gracefully instead of aborted (broker/connections.py)."""
+    connections = Connections()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
-        hub = EventHub(settings, on_drop=metrics.dropped.inc)
+        hub = EventHub(settings, on_drop=metrics.dropped.inc, on_unreadable=metrics.events_unreadable.inc,
+                       on_restart=metrics.hub_restarts.inc)
         state = ApiState(
             settings=settings, tokens=tokens, store=AsyncRunStore.connect(settings),
             sync_store=RunStore.connect(settings), broker=build_broker(settings), hub=hub,
             amqp=AmqpWorkers(settings), metrics=metrics, admission=Admission.from_settings(settings),
+            connections=connections, streams=StreamSlots(settings.api_max_streams_per_token),
         )
         app.state.api = state
         await hub.start()
@@ -267,6 +289,7 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     )
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts(settings, tokens))
     app.add_middleware(MetricsMiddleware)  # outside the guard: refused requests are counted too
+    app.state.connections = connections
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -364,35 +387,30 @@ def _routes(app: FastAPI) -> None:
         return run_json(await _state(request).store.get(run_id))
 
     @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
-    async def events(request: Request, run_id: RunId, _who: Reader,
+    async def events(request: Request, run_id: RunId, who: Reader,
                      last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
         """Server-sent events: ``step`` (replayed, then live), ``progress``, ``status``; ends after the
         run's terminal status. Reconnect with ``Last-Event-ID`` (a step sequence) to resume."""
         state = _state(request)
-        last = 0
-        if last_event_id:
-            try:
-                last = max(0, int(last_event_id))
-            except ValueError:
-                raise ApiError(422, "invalid Last-Event-ID", errors=[
-                    {"loc": ["header", "last-event-id"], "msg": "a step sequence (an integer)"}]) from None
-        await state.hub.wait_ready()
+        last = _last_event_id(last_event_id)
+        give_back = await _stream_slot(state, who)
         subscriber = state.hub.subscribe(run_id)  # first subscribe, then read: nothing falls between
         try:
-            record = await state.store.get(run_id)
+            head = await state.store.head(run_id)
         except BaseException:
             state.hub.unsubscribe(subscriber)
+            give_back()
             raise
-        stream = _counted(state.metrics, run_events(state.hub, state.store, subscriber, record, last_event_id=last))
-        return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _event_stream(state, run_events(state.store, subscriber, head, last_event_id=last), subscriber,
+                             give_back)
 
     @app.get("/v1/events", tags=["runs"], response_class=StreamingResponse)
-    async def all_status(request: Request, _who: Reader) -> StreamingResponse:
+    async def all_status(request: Request, who: Reader) -> StreamingResponse:
         """Server-sent ``status`` events of every run of the namespace (the runs page's list), live only."""
         state = _state(request)
+        give_back = await _stream_slot(state, who)
         subscriber = state.hub.subscribe(None)
-        return StreamingResponse(_counted(state.metrics, status_events(state.hub, subscriber)),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _event_stream(state, status_events(subscriber), subscriber, give_back)
 
     @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"], responses=_BODY_ERRORS,
               openapi_extra=_REASON_BODY)
@@ -466,6 +484,8 @@ def _routes(app: FastAPI) -> None:
         if problem is not None:
             log.warning("api_not_ready", service="rabbitmq", error=problem)
         checks["rabbitmq"] = "ok" if problem is None else "unreachable"
+        # Live events: the hub's subscription (it restarts itself; until then no stream hears a thing).
+        checks["events"] = "ok" if state.hub.ready else "not subscribed to live events"
         ready = all(value == "ok" for value in checks.values())
         return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
 
@@ -478,13 +498,50 @@ def _routes(app: FastAPI) -> None:
 _SSE_HEADERS: Final = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
-async def _counted(metrics: Metrics, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    metrics.event_clients.inc()
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        metrics.event_clients.dec()
+STREAM_RETRY_AFTER_S: Final = 5
+"""``Retry-After`` of a refused event stream (429, 503)."""
+LAST_EVENT_ID: Final = re.compile(r"[0-9]{1,18}")
+"""A step sequence as a client echoes it: ASCII digits, at most 18 (below Redis's 64-bit list indexes)."""
+
+
+def _last_event_id(value: str | None) -> int:
+    """The step sequence a reconnecting client had last (0: none); anything but digits is 422."""
+    if not value:
+        return 0
+    if not LAST_EVENT_ID.fullmatch(value.strip(" \t")):
+        raise ApiError(422, "invalid Last-Event-ID", errors=[
+            {"loc": ["header", "last-event-id"], "msg": "a step sequence: 1 to 18 digits"}])
+    return int(value.strip(" \t"))
+
+
+async def _stream_slot(state: ApiState, who: str) -> Callable[[], None]:
+    """One of ``who``'s event stream slots (429 when all are taken), once live events are available (503
+    while the hub is not subscribed)."""
+    if not await state.hub.wait_ready():
+        raise ApiError(503, "live events are not available right now; retry",
+                       headers={"Retry-After": str(STREAM_RETRY_AFTER_S)})
+    give_back = state.streams.take(who)
+    if give_back is None:
+        state.metrics.streams_refused.inc()
+        log.info("event_stream_refused", by=who, open=state.streams.held(who))
+        raise ApiError(429, f"too many event streams open for {who!r}: at most {state.streams.per_token} at once "
+                            "(RUNBRAKE_API_MAX_STREAMS_PER_TOKEN); close one or retry later",
+                       headers={"Retry-After": str(STREAM_RETRY_AFTER_S)}, limit=state.streams.per_token)
+    return give_back
+
+
+def _event_stream(state: ApiState, frames: AsyncGenerator[bytes, None], subscriber: Subscriber,
+                  give_back: Callable[[], None]) -> EventStreamResponse:
+    """The response of an events route: it gives back the subscriber and the slot however it ends."""
+    state.metrics.event_clients.inc()
+
+    def closed() -> None:
+        state.hub.unsubscribe(subscriber)
+        give_back()
+        state.metrics.event_clients.dec()
+
+    return EventStreamResponse(frames, send_timeout_s=state.settings.api_send_timeout_s, headers=_SSE_HEADERS,
+                               on_close=closed, on_stall=state.metrics.stalled.inc, abort=state.connections.aborter)
 
 
 def _decided(exists: bool, decided: bool, run_id: str, found: RunStatus) -> None:

@@ -357,9 +357,12 @@ def serve(host: str, port: int) -> None:
         click.echo("runbrake serve: no RUNBRAKE_API_TOKENS, so no authentication: serving on loopback only", err=True)
     click.echo(f"runbrake serve: http://{host if ':' not in host else f'[{host}]'}:{port}/ "
                f"(namespace {settings.namespace})", err=True)
-    uvicorn.run(create_app(settings, tokens), host=host, port=port, log_level="warning", access_log=False,
-                lifespan="on", timeout_graceful_shutdown=5,
-                http=header_deadline_protocol(settings.api_header_timeout_s))
+    app = create_app(settings, tokens)
+    # The protocol class records each connection (an events stream can abort a stalled client's) on top
+    # of the header deadline (slowloris; broker/header_deadline.py).
+    protocol = app.state.connections.protocol(base=header_deadline_protocol(settings.api_header_timeout_s))
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                lifespan="on", timeout_graceful_shutdown=5, http=protocol)
 
 
 def _is_loopback(host: str) -> bool:

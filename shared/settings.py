@@ -89,6 +89,12 @@ class Settings:
     api_header_timeout_s: float = 10.0
     """How long the HTTP API waits for a request's headers to be complete, in seconds, before it closes
     the connection (slowloris). ``RUNBRAKE_API_HEADER_TIMEOUT_S``."""
+    api_send_timeout_s: float = 30.0
+    """How long ``runbrake serve`` waits for an events client to take the next chunk of its stream before
+    it drops the client (its socket buffer stayed full), in seconds. ``RUNBRAKE_API_SEND_TIMEOUT_S``."""
+    api_max_streams_per_token: int = 16
+    """Event streams one token may hold open at once on one ``serve`` process (without tokens: all
+    clients together); the next is ``429``. ``RUNBRAKE_API_MAX_STREAMS_PER_TOKEN``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -137,6 +143,9 @@ class Settings:
             queue_type=_choice(env, "RUNBRAKE_QUEUE_TYPE", defaults.queue_type, ("classic", "quorum")),
             api_allowed_hosts=_hosts(env, "RUNBRAKE_API_ALLOWED_HOSTS"),
             api_header_timeout_s=_float(env, "RUNBRAKE_API_HEADER_TIMEOUT_S", defaults.api_header_timeout_s),
+            api_send_timeout_s=_float(env, "RUNBRAKE_API_SEND_TIMEOUT_S", defaults.api_send_timeout_s),
+            api_max_streams_per_token=_int(
+                env, "RUNBRAKE_API_MAX_STREAMS_PER_TOKEN", defaults.api_max_streams_per_token, 1, 100_000),
         )
 
 

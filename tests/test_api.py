@@ -189,7 +189,7 @@ def test_servers_schema_openapi_health_and_metrics(api: ApiProcess, store: RunSt
     assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/events", "/v1/runs/{run_id}/cancel",
             "/v1/runs/{run_id}/approve", "/v1/runs/{run_id}/deny"} <= set(openapi["paths"])
     assert (health.status_code, ready.status_code, ready.json()) == (
-        200, 200, {"ready": True, "redis": "ok", "rabbitmq": "ok"})
+        200, 200, {"ready": True, "redis": "ok", "rabbitmq": "ok", "events": "ok"})
     assert 'runbrake_api_requests_total{method="GET",route="/v1/servers",status="200"} 1.0' in metrics
     assert 'runbrake_api_request_seconds_count{method="GET",route="/v1/schema/run-spec"} 1.0' in metrics
 
