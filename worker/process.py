@@ -84,7 +84,8 @@ def run_worker_process(
         declare_noop_actor(broker, settings)
         queues.add(topology.noop_queue)
     if settings.metrics_port:
-        metrics.serve(settings.metrics_port + index)
+        metrics.serve(settings.metrics_port + index, settings.health_host)
+        log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
     listener = CancelListener(settings, store, registry)
     metrics.watch_process(registry, listener.ready)
     backstop = Backstop(settings, store, registry)
@@ -114,7 +115,8 @@ def run_worker_process(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # Before consuming: a health port already taken fails the process before it takes a run.
-    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
+    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining,
+                                consumers=lambda: intake.consumer_status(topology.run_queue))
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
