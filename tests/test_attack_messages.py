@@ -44,7 +44,7 @@ from runbrake.broker.wire import (
     check_run_message,
     run_message,
 )
-from runbrake.shared import AsyncRunStore, RunSpec, RunStatus, RunStore, Settings
+from runbrake.shared import AsyncRunStore, ConfigError, RunSpec, RunStatus, RunStore, Settings
 from runbrake.shared.catalog import Admission
 from runbrake.worker import metrics
 from runbrake.worker.actors import declare_run_actor
@@ -446,4 +446,31 @@ def test_a_dead_letter_queue_declared_before_the_bounds_is_kept_and_the_worker_s
     warned = {entry["queue"] for entry in worker.logged("dead_letter_queue_unbounded")}
     assert warned == set(old)
     assert _arguments(set(old)) == old
+
+    # The documented fix, a policy, bounds them as they are.
+    policy = f"{rabbitmq.namespace}-dead-letters"
+    ns = rabbitmq.namespace.replace(".", "\\.")
+    pattern = rf"^{ns}\.(runs|noop)\.XQ$|^{ns}\.cancel-requests\.dead$"
+    definition = {"max-length": DEAD_LETTER_MAX_LENGTH, "max-length-bytes": DEAD_LETTER_MAX_BYTES,
+                  "message-ttl": DEAD_LETTER_TTL_MS, "overflow": "drop-head"}
+    try:
+        _rabbitmqctl("set_policy", "--apply-to", "queues", "--priority", "10", policy, pattern, json.dumps(definition))
+        listed = json.loads(_rabbitmqctl("list_queues", "-q", "--formatter", "json", "name", "policy"))
+        applied = {queue["name"]: queue["policy"] for queue in listed if queue["name"] in old}
+        assert applied == dict.fromkeys(old, policy)
+    finally:
+        _rabbitmqctl("clear_policy", policy)
+
+
+def _rabbitmqctl(*arguments: str) -> str:
+    done = subprocess.run(["rabbitmqctl", *arguments], capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"rabbitmqctl {arguments[0]} failed here: {done.stderr.strip()[-300:]}")
+    return done.stdout
+
+
+@pytest.mark.parametrize("value", ["0.0.0.0 ", "host:80", "a b", "-bad"])
+def test_a_health_host_that_is_no_address_is_refused_naming_the_variable(value: str) -> None:
+    with pytest.raises(ConfigError, match="RUNBRAKE_HEALTH_HOST"):
+        Settings.from_env({"RUNBRAKE_HEALTH_HOST": value})
 
