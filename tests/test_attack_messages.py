@@ -13,6 +13,7 @@ import asyncio
 import ctypes
 import json
 import socket
+import struct
 import subprocess
 import threading
 import urllib.error
@@ -24,10 +25,12 @@ from typing import Any
 
 import dramatiq.worker
 import pika
+import pika.data
 import pika.exceptions
 import pytest
 from dramatiq.asyncio import get_event_loop_thread
 
+from runbrake.broker._amqp_tables import harden_table_decoding
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import (
@@ -270,6 +273,82 @@ def _delete_queues(settings: Settings, *queues: str) -> None:
     finally:
         connection.close()
 
+
+
+# -- hostile headers -------------------------------------------------------------------------------
+
+
+class _Raw(bytes):
+    """A header value the attacker's client writes as it is: a field type byte and its encoding."""
+
+
+def _far_timestamp() -> _Raw:
+    return _Raw(b"T" + struct.pack(">Q", 2**63))  # seconds past anything datetime holds
+
+
+def _deep_table(depth: int = 5000) -> _Raw:
+    inner = b"F" + struct.pack(">I", 0)
+    for _ in range(depth):
+        content = b"\x01k" + inner
+        inner = b"F" + struct.pack(">I", len(content)) + content
+    return _Raw(inner)
+
+
+def publish_with_headers(settings: Settings, body: bytes, headers: dict[str, _Raw], *, queue: str) -> None:
+    """Publish with headers pika itself would never encode: RabbitMQ passes them through as they are."""
+    encode = pika.data.encode_value
+
+    def raw_encode(pieces: list[bytes], value: Any) -> int:
+        if isinstance(value, _Raw):
+            pieces.append(bytes(value))
+            return len(value)
+        return int(encode(pieces, value))
+
+    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        pika.data.encode_value = raw_encode
+        try:
+            channel.basic_publish(exchange="", routing_key=queue, body=body, mandatory=True,
+                                  properties=pika.BasicProperties(delivery_mode=2, headers=dict(headers)))
+        finally:
+            pika.data.encode_value = encode
+    finally:
+        connection.close()
+
+
+def test_the_hardened_decoding_keeps_a_far_timestamp_as_seconds_and_a_too_deep_table_as_none() -> None:
+    harden_table_decoding()
+    table = {"when": _far_timestamp(), "deep": _deep_table(), "plain": _Raw(b"S" + struct.pack(">I", 2) + b"ok")}
+    encoded_table = b"".join(bytes([len(key)]) + key.encode() + value for key, value in table.items())
+
+    decoded, end = pika.data.decode_table(struct.pack(">I", len(encoded_table)) + encoded_table, 0)
+
+    assert decoded == {"when": 2**63, "deep": {"k": {"k": decoded["deep"]["k"]["k"]}}, "plain": "ok"}
+    assert end == 4 + len(encoded_table)
+
+
+@pytest.mark.parametrize("header", ["far-timestamp", "deep-table"])
+def test_a_hostile_header_no_longer_drops_the_consumers_connection_over_and_over(
+    header: str, worker: WorkerProcess, producer: Producer, store: RunStore, rabbitmq: Settings,
+) -> None:
+    """pika decodes headers in its frame parser: without the hardened decoding (broker/_amqp_tables.py) each
+    of these closed the consumer's connection, and the requeued message closed the next one, for ever."""
+    value = {"far-timestamp": _far_timestamp, "deep-table": _deep_table}[header]()
+    topology = Topology.of(rabbitmq)
+    forged = encoded(queue_name="elsewhere.runs")
+    publish_with_headers(rabbitmq, forged, {"x": value}, queue=topology.run_queue)
+    publish_with_headers(rabbitmq, b"not a cancel request", {"x": value}, queue=topology.cancel_requests_queue)
+
+    [(dead, headers)] = take_dead_letters(rabbitmq, 1)
+
+    assert (dead, "queue_name" in headers[DEAD_REASON_HEADER]) == (forged, True)
+    worker.wait_for_log("cancel_request_malformed")
+    poll_until(lambda: ready_messages(rabbitmq, topology.cancel_requests_dead_queue) == 1, timeout=20,
+               failure=lambda: "the malformed cancel request was not dead-lettered")
+    assert finished_run(producer, store) is RunStatus.COMPLETED
+    assert worker.logged("cancel_requests_disconnected") == []
 
 # -- consumer threads that die ---------------------------------------------------------------------
 

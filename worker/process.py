@@ -14,6 +14,7 @@ import pika.exceptions
 import redis
 import structlog
 
+from runbrake.broker._amqp_tables import harden_table_decoding
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology
@@ -59,6 +60,7 @@ def run_worker_process(
     Returns the exit code: 3 at once, with one log line, when Redis or RabbitMQ cannot be reached at
     start (a wrong password included)."""
     configure_logging()
+    harden_table_decoding()  # before any consumer connects: a hostile header must not drop its connection
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)
     try:
