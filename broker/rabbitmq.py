@@ -34,6 +34,7 @@ import structlog
 from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.brokers.rabbitmq import RabbitmqBroker, _RabbitmqConsumer
 from dramatiq.common import q_name, xq_name
+from dramatiq.errors import ConnectionClosed
 from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
 
 from runbrake.broker.wire import (
@@ -103,7 +104,10 @@ class CheckedConsumer(_RabbitmqConsumer):
         super().__init__(broker, queue_name, prefetch, timeout)  # type: ignore[no-untyped-call]
         self._actors = broker.actors_on(queue_name)
         self._dead_letters = xq_name(queue_name)
-        self.channel.confirm_delivery()  # a dead letter is acked only once RabbitMQ has its copy
+        try:
+            self.channel.confirm_delivery()  # a dead letter is acked only once RabbitMQ has its copy
+        except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call] # as Dramatiq's own constructor does: the consumer restarts
         self.iterator = self._checked(self.iterator)
 
     @property
