@@ -15,6 +15,11 @@ of the GIL. Instead a message goes through three steps on one of a handful of co
 3. return: Dramatiq acks the message while the segment goes on on the loop. The slot is given back
    when the segment ends.
 
+Dramatiq's threads are watched (:class:`_WatchedWorker`): one that dies, whatever killed it, is replaced and
+counted (``runbrake_consumer_restarts_total``), and :meth:`Intake.consumer_status` tells readiness whether
+the process still takes messages (worker/health.py). What a message may say is checked before any of this,
+in the broker's consumer (``broker/rabbitmq.py``, ``CheckedConsumer``).
+
 Acking early changes nothing a run relies on: its durability lives in Redis, a claimed run is never run
 again (the claim guard refuses a second message), a killed worker's run is failed ``lease_lost`` by
 another worker's lease keeper, and the runtime's own time limit (``RUNBRAKE_RUN_TIME_LIMIT_S``) bounds a
@@ -191,11 +196,15 @@ class _WatchedWorker(Worker):
         self._stopped = False
 
     def _add_worker(self) -> None:
+        thread = self._worker_thread()
+        thread.start()
+        self.workers.append(thread)
+
+    def _worker_thread(self) -> _WatchedWorkerThread:
         thread = _WatchedWorkerThread(broker=self.broker, consumers=self.consumers, work_queue=self.work_queue,
                                       worker_timeout=self.worker_timeout)
         thread.on_death = self._worker_died
-        thread.start()
-        self.workers.append(thread)
+        return thread
 
     def _add_consumer(self, queue_name: str, *, delay: bool = False) -> None:
         # Dramatiq's own, building a watched thread (dramatiq/worker.py, Worker._add_consumer).
@@ -226,9 +235,7 @@ class _WatchedWorker(Worker):
         with self._replacing:
             if self._stopped:
                 return
-            thread = _WatchedWorkerThread(broker=self.broker, consumers=self.consumers, work_queue=self.work_queue,
-                                          worker_timeout=self.worker_timeout)
-            thread.on_death = self._worker_died
+            thread = self._worker_thread()
             if dead.paused:  # the intake paused it to drain: the replacement takes no message either
                 thread.pause()
             self.workers[self.workers.index(dead)] = thread
