@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -77,6 +78,9 @@ class Settings:
     health_port: int = 0
     """Port of the worker's /healthz and /readyz (each process adds its index); 0 turns it off.
     ``RUNBRAKE_HEALTH_PORT``."""
+    health_host: str = "127.0.0.1"
+    """Address the worker's health and metrics ports listen on: loopback, unless set (``0.0.0.0`` where a
+    kubelet or a scraper reaches the pod's address). ``RUNBRAKE_HEALTH_HOST``."""
     redis_cluster: bool = False
     """``RUNBRAKE_REDIS_URL`` names seed nodes of a Redis Cluster. ``RUNBRAKE_REDIS_CLUSTER``."""
     queue_type: str = "classic"
@@ -139,6 +143,7 @@ class Settings:
             drain_s=_int(env, "RUNBRAKE_DRAIN_S", defaults.drain_s, 0, 86_400),
             api_tokens=env.get("RUNBRAKE_API_TOKENS") or None,
             health_port=_int(env, "RUNBRAKE_HEALTH_PORT", defaults.health_port, 0, 65535),
+            health_host=_host(env, "RUNBRAKE_HEALTH_HOST", defaults.health_host),
             redis_cluster=_bool(env, "RUNBRAKE_REDIS_CLUSTER", defaults.redis_cluster),
             queue_type=_choice(env, "RUNBRAKE_QUEUE_TYPE", defaults.queue_type, ("classic", "quorum")),
             api_allowed_hosts=_hosts(env, "RUNBRAKE_API_ALLOWED_HOSTS"),
@@ -162,6 +167,21 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw.lower() in _FALSE:
         return False
     raise ConfigError(name, f"must be true or false, got {raw!r}")
+
+
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+
+def _host(env: Mapping[str, str], name: str, default: str) -> str:
+    """An IP address (``127.0.0.1``, ``0.0.0.0``, ``::``) or a host name to listen on."""
+    raw = env.get(name) or default
+    try:
+        ipaddress.ip_address(raw)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(raw):
+            raise ConfigError(name, f"must be an IP address or a host name, got {raw[:100]!r}") from None
+    return raw
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
