@@ -36,17 +36,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runbrake.broker.approval import approve_run, deny_run
 from runbrake.broker.auth import Tokens
-from runbrake.broker.cancel import CancelPublisher, cancel_run
 from runbrake.broker.connections import Connections
 from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
-from runbrake.broker.producer import Enqueued, Producer
-from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.broker.render import run_json, run_summary, server_health
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import IdempotencyConflict, PublishError, RunNotFound, SpecError, StoreError
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Enqueued, Producer
+from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.shared.operations import approve_run, deny_run
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus

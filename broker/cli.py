@@ -22,10 +22,6 @@ from typing import Any, ClassVar, NoReturn, TypeVar, cast
 
 import click
 
-from runbrake.broker.approval import Decision, approve_run, deny_run
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.render import render_run, render_runs, render_servers, run_json, run_summary, server_health
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
@@ -38,6 +34,10 @@ from runbrake.shared.errors import (
     StoreError,
 )
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.operations import Decision, approve_run, deny_run
 from runbrake.shared.records import check_run_id
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema

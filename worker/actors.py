@@ -7,9 +7,9 @@ from typing import Any
 import dramatiq
 import structlog
 
-from runbrake.broker.rabbitmq import RunbrakeBroker
-from runbrake.broker.wire import NOOP_ACTOR, RUN_ACTOR, Topology
 from runbrake.shared.errors import RunbrakeError, StoreError
+from runbrake.shared.messaging.rabbitmq import RunbrakeBroker
+from runbrake.shared.messaging.wire import NOOP_ACTOR, RUN_ACTOR, Topology
 from runbrake.shared.records import RUN_ID
 from runbrake.shared.settings import Settings
 from runbrake.worker.intake import HandBack, Intake

@@ -18,7 +18,7 @@ of the GIL. Instead a message goes through three steps on one of a handful of co
 Dramatiq's threads are watched (:class:`_WatchedWorker`): one that dies, whatever killed it, is replaced and
 counted (``runbrake_consumer_restarts_total``), and :meth:`Intake.consumer_status` tells readiness whether
 the process still takes messages (worker/health.py). What a message may say is checked before any of this,
-in the broker's consumer (``broker/rabbitmq.py``, ``CheckedConsumer``).
+in the broker's consumer (``shared/messaging/rabbitmq.py``, ``CheckedConsumer``).
 
 Acking early changes nothing a run relies on: its durability lives in Redis, a claimed run is never run
 again (the claim guard refuses a second message), a killed worker's run is failed ``lease_lost`` by
