@@ -1,4 +1,11 @@
-"""Approve or deny the tool call a run waits for: the library calls the CLI (and any caller) uses.
+"""The operations every entry point offers (the CLI, the HTTP API): enqueue, cancel, approve, deny.
+
+:func:`enqueue`, :func:`cancel`, :func:`approve` and :func:`deny` raise a typed error for every refusal
+(``RunNotFound``, ``TransitionRefused`` with the status found, ``IdempotencyConflict``, ``SpecError``) and
+outage (``StoreError``, ``PublishError``), and each entry point maps those to its exit code or HTTP status
+in one place (docs/architecture.md, "Layers"). :func:`approve_run`, :func:`deny_run` and
+:func:`~runbrake.shared.messaging.cancel.cancel_run` are the calls beneath, which answer a refusal as a
+value (README.md names them as the library's calls).
 
 A decision is a guarded transition like any other (docs/architecture.md, "The run
 lifecycle"): it applies only to a run ``waiting_for_approval``, and a cancel while
@@ -14,9 +21,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.errors import PublishError, ResumeUnsent, RunNotFound, TransitionRefused
+from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
+from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.records import Transition
 from runbrake.shared.redaction import strip_bidi
+from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.store import RunStore
@@ -88,4 +98,73 @@ def deny_run(store: RunStore, run_id: str, *, decided_by: str, reason: str) -> D
                 "call": (pending.get("pending_calls") or [None])[0]},
     ))
     log.info("run_denied", run_id=run_id, decided_by=decided_by, reason=reason)
+    return decision
+
+
+# -- the operations, refusals raised ---------------------------------------------------------------
+
+
+def enqueue(producer: Producer, spec: RunSpec, *, scope: str | None = None) -> Enqueued:
+    """Persist the run and send its message (:meth:`Producer.enqueue`, whose errors are already typed).
+
+    Raises:
+        SpecError: the spec breaks the admission policy (nothing written or sent).
+        IdempotencyConflict: the idempotency key created a run from a different spec.
+        StoreError: Redis could not be reached (nothing sent).
+        PublishError: RabbitMQ did not confirm the message (the run is failed, ``enqueue_failed``).
+    """
+    return producer.enqueue(spec, scope=scope)
+
+
+def cancel(store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str,
+           requested_by: str) -> CancelResult:
+    """Win the fence, then publish the wake-up (:func:`cancel_run`); a cancel that cannot apply raises.
+
+    Raises:
+        RunNotFound: no run has that id.
+        TransitionRefused: the run is already terminal (``found``); nothing changed.
+        StoreError: Redis could not be reached (nothing changed, nothing published).
+    """
+    result = cancel_run(store, publisher, run_id, reason=reason, requested_by=requested_by)
+    if not result.exists:
+        raise RunNotFound(run_id)
+    if not result.won:
+        raise TransitionRefused(run_id, "cancel", result.found,
+                                f"run {run_id} is already {result.found.value}; nothing to cancel")
+    return result
+
+
+def approve(store: RunStore, producer: Producer, run_id: str, *, decided_by: str, reason: str = "") -> Decision:
+    """Approve the call the run waits for and send the resume message (:func:`approve_run`).
+
+    Raises:
+        RunNotFound: no run has that id.
+        TransitionRefused: the run is not waiting for approval (``found``).
+        ResumeUnsent: RabbitMQ did not take the resume message (the approval stands).
+        StoreError: Redis could not be reached.
+    """
+    try:
+        decision = approve_run(store, producer, run_id, decided_by=decided_by, reason=reason)
+    except PublishError as exc:
+        raise ResumeUnsent(str(exc), run_id=run_id) from exc
+    return _decided(decision)
+
+
+def deny(store: RunStore, run_id: str, *, decided_by: str, reason: str) -> Decision:
+    """Deny the call the run waits for: the run ends failed, ``approval_denied`` (:func:`deny_run`).
+
+    Raises:
+        RunNotFound: no run has that id.
+        TransitionRefused: the run is not waiting for approval (``found``).
+        StoreError: Redis could not be reached.
+    """
+    return _decided(deny_run(store, run_id, decided_by=decided_by, reason=reason))
+
+
+def _decided(decision: Decision) -> Decision:
+    if not decision.exists:
+        raise RunNotFound(decision.run_id)
+    if not decision.decided:
+        raise TransitionRefused(decision.run_id, "decide", decision.found,
+                                f"run {decision.run_id} is {decision.found.value}, not waiting for approval")
     return decision
