@@ -18,6 +18,10 @@
      │    ├── MalformedRunMessage    a run message's envelope (shared/messaging/wire.py; a ValueError too)
      │    └── MalformedCancelRequest a cancel request's body (shared/messaging/wire.py; a ValueError too)
      ├── Unreadable                  a message on <ns>:events the API cannot read (broker/events.py; a ValueError too)
+     ├── HandBack                    a run message goes back to the queue unclaimed (worker/intake.py;
+     │    │                          a Dramatiq Retry too)
+     │    ├── WorkerFull             no slot came free in time
+     │    └── CapacityClosed         the worker stopped taking runs
      ├── ProviderError               the model provider failed
      ├── ToolTransportError          an MCP call did not produce a result
      │    ├── ToolCallCancelled      it was cut off on purpose: the run was cancelled
