@@ -100,4 +100,4 @@ bench: setup services
 	$(PY) -m bench.api
 
 clean:
-	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .import_linter_cache *.egg-info
