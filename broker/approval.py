@@ -1,4 +1,4 @@
-"""Where README.md ("Using it") says the library's approve and deny are: they now live with the other
+"""Where the documentation says the library's approve and deny are: they now live with the other
 operations in ``shared/operations.py``; re-exported here so that ``from runbrake.broker.approval import
 approve_run`` keeps working."""
 

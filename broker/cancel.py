@@ -1,4 +1,4 @@
-"""Where README.md ("Using it") says the library's cancel is: :func:`cancel_run` now lives in
+"""Where the documentation says the library's cancel is: :func:`cancel_run` now lives in
 ``shared/messaging/cancel.py``, which the worker's cancel-request consumer imports too; re-exported here so
 that ``from runbrake.broker.cancel import cancel_run`` keeps working."""
 

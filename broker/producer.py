@@ -1,4 +1,4 @@
-"""Where README.md ("Using it") says the library's enqueue is: :class:`Producer` now lives with the rest of
+"""Where the documentation says the library's enqueue is: :class:`Producer` now lives with the rest of
 the RabbitMQ contract in ``shared/messaging/producer.py``, which the worker imports too; re-exported here so
 that ``from runbrake.broker.producer import Producer`` keeps working."""
 

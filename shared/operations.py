@@ -5,7 +5,7 @@
 outage (``StoreError``, ``PublishError``), and each entry point maps those to its exit code or HTTP status
 in one place (docs/architecture.md, "Layers"). :func:`approve_run`, :func:`deny_run` and
 :func:`~runbrake.shared.messaging.cancel.cancel_run` are the calls beneath, which answer a refusal as a
-value (README.md names them as the library's calls).
+value (the documentation names them as the library's calls).
 
 A decision is a guarded transition like any other (docs/architecture.md, "The run
 lifecycle"): it applies only to a run ``waiting_for_approval``, and a cancel while
