@@ -80,3 +80,15 @@ def test_approving_an_unknown_run_or_one_that_does_not_wait_raises_and_sends_not
 
     assert raised.value.found is RunStatus.QUEUED
     assert store.get(run_id).steps == ()
+
+
+def test_the_cli_maps_each_error_to_its_exit_code_in_one_table_and_a_subclass_takes_its_ancestors() -> None:
+    from runbrake.broker.cli import EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNAVAILABLE, exit_code
+    from runbrake.shared.errors import ProviderError, ResumeUnsent, SpecError, StoreError
+
+    assert exit_code(RunNotFound(UNKNOWN)) == EXIT_REFUSED
+    assert exit_code(TransitionRefused(UNKNOWN, "cancel", RunStatus.COMPLETED)) == EXIT_REFUSED
+    assert exit_code(SpecError("input", "is missing")) == EXIT_BAD_INPUT
+    assert exit_code(StoreError("Redis is down")) == EXIT_UNAVAILABLE
+    assert exit_code(ResumeUnsent("RabbitMQ is down", run_id=UNKNOWN)) == EXIT_UNAVAILABLE
+    assert exit_code(ProviderError("not an entry point's error")) is None
