@@ -5,7 +5,6 @@ input refused with the name of what is wrong: every offending field of a spec at
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import subprocess
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
+from pydantic import ValidationError
 
 from runbrake.shared import ConfigError, RunSpec, RunStore, Settings, SpecError
 from runbrake.shared.errors import FieldProblem
@@ -90,9 +90,9 @@ def test_settings_read_each_runbrake_variable(variable: str, raw: str, attribute
     assert getattr(settings, attribute) == expected
     # ...and only that one: every other field keeps its default.
     defaults = Settings()
-    for f in dataclasses.fields(Settings):
-        if f.name != attribute:
-            assert getattr(settings, f.name) == getattr(defaults, f.name), f.name
+    for name in Settings.model_fields:
+        if name != attribute:
+            assert getattr(settings, name) == getattr(defaults, name), name
 
 
 @pytest.mark.parametrize(
@@ -173,8 +173,30 @@ def test_a_namespace_with_a_line_break_is_refused(raw: str) -> None:
 def test_settings_cannot_be_changed_once_read() -> None:
     settings = Settings.from_env({})
 
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         settings.namespace = "other"  # type: ignore[misc]
+
+
+def test_a_copy_with_changes_is_checked_like_the_variables() -> None:
+    settings = Settings.from_env({})
+
+    assert settings.with_changes(lease_s=10).lease_s == 10
+    assert settings.with_changes(lease_s=10).namespace == settings.namespace
+    with pytest.raises(ConfigError) as raised:
+        settings.with_changes(lease_s=4)
+    assert raised.value.variable == "RUNBRAKE_LEASE_S"
+
+
+def test_only_the_exact_variable_names_are_read() -> None:
+    """A lower-case ``runbrake_lease_s`` or an unknown ``RUNBRAKE_*`` variable changes nothing."""
+    assert Settings.from_env({"runbrake_lease_s": "10", "RUNBRAKE_NO_SUCH_SETTING": "x"}) == Settings()
+
+
+def test_keyword_fields_never_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNBRAKE_NAMESPACE", "from-the-env")
+
+    assert Settings().namespace == "runbrake"
+    assert Settings(lease_s=10).namespace == "runbrake"
 
 
 # -- the run spec -------------------------------------------------------------------------------
