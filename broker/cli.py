@@ -1,4 +1,4 @@
-"""The ``runbrake`` command (README.md, "Using it").
+"""The ``runbrake`` command (docs/usage.md, "Using it").
 
 Exit codes: 0 success, 1 refused by the run's state (unknown run, already finished,
 not waiting), 2 bad input (nothing written or sent), 3 a service (Redis, RabbitMQ)

@@ -60,7 +60,7 @@ def test_a_quorum_worker_completes_a_run_from_quorum_queues_and_listens_on_a_cla
 
 
 def test_rabbitmq_refuses_to_redeclare_the_quorum_run_queue_as_classic(rabbitmq: Settings) -> None:
-    """Why switching a namespace's queue type needs its old queues deleted (README.md, "Operating")."""
+    """Why switching a namespace's queue type needs its old queues deleted (docs/operating.md, "Operating")."""
     run_queue = Topology.of(rabbitmq).run_queue
     quorum_broker = build_broker(rabbitmq.with_changes(queue_type="quorum"))
     classic_broker = build_broker(rabbitmq)

@@ -1,5 +1,5 @@
 """Settings from the environment and the run spec: defaults, every variable and every bound, and bad
-input refused with the name of what is wrong: every offending field of a spec at once (README.md,
+input refused with the name of what is wrong: every offending field of a spec at once (docs/usage.md,
 "A run spec"), through ``RunSpec`` and through ``runbrake enqueue``, and the spec's JSON Schema."""
 
 from __future__ import annotations
