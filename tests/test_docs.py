@@ -26,8 +26,8 @@ CITATION = re.compile(
 LINE_BREAK = re.compile(r"\s*\n\s*(?:#|//)?\s*")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
 
-# History describes the pages as they were when it was written.
-NOT_CHECKED = {"CHANGELOG.md"}
+# History describes the pages as they were when it was written; this file's citations are examples.
+NOT_CHECKED = {"CHANGELOG.md", "tests/test_docs.py"}
 
 
 def test_the_readme_is_a_guide_of_at_most_12_kb() -> None:
