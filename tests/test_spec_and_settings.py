@@ -170,6 +170,24 @@ def test_a_namespace_with_a_line_break_is_refused(raw: str) -> None:
     assert raised.value.variable == "RUNBRAKE_NAMESPACE"
 
 
+def test_the_settings_read_exactly_these_variables() -> None:
+    """Names are a contract (docs/configuration.md): a field renamed renames its variable, and fails here."""
+    assert sorted(Settings.variables.values()) == sorted([
+        "RUNBRAKE_RABBITMQ_URL", "RUNBRAKE_REDIS_URL", "RUNBRAKE_NAMESPACE", "RUNBRAKE_MAX_TOOL_RESULT_CHARS",
+        "RUNBRAKE_CANCEL_POLL_MS", "RUNBRAKE_RUN_TIME_LIMIT_S", "RUNBRAKE_LEASE_S", "RUNBRAKE_METRICS_PORT",
+        "RUNBRAKE_REDIS_TIMEOUT_S", "RUNBRAKE_CATALOG", "RUNBRAKE_ALLOW_INLINE", "RUNBRAKE_MAX_SPEC_BYTES",
+        "RUNBRAKE_MAX_INPUT_CHARS", "RUNBRAKE_MAX_ARGUMENT_CHARS", "RUNBRAKE_MAX_MODEL_CONTENT_CHARS",
+        "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", "RUNBRAKE_MAX_STEPS_CAP", "RUNBRAKE_RETENTION_S", "RUNBRAKE_REDRIVE_S",
+        "RUNBRAKE_DRAIN_S", "RUNBRAKE_API_TOKENS", "RUNBRAKE_HEALTH_PORT", "RUNBRAKE_HEALTH_HOST",
+        "RUNBRAKE_REDIS_CLUSTER", "RUNBRAKE_QUEUE_TYPE", "RUNBRAKE_API_ALLOWED_HOSTS",
+        "RUNBRAKE_API_HEADER_TIMEOUT_S", "RUNBRAKE_API_SEND_TIMEOUT_S", "RUNBRAKE_API_MAX_STREAMS_PER_TOKEN",
+    ])
+
+
+def test_every_setting_has_its_documentation() -> None:
+    assert [name for name, field in Settings.model_fields.items() if not field.description] == []
+
+
 def test_settings_cannot_be_changed_once_read() -> None:
     settings = Settings.from_env({})
 
