@@ -16,9 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
-from pydantic import ValidationError
+from pydantic import BeforeValidator, GetCoreSchemaHandler, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError, core_schema
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from runbrake.shared.errors import ConfigError
@@ -33,8 +32,12 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _refuse(message: str) -> PydanticCustomError:
-    return PydanticCustomError("runbrake_setting", message)
+class _Refused(ValueError):
+    """A variable's value that its setting's rule refuses; the message says why (``ConfigError`` names it)."""
+
+
+def _refuse(message: str) -> _Refused:
+    return _Refused(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +52,8 @@ class _Check:
     parse: Callable[[Any], Any]
     empty_keeps_default: bool = True
 
-    def __get_pydantic_core_schema__(self, source: Any, handler: Callable[[Any], core_schema.CoreSchema]) -> Any:
-        return core_schema.no_info_before_validator_function(self.parse, handler(source))
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return BeforeValidator(self.parse).__get_pydantic_core_schema__(source, handler)
 
 
 def _number(kind: type[int] | type[float], low: float, high: float) -> _Check:
@@ -290,7 +293,9 @@ class Settings(BaseSettings):
         except ValidationError as exc:
             error = exc.errors()[0]
             field = str(error["loc"][0]) if error["loc"] else ""
-            raise ConfigError(cls.variables.get(field, field), error["msg"]) from None
+            refused = error.get("ctx", {}).get("error")
+            problem = str(refused) if isinstance(refused, _Refused) else error["msg"]
+            raise ConfigError(cls.variables.get(field, field), problem) from None
 
 
 Settings.variables = {name: f"{PREFIX}{name.upper()}" for name in Settings.model_fields}
