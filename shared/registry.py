@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from runbrake.shared.errors import RunbrakeError
+
 __all__ = ["PROVIDERS", "TRANSPORTS", "Entry", "NotImplementedHere", "Registry", "Shown", "either"]
 
 
@@ -77,8 +79,9 @@ class Entry:
     """The environment variables one of its specs names (their values are secrets, shared/redaction.py)."""
 
 
-class NotImplementedHere(LookupError):
-    """Raised when a registered provider or transport has no implementation this process can import."""
+class NotImplementedHere(RunbrakeError, LookupError):
+    """Raised when a spec is of no registered member, or its member has no implementation this process can
+    import."""
 
 
 @dataclass(eq=False)
@@ -92,6 +95,7 @@ class Registry:
     _entries: dict[str, Entry] = field(default_factory=dict, init=False)
     _listeners: list[Callable[[], None]] = field(default_factory=list, init=False)
     _implementations: dict[str, Any] = field(default_factory=dict, init=False)
+    _specs: tuple[type, ...] = field(default=(), init=False)
 
     def register(self, entry: Entry) -> Entry:
         """Add ``entry``; the spec models that use this registry are rebuilt.
@@ -157,7 +161,12 @@ class Registry:
         """``'a' or 'b'``, ``'a', 'b' or 'c'``: the tags, for a message."""
         return either(repr(tag) for tag in (self.tags() if tags is None else tags))
 
+    def specs(self) -> tuple[type, ...]:
+        """The spec models of every member."""
+        return self._specs
+
     def _changed(self) -> None:
+        self._specs = tuple(entry.spec for entry in self._entries.values())
         for listener in self._listeners:
             listener()
 

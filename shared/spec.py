@@ -8,6 +8,7 @@ written or sent. :func:`run_spec_json_schema` states the same contract as a JSON
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -275,37 +276,58 @@ PROVIDERS.register(Entry(
 # -- the tagged unions, from the registries ---------------------------------------------------------
 
 
-def _tag_of(registry: Registry, value: Any) -> str | None:
-    """The member to validate a part with: its tag field, else the tag its keys imply (one at most)."""
-    if isinstance(value, tuple(entry.spec for entry in registry)):
-        return str(getattr(value, registry.tag_field))
-    if not isinstance(value, dict):
-        return None
-    if registry.tag_field in value:
-        tag = value[registry.tag_field]
-        return tag if isinstance(tag, str) else None
-    implied = [entry.tag for entry in registry if entry.implied_by is not None and entry.implied_by in value]
-    return implied[0] if len(implied) == 1 else None
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Members:
+    """The members of one tagged union as its schema was built (:func:`_tagged_union`): what the
+    discriminator and the one validator before it need, worked out once."""
 
+    field: str
+    tags: tuple[str, ...]
+    specs: tuple[type, ...]
+    implied: tuple[tuple[str, str], ...]
+    """(key, tag): the keys that imply a member when the tag field is left out."""
+    unknown: str
+    missing: str
 
-def _known_tag(registry: Registry, tags: tuple[str, ...], value: Any) -> Any:
-    """Checked before the union, so that each mistake gets its own message at its own field (not "unable to
-    extract tag" at the part)."""
-    if isinstance(value, tuple(registry[tag].spec for tag in tags)):
+    @classmethod
+    def of(cls, registry: Registry, tags: tuple[str, ...]) -> _Members:
+        entries = [registry[tag] for tag in tags]
+        implied = tuple((e.implied_by, e.tag) for e in entries if e.implied_by is not None)
+        missing = (
+            "needs exactly one of " + either(f"{e.implied_by!r} ({e.title})" for e in entries if e.implied_by)
+            if implied else f"Field required: {registry.one_of(tags)}"
+        )
+        return cls(field=registry.tag_field, tags=tags, specs=tuple(e.spec for e in entries), implied=implied,
+                   unknown=f"must be {registry.one_of(tags)}", missing=missing)
+
+    def tag_of(self, value: Any) -> str | None:
+        """The member to validate a part with: its tag field, else the tag its keys imply (one at most)."""
+        if isinstance(value, self.specs):
+            return str(getattr(value, self.field))
+        if not isinstance(value, dict):
+            return None
+        if self.field in value:
+            tag = value[self.field]
+            return tag if isinstance(tag, str) else None
+        implied = [tag for key, tag in self.implied if key in value]
+        return implied[0] if len(implied) == 1 else None
+
+    def check(self, value: Any) -> Any:
+        """Before the union, so that each mistake gets its own message at its own field (not "unable to
+        extract tag" at the part)."""
+        if isinstance(value, self.specs):
+            return value
+        if not isinstance(value, dict):
+            raise _refuse("must be an object")
+        if self.field in value:
+            if value[self.field] not in self.tags:
+                raise _refuse_at((self.field,), self.unknown, value[self.field])
+            return value
+        if not self.implied:
+            raise _refuse_at((self.field,), self.missing, value)
+        if self.tag_of(value) is None:
+            raise _refuse(self.missing)
         return value
-    if not isinstance(value, dict):
-        raise _refuse("must be an object")
-    field = registry.tag_field
-    if field in value:
-        if value[field] not in tags:
-            raise _refuse_at((field,), f"must be {registry.one_of(tags)}", value[field])
-        return value
-    keys = [(registry[tag].implied_by, registry[tag].title) for tag in tags if registry[tag].implied_by]
-    if not keys:
-        raise _refuse_at((field,), f"Field required: {registry.one_of(tags)}", value)
-    if _tag_of(registry, value) not in tags:
-        raise _refuse("needs exactly one of " + either(f"{key!r} ({title})" for key, title in keys))
-    return value
 
 
 def _tagged_union(registry: Registry, *, in_catalog: bool = False) -> GetPydanticSchema:
@@ -313,15 +335,14 @@ def _tagged_union(registry: Registry, *, in_catalog: bool = False) -> GetPydanti
     anew whenever a model using it is rebuilt (:func:`_rebuild`), so that it follows the registry."""
 
     def schema(source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
-        tags = tuple(entry.tag for entry in registry if entry.catalog or not in_catalog)
-        members = tuple(Annotated[registry[tag].spec, Tag(tag)] for tag in tags)
-        if len(members) == 1:
+        members = _Members.of(registry, tuple(e.tag for e in registry if e.catalog or not in_catalog))
+        if len(members.specs) == 1:
             # A union of one is its member: its own messages, and its tag field's default applies.
-            return handler.generate_schema(registry[tags[0]].spec)
+            return handler.generate_schema(members.specs[0])
         return handler.generate_schema(Annotated[
-            Union[members],  # noqa: UP007 - a union built from a tuple of types
-            Discriminator(lambda value: _tag_of(registry, value)),
-            BeforeValidator(lambda value: _known_tag(registry, tags, value)),
+            Union[tuple(Annotated[spec, Tag(tag)] for tag, spec in zip(members.tags, members.specs, strict=True))],  # noqa: UP007
+            Discriminator(members.tag_of),
+            BeforeValidator(members.check),
         ])
 
     return GetPydanticSchema(schema)
