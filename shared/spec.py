@@ -4,6 +4,10 @@ The spec is a pydantic model. ``RunSpec.parse`` and ``RunSpec.from_json`` valida
 spec and raise one :class:`SpecError` that names every offending field, before anything is
 written or sent. :func:`run_spec_json_schema` states the same contract as a JSON Schema
 (Draft 2020-12); ``runbrake schema`` prints it and docs/run-spec.schema.json holds a copy.
+
+The model providers and MCP transports are registered here, beside their spec models, in the registries of
+shared/registry.py; the spec's tagged unions are built from those (docs/architecture.md, "Adding a model
+provider or transport").
 """
 
 from __future__ import annotations
