@@ -43,7 +43,7 @@ from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
 from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Registry
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import (
-    _VARIABLE,
+    VARIABLE_PATTERN,
     CatalogModelSpec,
     CatalogServerSpec,
     ModelSpec,
@@ -261,7 +261,7 @@ def expand(template: str, environ: Mapping[str, str], *, where: str) -> str:
         redaction.remember(environ[name])
         return environ[name]
 
-    return _VARIABLE.sub(value, template)
+    return VARIABLE_PATTERN.sub(value, template)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Entry, Registry, Sho
 __all__ = [
     "DEFAULT_MAX_ROUNDS",
     "DEFAULT_TOOL_TIMEOUT_S",
+    "VARIABLE_PATTERN",
     "CatalogModelSpec",
     "CatalogServerSpec",
     "HttpServerSpec",
@@ -343,8 +344,9 @@ def _tagged_union(registry: Registry, *, in_catalog: bool = False) -> GetPydanti
         if len(members.specs) == 1:
             # A union of one is its member: its own messages, and its tag field's default applies.
             return handler.generate_schema(members.specs[0])
+        tagged = tuple(Annotated[spec, Tag(tag)] for tag, spec in zip(members.tags, members.specs, strict=True))
         return handler.generate_schema(Annotated[
-            Union[tuple(Annotated[spec, Tag(tag)] for tag, spec in zip(members.tags, members.specs, strict=True))],  # noqa: UP007
+            Union[tagged],  # noqa: UP007 - a union of a tuple of types has no '|' spelling
             Discriminator(members.tag_of),
             BeforeValidator(members.check),
         ])
@@ -443,13 +445,13 @@ def _describe_stdio(server: StdioServerSpec, shown: Shown) -> dict[str, Any]:
             "env": {k: shown.secret(v, literal_is_secret=shown.secret_name(k)) for k, v in server.env.items()}}
 
 
-_VARIABLE: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+VARIABLE_PATTERN: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 """A ``${VAR}`` reference in a catalog's header or env value (expanded in the worker: shared/catalog.py)."""
 
 
 def variables_in(template: str) -> list[str]:
     """The variables a ``${VAR}`` template names."""
-    return _VARIABLE.findall(template)
+    return VARIABLE_PATTERN.findall(template)
 
 
 def _variables(templates: Iterable[str]) -> list[str]:
