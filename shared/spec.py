@@ -39,7 +39,6 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
-from pydantic_core import CoreSchema
 
 from runbrake.shared.errors import FieldProblem, SpecError
 from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Entry, Registry, Shown, either
@@ -339,7 +338,7 @@ def _tagged_union(registry: Registry, *, in_catalog: bool = False) -> GetPydanti
     """The tagged union of a registry's members (those a catalog may define, with ``in_catalog``), built
     anew whenever a model using it is rebuilt (:func:`_rebuild`), so that it follows the registry."""
 
-    def schema(source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+    def schema(source: Any, handler: GetCoreSchemaHandler) -> Any:  # a pydantic_core CoreSchema
         members = _Members.of(registry, tuple(e.tag for e in registry if e.catalog or not in_catalog))
         if len(members.specs) == 1:
             # A union of one is its member: its own messages, and its tag field's default applies.
