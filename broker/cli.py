@@ -414,7 +414,8 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
         return
     click.echo(f"{where}: ok")
     for name, server in described["mcp_servers"].items():
-        target = server.get("url") or " ".join([server["command"], *server["args"]])
+        # What each transport shows comes from its registry entry (shared/registry.py): read what is there.
+        target = server.get("url") or " ".join([server.get("command", ""), *server.get("args", [])]).strip()
         secrets = {**server.get("headers", {}), **server.get("env", {})}
         unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
         shown = "; ".join(f"{k}: {s['template']}" for k, s in secrets.items())
@@ -423,6 +424,7 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
                    + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
                    + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
     for name, model in described["models"].items():
-        key = model["api_key_env"]
+        key = model.get("api_key_env")
         state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
-        click.echo(f"  model {name}: {model['model']} at {model['base_url']}{state}")
+        what = " at ".join(str(model[k]) for k in ("model", "base_url") if k in model) or model["provider"]
+        click.echo(f"  model {name}: {what}{state}")
