@@ -1,4 +1,4 @@
-"""The ``runbrake`` command (README.md, "Using it").
+"""The ``runbrake`` command (docs/usage.md, "Using it").
 
 Exit codes: 0 success, 1 refused by the run's state (unknown run, already finished,
 not waiting), 2 bad input (nothing written or sent), 3 a service (Redis, RabbitMQ)
@@ -75,7 +75,7 @@ def user_errors(command: F) -> F:
         except (RunNotFound, IdempotencyConflict) as exc:
             fail(str(exc), EXIT_REFUSED)
         except (StoreError, PublishError) as exc:
-            fail(f"{exc} (is the service running? see README: Services)", EXIT_UNAVAILABLE)
+            fail(f"{exc} (is the service running? see docs/development.md, 'Services')", EXIT_UNAVAILABLE)
 
     return cast(F, wrapper)
 
@@ -312,7 +312,7 @@ def _refused_unless_decided(decision: Decision) -> None:
 @click.option("--concurrency", "--threads", "concurrency", type=click.IntRange(1, 10_000), default=8,
               show_default=True,
               help="Runs in flight per process, all on its one event loop (--threads is its former name, "
-                   "deprecated). README: Sizing.")
+                   "deprecated). docs/benchmarks.md, 'Sizing'.")
 @user_errors
 def worker(processes: int, concurrency: int) -> None:
     """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C.

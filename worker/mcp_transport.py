@@ -303,7 +303,7 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
     event loop; the SDK leaves a client it was given open.
 
     A client per segment cost each run in flight its own pool and transport, and a connect per segment;
-    shared, a run costs just the connections its streams hold (docs/architecture.md, "Capacity"). No cap
+    shared, a run costs just the connections its streams hold (docs/architecture.md, "Capacity: runs in flight"). No cap
     on connections: each call in flight holds one, and ``--concurrency`` bounds the calls. The SDK's
     default client would also build an SSL context per connection, ~50 ms of CPU on the loop
     (bench/throughput.py profile): one context per process.

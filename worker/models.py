@@ -1,4 +1,4 @@
-"""Model providers: what the tool loop calls to get the next model turn (README.md, "Using it").
+"""Model providers: what the tool loop calls to get the next model turn (docs/usage.md, "Using it").
 
 ``ScriptedProvider`` plays a spec's deterministic turns; ``OpenAIProvider`` talks to any
 OpenAI-compatible chat-completions endpoint through the official ``openai`` SDK. Both are
