@@ -22,6 +22,8 @@
      │    │                          a Dramatiq Retry too)
      │    ├── WorkerFull             no slot came free in time
      │    └── CapacityClosed         the worker stopped taking runs
+     ├── NotImplementedHere          a provider or transport this process has no implementation of
+     │                               (shared/registry.py; a LookupError too)
      ├── ProviderError               the model provider failed
      ├── ToolTransportError          an MCP call did not produce a result
      │    ├── ToolCallCancelled      it was cut off on purpose: the run was cancelled
@@ -34,7 +36,9 @@
 
     Exception                        private to one module, never raised past it
      ├── _Stalled                    an events stream's client stopped reading (broker/events.py)
-     └── _HandOverDue                the loop's drain deadline passed (worker/loop.py)
+     ├── _HandOverDue                the loop's drain deadline passed (worker/loop.py)
+     └── ValueError
+          └── _Refused               a setting's value its rule refuses, inside pydantic (shared/settings.py)
 
 ``CancelRequested`` derives from ``BaseException`` on purpose, like Dramatiq's
 ``Interrupt`` and structlog's ``DropEvent``: no ``except Exception`` between the
