@@ -17,10 +17,11 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import math
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Annotated, Any, Final, TypeVar
@@ -32,12 +33,14 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runbrake.broker.approval import approve_run, deny_run
 from runbrake.broker.auth import Tokens
 from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.events import EventHub, run_events, status_events
+from runbrake.broker.connections import Connections
+from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
 from runbrake.broker.producer import Enqueued, Producer
 from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.broker.render import run_json, run_summary, server_health
@@ -56,6 +59,14 @@ T = TypeVar("T")
 
 RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
 MAX_REASON_CHARS: Final = 1000
+MAX_REASON_BODY_BYTES: Final = 8192
+"""Largest body of cancel, approve and deny: a reason of MAX_REASON_CHARS, JSON-escaped, with room to spare."""
+LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "[::1]")
+"""The ``Host`` names a token-less API answers unless RUNBRAKE_API_ALLOWED_HOSTS says otherwise."""
+METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Methods the metrics name; any other is counted as ``other`` (a label must not take a client's words)."""
+PROBES: Final = frozenset({"/healthz", "/readyz"})
+"""Answered whatever the ``Host``: probes reach a replica by its address, and these say nothing but up or not."""
 AMQP_THREADS: Final = 8
 """Threads for the calls that publish on RabbitMQ; each holds its own connections."""
 READY_CACHE_S: Final = 1.0
@@ -103,6 +114,18 @@ class Metrics:
                                    registry=self.registry)
         self.dropped = Counter("runbrake_api_event_clients_dropped_total",
                                "Event clients dropped because they fell too far behind.", registry=self.registry)
+        self.stalled = Counter("runbrake_api_event_clients_stalled_total",
+                               "Event clients dropped because a send did not complete within "
+                               "RUNBRAKE_API_SEND_TIMEOUT_S.", registry=self.registry)
+        self.streams_refused = Counter("runbrake_api_event_streams_refused_total",
+                                       "Event streams refused (429): the token held its "
+                                       "RUNBRAKE_API_MAX_STREAMS_PER_TOKEN.", registry=self.registry)
+        self.events_unreadable = Counter("runbrake_api_events_unreadable_total",
+                                         "Messages on <ns>:events the event hub could not read and skipped.",
+                                         registry=self.registry)
+        self.hub_restarts = Counter("runbrake_api_event_hub_restarts_total",
+                                    "Times the event hub failed on something unexpected and started again.",
+                                    registry=self.registry)
 
 
 class AmqpWorkers:
@@ -145,6 +168,10 @@ class ApiState:
     metrics: Metrics
     admission: Admission
     """What a spec must meet: the operator's catalog (read again when it changes) and the bounds."""
+    connections: Connections
+    """This process's HTTP connections, so that a stream can abort a client's (broker/connections.py)."""
+    streams: StreamSlots
+    """Event streams open per token (``RUNBRAKE_API_MAX_STREAMS_PER_TOKEN``)."""
     rabbitmq_checked: tuple[float, str | None] = (0.0, None)
 
 
@@ -192,14 +219,19 @@ RunId = Annotated[str, Depends(valid_run_id)]
 
 
 def _cursor(value: str | None) -> tuple[float, str] | None:
+    """The position a ``next_cursor`` names: ``[score, run_id]`` with a finite number, nothing else (a
+    ``nan`` or a string would reach Redis as a score it refuses; a nested one, the parser's recursion)."""
     if not value:
         return None
     try:
-        score, run_id = json.loads(base64.urlsafe_b64decode(value.encode() + b"=" * (-len(value) % 4)))
-        if RUN_ID.fullmatch(run_id):
+        position = json.loads(base64.urlsafe_b64decode(value.encode() + b"=" * (-len(value) % 4)))
+    except (ValueError, RecursionError, binascii.Error):
+        position = None
+    if isinstance(position, list) and len(position) == 2:
+        score, run_id = position
+        if (isinstance(score, int | float) and not isinstance(score, bool) and math.isfinite(score)
+                and isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
             return float(score), run_id
-    except (ValueError, TypeError, binascii.Error):
-        pass
     raise ApiError(422, "invalid cursor", errors=[
         {"loc": ["query", "cursor"], "msg": "pass next_cursor from the previous page unchanged"}])
 
@@ -212,18 +244,31 @@ def _next_cursor(position: tuple[float, str] | None) -> str | None:
 
 # -- the app -------------------------------------------------------------------------------------
 
+_ERROR_SCHEMA: Final = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_BODY_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
+    413: {"description": "The body is larger than its bound (docs/http-api.md, \"Requests\").",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+    415: {"description": "The request does not say Content-Type: application/json.",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+}
+
 
 def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
-    """The ASGI app of ``runbrake serve``."""
+    """The ASGI app of ``runbrake serve``. Its ``state.connections`` makes the protocol class to serve it
+    with (``http=app.state.connections.protocol()``), without which a stalled stream's connection is closed
+    gracefully instead of aborted (broker/connections.py)."""
+    connections = Connections()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
-        hub = EventHub(settings, on_drop=metrics.dropped.inc)
+        hub = EventHub(settings, on_drop=metrics.dropped.inc, on_unreadable=metrics.events_unreadable.inc,
+                       on_restart=metrics.hub_restarts.inc)
         state = ApiState(
             settings=settings, tokens=tokens, store=AsyncRunStore.connect(settings),
             sync_store=RunStore.connect(settings), broker=build_broker(settings), hub=hub,
             amqp=AmqpWorkers(settings), metrics=metrics, admission=Admission.from_settings(settings),
+            connections=connections, streams=StreamSlots(settings.api_max_streams_per_token),
         )
         app.state.api = state
         await hub.start()
@@ -242,7 +287,9 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         title="runbrake", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
         description="Runs, their events, cancel and approval (docs/http-api.md).",
     )
-    app.add_middleware(MetricsMiddleware)
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts(settings, tokens))
+    app.add_middleware(MetricsMiddleware)  # outside the guard: refused requests are counted too
+    app.state.connections = connections
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -253,10 +300,29 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
         return JSONResponse({"error": "invalid request", "errors": errors}, status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own answers (an unknown route, a method the route lacks) in the documented shape."""
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(StoreError)
     async def store_down(_request: Request, exc: StoreError) -> JSONResponse:
+        # The error names Redis's address: the log has it, the client does not (docs/http-api.md, "Errors").
         log.warning("api_store_unavailable", error=str(exc))
-        return JSONResponse({"error": str(exc)}, status_code=503)
+        return JSONResponse({"error": "the run store (Redis) could not be reached"}, status_code=503)
+
+    @app.exception_handler(PublishError)
+    async def broker_down(_request: Request, exc: PublishError) -> JSONResponse:
+        # An enqueue whose message RabbitMQ did not confirm (the run is settled failed, enqueue_failed);
+        # like a StoreError, the message names the address: logged, not answered.
+        log.warning("api_publish_failed", error=str(exc))
+        return JSONResponse({"error": "RabbitMQ did not take the run's message; the run is failed (enqueue_failed)"},
+                            status_code=503)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        """A bug: the documented shape and nothing of the exception (Starlette logs it and re-raises)."""
+        return JSONResponse({"error": "internal error"}, status_code=500)
 
     @app.exception_handler(RunNotFound)
     async def not_found(_request: Request, exc: RunNotFound) -> JSONResponse:
@@ -268,7 +334,7 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
 
 
 def _routes(app: FastAPI) -> None:
-    @app.post("/v1/runs", status_code=201, tags=["runs"], openapi_extra={"requestBody": {
+    @app.post("/v1/runs", status_code=201, tags=["runs"], responses=_BODY_ERRORS, openapi_extra={"requestBody": {
         "required": True,
         "content": {"application/json": {"schema": {
             "type": "object", "description": "A run spec: see GET /v1/schema/run-spec"}}},
@@ -277,11 +343,14 @@ def _routes(app: FastAPI) -> None:
                       idempotency_key: Annotated[str | None, Header()] = None) -> JSONResponse:
         """Validate a run spec, persist the run and send it to the workers."""
         state = _state(request)
-        body = await _bounded_body(request, state.settings.max_spec_bytes)
+        body = await _json_body(request, state.settings.max_spec_bytes, "the spec", "RUNBRAKE_MAX_SPEC_BYTES")
         spec = _spec(body, idempotency_key)
+        # Each token has its own idempotency keys (docs/http-api.md, "Idempotency keys"): a key says
+        # nothing about another submitter's runs. Without tokens, one scope, shared with the CLI.
+        scope = None if state.tokens is None else who
         try:
             enqueued: Enqueued = await state.amqp.run(
-                lambda: Producer(state.sync_store, state.broker, state.admission).enqueue(spec))
+                lambda: Producer(state.sync_store, state.broker, state.admission).enqueue(spec, scope=scope))
         except SpecError as exc:  # the admission policy: the catalog, inline definitions, the bounds
             errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
             raise ApiError(422, "run spec refused", errors=errors) from exc
@@ -318,42 +387,37 @@ def _routes(app: FastAPI) -> None:
         return run_json(await _state(request).store.get(run_id))
 
     @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
-    async def events(request: Request, run_id: RunId, _who: Reader,
+    async def events(request: Request, run_id: RunId, who: Reader,
                      last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
         """Server-sent events: ``step`` (replayed, then live), ``progress``, ``status``; ends after the
         run's terminal status. Reconnect with ``Last-Event-ID`` (a step sequence) to resume."""
         state = _state(request)
-        last = 0
-        if last_event_id:
-            try:
-                last = max(0, int(last_event_id))
-            except ValueError:
-                raise ApiError(422, "invalid Last-Event-ID", errors=[
-                    {"loc": ["header", "last-event-id"], "msg": "a step sequence (an integer)"}]) from None
-        await state.hub.wait_ready()
+        last = _last_event_id(last_event_id)
+        give_back = await _stream_slot(state, who)
         subscriber = state.hub.subscribe(run_id)  # first subscribe, then read: nothing falls between
         try:
-            record = await state.store.get(run_id)
+            head = await state.store.head(run_id)
         except BaseException:
             state.hub.unsubscribe(subscriber)
+            give_back()
             raise
-        stream = _counted(state.metrics, run_events(state.hub, state.store, subscriber, record, last_event_id=last))
-        return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _event_stream(state, run_events(state.store, subscriber, head, last_event_id=last), subscriber,
+                             give_back)
 
     @app.get("/v1/events", tags=["runs"], response_class=StreamingResponse)
-    async def all_status(request: Request, _who: Reader) -> StreamingResponse:
+    async def all_status(request: Request, who: Reader) -> StreamingResponse:
         """Server-sent ``status`` events of every run of the namespace (the runs page's list), live only."""
         state = _state(request)
+        give_back = await _stream_slot(state, who)
         subscriber = state.hub.subscribe(None)
-        return StreamingResponse(_counted(state.metrics, status_events(state.hub, subscriber)),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _event_stream(state, status_events(subscriber), subscriber, give_back)
 
-    @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"])
-    async def cancel(request: Request, run_id: RunId, who: Operator,
-                     body: ReasonBody | None = None) -> JSONResponse:
+    @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"], responses=_BODY_ERRORS,
+              openapi_extra=_REASON_BODY)
+    async def cancel(request: Request, run_id: RunId, who: Operator) -> JSONResponse:
         """Win the fence in Redis, then wake the worker that runs the run (like ``runbrake cancel``)."""
         state = _state(request)
-        reason = (body.reason if body else None) or "cancelled via the API"
+        reason = await _reason(request) or "cancelled via the API"
         result = await state.amqp.run(lambda: cancel_run(
             state.sync_store, state.amqp.publisher(), run_id, reason=reason, requested_by=who))
         if not result.exists:
@@ -364,24 +428,28 @@ def _routes(app: FastAPI) -> None:
         return JSONResponse({"run_id": run_id, "cancelled": True, "message_confirmed": result.message_confirmed},
                             status_code=202)
 
-    @app.post("/v1/runs/{run_id}/approve", tags=["decisions"])
-    async def approve(request: Request, run_id: RunId, who: Operator, body: ReasonBody | None = None) -> dict[str, Any]:
+    @app.post("/v1/runs/{run_id}/approve", tags=["decisions"], responses=_BODY_ERRORS,
+              openapi_extra=_REASON_BODY)
+    async def approve(request: Request, run_id: RunId, who: Operator) -> dict[str, Any]:
         """Approve the call the run waits for (recorded with who and why); a worker resumes the run."""
         state = _state(request)
-        reason = (body.reason if body else None) or ""
+        reason = await _reason(request) or ""
         try:
             decision = await state.amqp.run(lambda: approve_run(
                 state.sync_store, Producer(state.sync_store, state.broker), run_id, decided_by=who, reason=reason))
-        except PublishError as exc:
-            raise ApiError(503, f"{exc}; the approval stands, approve again to resend", run_id=run_id) from exc
+        except PublishError as exc:  # its message names RabbitMQ's address: logged, not answered
+            log.warning("api_resume_unsent", run_id=run_id, error=str(exc))
+            raise ApiError(503, "RabbitMQ did not take the resume message; the approval stands, approve again "
+                                "to resend", run_id=run_id) from exc
         _decided(decision.exists, decision.decided, run_id, decision.found)
         return {"run_id": run_id, "approved": True}
 
-    @app.post("/v1/runs/{run_id}/deny", tags=["decisions"])
-    async def deny(request: Request, run_id: RunId, who: Operator, body: ReasonBody | None = None) -> dict[str, Any]:
+    @app.post("/v1/runs/{run_id}/deny", tags=["decisions"], responses=_BODY_ERRORS,
+              openapi_extra=_REASON_BODY)
+    async def deny(request: Request, run_id: RunId, who: Operator) -> dict[str, Any]:
         """Deny the call the run waits for: the run ends failed (approval_denied)."""
         state = _state(request)
-        reason = (body.reason if body else None) or "denied by operator"
+        reason = await _reason(request) or "denied by operator"
         decision = await state.amqp.run(lambda: deny_run(state.sync_store, run_id, decided_by=who, reason=reason))
         _decided(decision.exists, decision.decided, run_id, decision.found)
         return {"run_id": run_id, "denied": True}
@@ -409,10 +477,15 @@ def _routes(app: FastAPI) -> None:
         try:
             await asyncio.wait_for(state.store.ping(), state.settings.redis_timeout_s + 1)
             checks["redis"] = "ok"
-        except (StoreError, TimeoutError) as exc:
-            checks["redis"] = f"unreachable: {exc}"
+        except (StoreError, TimeoutError) as exc:  # the error names the address: logged, not answered
+            log.warning("api_not_ready", service="redis", error=str(exc) or type(exc).__name__)
+            checks["redis"] = "unreachable"
         problem = await _rabbitmq_problem(state)
-        checks["rabbitmq"] = "ok" if problem is None else f"unreachable: {problem}"
+        if problem is not None:
+            log.warning("api_not_ready", service="rabbitmq", error=problem)
+        checks["rabbitmq"] = "ok" if problem is None else "unreachable"
+        # Live events: the hub's subscription (it restarts itself; until then no stream hears a thing).
+        checks["events"] = "ok" if state.hub.ready else "not subscribed to live events"
         ready = all(value == "ok" for value in checks.values())
         return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
 
@@ -425,13 +498,50 @@ def _routes(app: FastAPI) -> None:
 _SSE_HEADERS: Final = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
-async def _counted(metrics: Metrics, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    metrics.event_clients.inc()
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        metrics.event_clients.dec()
+STREAM_RETRY_AFTER_S: Final = 5
+"""``Retry-After`` of a refused event stream (429, 503)."""
+LAST_EVENT_ID: Final = re.compile(r"[0-9]{1,18}")
+"""A step sequence as a client echoes it: ASCII digits, at most 18 (below Redis's 64-bit list indexes)."""
+
+
+def _last_event_id(value: str | None) -> int:
+    """The step sequence a reconnecting client had last (0: none); anything but digits is 422."""
+    if not value:
+        return 0
+    if not LAST_EVENT_ID.fullmatch(value.strip(" \t")):
+        raise ApiError(422, "invalid Last-Event-ID", errors=[
+            {"loc": ["header", "last-event-id"], "msg": "a step sequence: 1 to 18 digits"}])
+    return int(value.strip(" \t"))
+
+
+async def _stream_slot(state: ApiState, who: str) -> Callable[[], None]:
+    """One of ``who``'s event stream slots (429 when all are taken), once live events are available (503
+    while the hub is not subscribed)."""
+    if not await state.hub.wait_ready():
+        raise ApiError(503, "live events are not available right now; retry",
+                       headers={"Retry-After": str(STREAM_RETRY_AFTER_S)})
+    give_back = state.streams.take(who)
+    if give_back is None:
+        state.metrics.streams_refused.inc()
+        log.info("event_stream_refused", by=who, open=state.streams.held(who))
+        raise ApiError(429, f"too many event streams open for {who!r}: at most {state.streams.per_token} at once "
+                            "(RUNBRAKE_API_MAX_STREAMS_PER_TOKEN); close one or retry later",
+                       headers={"Retry-After": str(STREAM_RETRY_AFTER_S)}, limit=state.streams.per_token)
+    return give_back
+
+
+def _event_stream(state: ApiState, frames: AsyncGenerator[bytes, None], subscriber: Subscriber,
+                  give_back: Callable[[], None]) -> EventStreamResponse:
+    """The response of an events route: it gives back the subscriber and the slot however it ends."""
+    state.metrics.event_clients.inc()
+
+    def closed() -> None:
+        state.hub.unsubscribe(subscriber)
+        give_back()
+        state.metrics.event_clients.dec()
+
+    return EventStreamResponse(frames, send_timeout_s=state.settings.api_send_timeout_s, headers=_SSE_HEADERS,
+                               on_close=closed, on_stall=state.metrics.stalled.inc, abort=state.connections.aborter)
 
 
 def _decided(exists: bool, decided: bool, run_id: str, found: RunStatus) -> None:
@@ -442,18 +552,53 @@ def _decided(exists: bool, decided: bool, run_id: str, found: RunStatus) -> None
                        status=found.value)
 
 
-async def _bounded_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 as soon as it exceeds ``limit`` bytes (before anything parses it)."""
+_REASON_BODY: Final = {"requestBody": {
+    "required": False,
+    "description": "Optional; the request itself must say Content-Type: application/json (docs/http-api.md, "
+                   "\"Requests\"). An empty body is {}.",
+    "content": {"application/json": {"schema": ReasonBody.model_json_schema()}},
+}}
+
+
+async def _json_body(request: Request, limit: int, what: str, setting: str | None = None) -> bytes:
+    """The raw body of a request that must be JSON: ``415`` unless ``Content-Type`` says
+    ``application/json``, ``413`` as soon as it exceeds ``limit`` bytes (before anything parses it).
+
+    Called after the token check, never before: an unauthenticated request's body is not read
+    (docs/http-api.md, "Requests"). The Content-Type rule keeps browsers from sending a cross-site
+    request without a CORS preflight, which this API never grants (a "simple" request may only carry
+    text/plain, form or multipart bodies).
+    """
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, "the body must be JSON, sent with Content-Type: application/json",
+                       headers={"Accept-Post": "application/json"})
+    too_large = f"{what} is larger than {limit} bytes" + (f" ({setting})" if setting else "")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the spec is larger than {limit} bytes (RUNBRAKE_MAX_SPEC_BYTES)", limit=limit)
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise ApiError(413, too_large, limit=limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"the spec is larger than {limit} bytes (RUNBRAKE_MAX_SPEC_BYTES)", limit=limit)
+            raise ApiError(413, too_large, limit=limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _reason(request: Request) -> str | None:
+    """The ``reason`` of a cancel, approve or deny body (JSON, at most MAX_REASON_BODY_BYTES; empty = ``{}``)."""
+    body = await _json_body(request, MAX_REASON_BODY_BYTES, "the body")
+    try:
+        data = json.loads(body) if body.strip() else {}
+    except (ValueError, RecursionError):
+        raise ApiError(422, "invalid request", errors=[
+            {"loc": ["body"], "msg": "not JSON: send {} or {\"reason\": \"...\"}"}]) from None
+    try:
+        return ReasonBody.model_validate(data).reason
+    except ValidationError as exc:
+        errors = [{"loc": ["body", *e["loc"]], "msg": e["msg"]} for e in exc.errors()]
+        raise ApiError(422, "invalid request", errors=errors) from None
 
 
 def _spec(body: bytes, idempotency_key: str | None) -> RunSpec:
@@ -577,7 +722,7 @@ class MetricsMiddleware:
                 status = int(message["status"])
                 metrics = self._metrics(scope)
                 if metrics is not None:
-                    metrics.latency.labels(scope["method"], _route(scope)).observe(time.perf_counter() - started)
+                    metrics.latency.labels(_method(scope), _route(scope)).observe(time.perf_counter() - started)
             await send(message)
 
         try:
@@ -585,7 +730,7 @@ class MetricsMiddleware:
         finally:
             metrics = self._metrics(scope)
             if metrics is not None:
-                metrics.requests.labels(scope["method"], _route(scope), str(status)).inc()
+                metrics.requests.labels(_method(scope), _route(scope), str(status)).inc()
 
     @staticmethod
     def _metrics(scope: Scope) -> Metrics | None:
@@ -594,7 +739,95 @@ class MetricsMiddleware:
         return state.metrics if isinstance(state, ApiState) else None
 
 
+def _method(scope: Scope) -> str:
+    method = scope.get("method")
+    return method if method in METHODS else "other"
+
+
 def _route(scope: Scope) -> str:
+    """The route's template (a fixed set), or ``unmatched`` for every path no route has."""
     route = scope.get("route")
     path = getattr(route, "path", None)
     return path if isinstance(path, str) else "unmatched"
+
+
+# -- request guard -------------------------------------------------------------------------------
+
+
+def allowed_hosts(settings: Settings, tokens: Tokens | None) -> frozenset[str] | None:
+    """The ``Host`` headers the API answers (docs/http-api.md, "Allowed hosts"); None: any.
+
+    Without tokens the API trusts whoever reaches it, so a page on another site must not reach it
+    through a name it controls that resolves to 127.0.0.1 (DNS rebinding): only the loopback names,
+    unless RUNBRAKE_API_ALLOWED_HOSTS says otherwise. With tokens a request proves itself, so any.
+    """
+    hosts = settings.api_allowed_hosts
+    if hosts is None:
+        return None if tokens is not None else frozenset(LOOPBACK_HOSTS)
+    return None if "*" in hosts else frozenset(hosts)
+
+
+def _host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """Whether a ``Host`` header names an allowed entry: ``name`` allows it on any port, ``name:port`` on that one."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, bracket, port = host.partition("]")
+        name += bracket
+    else:
+        name, colon, port = host.rpartition(":") if ":" in host else (host, "", "")
+        port = colon + port
+    if not name or (port and not (port.startswith(":") and port[1:].isdigit())):
+        return False
+    return name in allowed or host in allowed
+
+
+class RequestGuard:
+    """What every request meets before a route sees it (pure ASGI), and what it leaves behind:
+
+    - a ``Host`` outside the allowed hosts is ``400`` (DNS rebinding), except on the probes;
+    - an answer given before the request's body was read to its end (a ``401``, a ``415``, a ``413``)
+      closes the connection, so that the client cannot make the server take in a body nobody reads.
+    """
+
+    def __init__(self, app: ASGIApp, *, allowed_hosts: frozenset[str] | None) -> None:
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        has_body = any(name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
+                       for name, value in headers)
+        if self.allowed_hosts is not None and scope["path"] not in PROBES:
+            hosts = [value.decode("latin-1") for name, value in headers if name == b"host"]
+            if len(hosts) != 1 or not _host_allowed(hosts[0], self.allowed_hosts):
+                log.info("api_host_refused", host=hosts[0][:200] if len(hosts) == 1 else None, hosts=len(hosts))
+                await _answer(send, 400, {"error": "this Host is not served here (RUNBRAKE_API_ALLOWED_HOSTS)"},
+                              close=has_body)
+                return
+        body_read = not has_body
+
+        async def reading() -> Message:
+            nonlocal body_read
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read = True
+            return message
+
+        async def answering(message: Message) -> None:
+            if message["type"] == "http.response.start" and not body_read:
+                message["headers"] = [*message.get("headers", []), (b"connection", b"close")]
+            await send(message)
+
+        await self.app(scope, reading, answering)
+
+
+async def _answer(send: Send, status: int, body: dict[str, Any], *, close: bool) -> None:
+    content = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": content})

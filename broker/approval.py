@@ -16,6 +16,7 @@ import structlog
 
 from runbrake.broker.producer import Producer
 from runbrake.shared.records import Transition
+from runbrake.shared.redaction import strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.store import RunStore
@@ -48,6 +49,8 @@ def approve_run(store: RunStore, producer: Producer, run_id: str, *, decided_by:
         PublishError: when RabbitMQ did not take the resume message (the approval stands;
             approving again sends it again).
     """
+    # Shown as attribution ("reason (by who)"): without bidi controls, which could reorder what follows.
+    decided_by, reason = strip_bidi(decided_by), strip_bidi(reason)
     transition, first = store.approve_once(run_id)
     decision = Decision.of(run_id, transition)
     if not decision.decided:
@@ -72,6 +75,7 @@ def deny_run(store: RunStore, run_id: str, *, decided_by: str, reason: str) -> D
     Raises:
         StoreError: when Redis cannot be reached.
     """
+    decided_by, reason = strip_bidi(decided_by), strip_bidi(reason)
     settled = store.settle(run_id, RunStatus.FAILED, TerminationReason.APPROVAL_DENIED, error=reason,
                            required_status=RunStatus.WAITING_FOR_APPROVAL)
     decision = Decision.of(run_id, settled)

@@ -339,6 +339,7 @@ def serve(host: str, port: int) -> None:
 
     from runbrake.broker.api import create_app  # noqa: PLC0415
     from runbrake.broker.auth import Tokens, TokensFileError  # noqa: PLC0415
+    from runbrake.broker.header_deadline import header_deadline_protocol  # noqa: PLC0415
 
     settings = settings_from_env()
     tokens = None
@@ -356,8 +357,12 @@ def serve(host: str, port: int) -> None:
         click.echo("runbrake serve: no RUNBRAKE_API_TOKENS, so no authentication: serving on loopback only", err=True)
     click.echo(f"runbrake serve: http://{host if ':' not in host else f'[{host}]'}:{port}/ "
                f"(namespace {settings.namespace})", err=True)
-    uvicorn.run(create_app(settings, tokens), host=host, port=port, log_level="warning", access_log=False,
-                lifespan="on", timeout_graceful_shutdown=5)
+    app = create_app(settings, tokens)
+    # The protocol class records each connection (an events stream can abort a stalled client's) on top
+    # of the header deadline (slowloris; broker/header_deadline.py).
+    protocol = app.state.connections.protocol(base=header_deadline_protocol(settings.api_header_timeout_s))
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                lifespan="on", timeout_graceful_shutdown=5, http=protocol)
 
 
 def _is_loopback(host: str) -> bool:
@@ -392,14 +397,18 @@ def catalog() -> None:
 @catalog.command("check")
 @click.argument("path", required=False, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print what the catalog defines as JSON.")
+@click.option("--show-secrets", is_flag=True,
+              help="Show the secrets written into the file itself (URL passwords, literal header values, literal "
+                   "values of secret-named env entries) instead of ***. Variables' values are never shown.")
 @user_errors
-def catalog_check(path: str | None, as_json: bool) -> None:
+def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
     """Load the catalog (PATH, or RUNBRAKE_CATALOG), report every problem at once (exit 2), and list what
-    it defines; secrets show as ${VAR} with whether VAR is set here, never their values."""
+    it defines. Secrets show as ${VAR} with whether VAR is set here, never their values; secrets written
+    into the file (a URL's password, a literal header value) show as *** unless --show-secrets."""
     where = path or settings_from_env().catalog
     if not where:
         fail("no catalog: give a PATH or set RUNBRAKE_CATALOG", EXIT_BAD_INPUT)
-    described = Catalog.load(where).describe()
+    described = Catalog.load(where).describe(show_secrets=show_secrets)
     if as_json:
         emit_json(described)
         return
@@ -408,7 +417,9 @@ def catalog_check(path: str | None, as_json: bool) -> None:
         target = server.get("url") or " ".join([server["command"], *server["args"]])
         secrets = {**server.get("headers", {}), **server.get("env", {})}
         unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
+        shown = "; ".join(f"{k}: {s['template']}" for k, s in secrets.items())
         click.echo(f"  server {name} ({server['transport']}): {target}"
+                   + (f"  {'headers' if 'url' in server else 'env'}: {shown}" if shown else "")
                    + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
                    + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
     for name, model in described["models"].items():

@@ -8,11 +8,16 @@ clients that watch its run: one bounded asyncio queue per client. A client that 
 :data:`QUEUE_SIZE` events behind is dropped (its stream ends; it reconnects with ``Last-Event-ID``),
 never allowed to grow the process's memory. When the subscription breaks, the hub reconnects with
 backoff and tells every client to re-read its run from the store (a *resync*), because messages
-published meanwhile are lost: pub/sub is a wake-up, Redis's data is the authority.
+published meanwhile are lost: pub/sub is a wake-up, Redis's data is the authority. Anyone who can
+PUBLISH on the channel can send anything: a message the hub cannot read is skipped and counted, and a
+hub that fails anyway is restarted and counted (docs/http-api.md, "Events: limits").
 
-:func:`run_events` is one client's stream: subscribe first, then read the run, replay its steps,
-then forward live events, dropping live steps whose sequence is at most the last replayed one (this
-closes the race between the replay and the first live event).
+:func:`run_events` is one client's stream: subscribe first, then read the run, replay its steps a page
+at a time, then forward live events, dropping live steps whose sequence is at most the last replayed one
+(this closes the race between the replay and the first live event). :class:`EventStreamResponse` sends
+a stream in pieces and drops a client that does not take the next piece within
+``RUNBRAKE_API_SEND_TIMEOUT_S``, so a stream holds about one page of steps and one piece in flight,
+whatever the run holds and whether or not the client reads.
 """
 
 from __future__ import annotations
@@ -20,20 +25,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import redis
 import redis.asyncio
 import structlog
+from starlette.responses import StreamingResponse
 
 from runbrake.broker.render import current_progress, step_json
 from runbrake.shared.async_store import AsyncRunStore
-from runbrake.shared.records import RunRecord, read_step
+from runbrake.shared.records import RunRecord
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
+from runbrake.shared.steps import RunStep, StepKind
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +54,22 @@ TERMINAL_GRACE_S: Final = 3.0
 """How long a stream goes on after its run's terminal status: the worker records the call a cancel cut
 off just after the cancel itself (docs/architecture.md, "Cancellation: the interrupt")."""
 RETRY_MS: Final = 1000
+PAGE_BYTES: Final = 256 * 1024
+"""About how many bytes of frames one page of replayed steps comes to: the next page asks for as many
+steps as the last ones' average size fits in this (at least one, at most :data:`PAGE_STEPS`)."""
+FIRST_PAGE: Final = 8
+"""Steps in a replay's first page, before their size is known."""
+PAGE_STEPS: Final = 128
+PIECE_BYTES: Final = 64 * 1024
+"""A frame goes out in pieces of at most this size. uvicorn's ``send`` waits, before it writes, until the
+transport's buffer is below its high-water mark (64 KiB; uvicorn/protocols/http/flow_control.py): a client
+that stops reading then holds at most that and one piece in the server's buffers."""
+UNREADABLE_LOG_S: Final = 60.0
+"""An unreadable message on the channel is logged at most once per this many seconds (all are counted)."""
+_MIN_BACKOFF_S: Final = 0.2
 _MAX_BACKOFF_S: Final = 5.0
+_RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
+_EXCERPT_CHARS: Final = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +88,41 @@ RESYNC: Final = Event("resync", "", 0, b"")
 
 
 def frame(event: str, data: Any, *, event_id: int | None = None) -> bytes:
-    """One SSE event: ``id`` (steps only), ``event`` and one ``data`` line of compact JSON."""
+    """One SSE event: ``id`` (steps only), ``event`` and one ``data`` line of compact JSON.
+
+    A non-finite number (``NaN`` is not JSON, and browsers' ``JSON.parse`` refuses it) goes out as ``null``.
+    """
     head = f"id: {event_id}\n" if event_id is not None else ""
-    body = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    try:
+        body = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        body = json.dumps(_finite(data), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return f"{head}event: {event}\ndata: {body}\n\n".encode()
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(value) for value in data]
+    return data
 
 
 def status_data(run_id: str, status: str, reason: str) -> dict[str, str]:
     return {"run_id": run_id, "status": status, "termination_reason": reason}
+
+
+def step_frame(run_id: str, step: RunStep) -> bytes:
+    """A step's frame; a step that cannot be encoded (nested past the encoder's depth) says so instead."""
+    try:
+        return frame("step", step_json(step), event_id=step.sequence)
+    except (ValueError, TypeError, RecursionError) as exc:
+        log.warning("step_unencodable", run_id=run_id, sequence=step.sequence, error=type(exc).__name__)
+        stand_in = RunStep(kind=StepKind.UNKNOWN, round=step.round, sequence=step.sequence,
+                           recorded_at=step.recorded_at, content=f"unencodable step: {type(exc).__name__}")
+        return frame("step", step_json(stand_in), event_id=step.sequence)
 
 
 @dataclass(eq=False)
@@ -83,10 +134,16 @@ class Subscriber:
     dropped: bool = False
 
 
+class Unreadable(ValueError):
+    """Raised when a message on ``<ns>:events`` is not one the store's scripts publish."""
+
+
 class EventHub:
     """The process's one subscription to ``<ns>:events`` and its clients."""
 
-    def __init__(self, settings: Settings, *, on_drop: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, settings: Settings, *, on_drop: Callable[[], None] = lambda: None,
+                 on_unreadable: Callable[[], None] = lambda: None,
+                 on_restart: Callable[[], None] = lambda: None) -> None:
         self._settings = settings
         self._channel = f"{settings.namespace}:events"
         self._by_run: dict[str, set[Subscriber]] = {}
@@ -94,6 +151,12 @@ class EventHub:
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._on_drop = on_drop
+        self._on_unreadable = on_unreadable
+        self._on_restart = on_restart
+        self._unreadable = 0
+        """Unreadable messages skipped since the last one logged."""
+        self._unreadable_logged_at = -math.inf
+        self._backoff = _MIN_BACKOFF_S
 
     @property
     def clients(self) -> int:
@@ -101,8 +164,8 @@ class EventHub:
 
     @property
     def ready(self) -> bool:
-        """Subscribed right now."""
-        return self._ready.is_set()
+        """Subscribed right now (and so, its task alive)."""
+        return self._ready.is_set() and self._task is not None and not self._task.done()
 
     async def start(self, timeout_s: float = 10.0) -> None:
         """Subscribe, and return once Redis confirmed the subscription (or after ``timeout_s``; the hub keeps
@@ -120,7 +183,7 @@ class EventHub:
     async def wait_ready(self, timeout_s: float = 5.0) -> bool:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), timeout_s)
-        return self._ready.is_set()
+        return self.ready
 
     def subscribe(self, run_id: str | None) -> Subscriber:
         subscriber = Subscriber(run_id)
@@ -141,66 +204,75 @@ class EventHub:
                 del self._by_run[subscriber.run_id]
 
     async def _run(self) -> None:
-        backoff = 0.2
         while True:
-            # A plain connection on a Redis Cluster too (to the URL's seed node): a cluster delivers every
-            # PUBLISH to the subscribers of every node (docs/architecture.md, "The run store on a Redis Cluster").
-            client = redis.asyncio.Redis.from_url(
-                self._settings.redis_url, decode_responses=True,
-                socket_connect_timeout=min(self._settings.redis_timeout_s, 1.0), health_check_interval=30,
-                client_name=f"runbrake-api-events-{self._settings.namespace}",  # findable in CLIENT LIST
-            )
-            pubsub = client.pubsub()
             try:
-                await pubsub.subscribe(self._channel)
-                async for message in pubsub.listen():
-                    if message["type"] == "subscribe":
-                        backoff = 0.2
-                        self._ready.set()
-                        log.info("event_hub_subscribed", channel=self._channel)
-                        self._broadcast(RESYNC)
-                    elif message["type"] == "message":
-                        self.dispatch(message["data"])
+                await self._listen()
             except (redis.RedisError, OSError) as exc:
-                self._ready.clear()
-                log.warning("event_hub_disconnected", error=str(exc), retry_in_s=backoff)
+                log.warning("event_hub_disconnected", error=str(exc), retry_in_s=self._backoff)
+            except Exception as exc:
+                # The hub outlives anything (a bug too): a dead hub would silence every stream of the process.
+                self._on_restart()
+                log.exception("event_hub_failed", error=repr(exc), retry_in_s=self._backoff)
             else:
-                log.warning("event_hub_subscription_ended", retry_in_s=backoff)
-            finally:
-                self._ready.clear()
-                with contextlib.suppress(redis.RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                with contextlib.suppress(redis.RedisError, OSError):
-                    await client.aclose()
-            await asyncio.sleep(backoff)  # backoff before reconnecting, not a synchronisation
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                log.warning("event_hub_subscription_ended", retry_in_s=self._backoff)
+            await asyncio.sleep(self._backoff)  # backoff before reconnecting, not a synchronisation
+            self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
 
-    def dispatch(self, raw: str) -> None:
-        """Hand one published message to the clients that want it; the frame is encoded once for all."""
+    async def _listen(self) -> None:
+        """One connection and subscription, until it breaks."""
+        # A plain connection on a Redis Cluster too (to the URL's seed node): a cluster delivers every
+        # PUBLISH to the subscribers of every node (docs/architecture.md, "The run store on a Redis Cluster").
+        # Bytes, not decoded text: a message that is not UTF-8 must be one bad message, not a broken connection.
+        client = redis.asyncio.Redis.from_url(
+            self._settings.redis_url, decode_responses=False,
+            socket_connect_timeout=min(self._settings.redis_timeout_s, 1.0), health_check_interval=30,
+            client_name=f"runbrake-api-events-{self._settings.namespace}",  # findable in CLIENT LIST
+        )
+        pubsub = client.pubsub()
         try:
-            message = json.loads(raw)
-            kind, run_id = message["event"], message["run_id"]
-        except (ValueError, KeyError, TypeError):
-            log.warning("event_unreadable", message=raw[:200])
+            await pubsub.subscribe(self._channel)
+            async for message in pubsub.listen():
+                if message["type"] == "subscribe":
+                    self._backoff = _MIN_BACKOFF_S
+                    self._ready.set()
+                    log.info("event_hub_subscribed", channel=self._channel)
+                    self._broadcast(RESYNC)
+                elif message["type"] == "message":
+                    self.dispatch(message["data"])
+        finally:
+            self._ready.clear()
+            with contextlib.suppress(redis.RedisError, OSError):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            with contextlib.suppress(redis.RedisError, OSError):
+                await client.aclose()
+
+    def dispatch(self, raw: bytes | str) -> None:
+        """Hand one published message to the clients that want it; the frame is encoded once for all.
+
+        Any message may be hostile: one the hub cannot read or encode is skipped and counted, never raised.
+        """
+        try:
+            event = _event(raw, wanted=lambda run_id: run_id in self._by_run)
+        except Exception as exc:  # noqa: BLE001 - whatever is published, the hub reads the next message
+            self._skip(raw, exc)
             return
-        watchers = self._by_run.get(run_id, ())
-        if kind == "status":
-            status, reason = message.get("status", ""), message.get("termination_reason", "")
-            event = Event("status", run_id, 0, frame("status", status_data(run_id, status, reason)), status)
-            for subscriber in (*watchers, *self._everything):
-                self._offer(subscriber, event)
+        if event is None:
             return
-        if not watchers:
-            return
-        if kind == "step":
-            step = read_step(run_id, json.dumps(message.get("step")))
-            event = Event("step", run_id, step.sequence, frame("step", step_json(step), event_id=step.sequence))
-        elif kind == "progress" and isinstance(message.get("progress"), dict):
-            event = Event("progress", run_id, 0, frame("progress", message["progress"]))
-        else:
-            return
-        for subscriber in tuple(watchers):
+        watchers = tuple(self._by_run.get(event.run_id, ()))
+        if event.kind == "status":
+            watchers += tuple(self._everything)
+        for subscriber in watchers:
             self._offer(subscriber, event)
+
+    def _skip(self, raw: bytes | str, exc: Exception) -> None:
+        self._on_unreadable()
+        self._unreadable += 1
+        now = time.monotonic()
+        if now - self._unreadable_logged_at >= UNREADABLE_LOG_S:
+            log.warning("event_unreadable", error=f"{type(exc).__name__}: {str(exc)[:_EXCERPT_CHARS]}",
+                        message=repr(raw[:_EXCERPT_CHARS]), size=len(raw), skipped=self._unreadable,
+                        next_log_in_s=UNREADABLE_LOG_S)
+            self._unreadable, self._unreadable_logged_at = 0, now
 
     def _broadcast(self, event: Event) -> None:
         for subscriber in (*(s for watchers in self._by_run.values() for s in watchers), *self._everything):
@@ -217,84 +289,250 @@ class EventHub:
             log.info("event_client_dropped", run_id=subscriber.run_id)
 
 
-async def run_events(hub: EventHub, store: AsyncRunStore, subscriber: Subscriber, record: RunRecord,
-                     *, last_event_id: int) -> AsyncIterator[bytes]:
-    """One client's stream of one run. ``subscriber`` was subscribed before ``record`` was read."""
-    last = last_event_id
-    loop = asyncio.get_running_loop()
-    deadline: float | None = None
-    try:
-        yield f"retry: {RETRY_MS}\n\n".encode()
-        replay, last, deadline = _replay(record, last)
-        for chunk in replay:
-            yield chunk
-        while True:
-            timeout = KEEPALIVE_S if deadline is None else min(KEEPALIVE_S, max(0.0, deadline - loop.time()))
-            try:
-                event = await asyncio.wait_for(subscriber.queue.get(), timeout)
-            except TimeoutError:
-                if deadline is not None and loop.time() >= deadline:
-                    break
-                yield b": keepalive\n\n"
-                continue
-            if event is RESYNC:
-                # Events may have been lost while the hub reconnected: read the run again.
-                replay, last, resynced = _replay(await store.get(record.run_id), last)
-                deadline = deadline if resynced is None or deadline is not None else resynced
-                for chunk in replay:
+def _event(raw: bytes | str, *, wanted: Callable[[str], bool]) -> Event | None:
+    """The event a published message stands for; None for one no client wants (a step or progress of a run
+    nobody watches, an event kind this version does not forward).
+
+    Raises:
+        Unreadable: (or any error of decoding and encoding) when it is not a message the scripts publish.
+    """
+    message = json.loads(raw)
+    if not isinstance(message, dict):
+        raise Unreadable("not a JSON object")
+    kind, run_id = message.get("event"), message.get("run_id")
+    if not isinstance(kind, str) or not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise Unreadable("event and run_id must be strings, run_id 32 lowercase hex characters")
+    if kind == "status":
+        status, reason = message.get("status"), message.get("termination_reason", "")
+        if not isinstance(status, str) or not isinstance(reason, str):
+            raise Unreadable("status and termination_reason must be strings")
+        parsed = RunStatus(status)  # ValueError for a status that is none
+        if parsed is RunStatus.UNKNOWN:
+            raise Unreadable("unknown is no status a run is ever in")
+        return Event("status", run_id, 0, frame("status", status_data(run_id, parsed.value, reason)), parsed.value)
+    if not wanted(run_id):
+        return None
+    if kind == "step":
+        body = message.get("step")
+        if not isinstance(body, dict):
+            raise Unreadable("step must be an object")
+        step = RunStep.from_dict(body)
+        if step.sequence < 1:
+            raise Unreadable("a step's sequence is a positive integer")
+        return Event("step", run_id, step.sequence, frame("step", step_json(step), event_id=step.sequence))
+    if kind == "progress":
+        progress = message.get("progress")
+        if not isinstance(progress, dict):
+            raise Unreadable("progress must be an object")
+        return Event("progress", run_id, 0, frame("progress", progress))
+    return None
+
+
+class _RunStream:
+    """The position of one client's stream of one run: the last step sent and when the stream may end."""
+
+    def __init__(self, store: AsyncRunStore, run_id: str, last: int) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.last = last
+        self.deadline: float | None = None
+
+    async def replay(self, head: tuple[RunRecord, int] | None = None) -> AsyncIterator[bytes]:
+        """The steps after :attr:`last`, one page at a time, then the run's status and its call in flight.
+
+        ``head`` is the run without its steps and its number of steps, when the caller read it already.
+        """
+        record, count = head if head is not None else await self.store.head(self.run_id)
+        resumed_at = position = min(max(self.last, 0), count)  # position i holds sequence i + 1
+        size = FIRST_PAGE
+        calls: set[str] = set()  # the calls whose step was sent: their progress is over
+        while position < count:
+            page = await self.store.steps(self.run_id, position, min(size, count - position))
+            if not page:
+                break  # the run's record went (retention) while it was read
+            position += len(page)
+            sent = 0
+            for step in page:
+                if step.kind is StepKind.TOOL and step.tool_call_id:
+                    calls.add(step.tool_call_id)
+                if step.sequence > self.last:
+                    chunk = step_frame(self.run_id, step)
+                    sent += len(chunk)
+                    self.last = step.sequence
                     yield chunk
-            elif event.kind == "step":
-                if event.sequence > last:
-                    last = event.sequence
-                    yield event.frame
-            else:
+            size = max(1, min(PAGE_STEPS, PAGE_BYTES * len(page) // max(sent, 1)))
+        yield frame("status", status_data(record.run_id, record.status.value, record.termination_reason.value))
+        progress = current_progress(record)  # a record without steps: its status and report only
+        if progress is not None and resumed_at > 0 and progress.get("tool_call_id") not in calls:
+            # A resumed stream did not read the steps the client had: look at the last ones before them.
+            start = max(0, resumed_at - FIRST_PAGE)
+            calls.update(s.tool_call_id for s in await self.store.steps(self.run_id, start, resumed_at - start)
+                         if s.kind is StepKind.TOOL and s.tool_call_id)
+        if progress is not None and progress.get("tool_call_id") not in calls:
+            yield frame("progress", progress)
+        if record.status.is_terminal and self.deadline is None:
+            finished = record.finished_at or time.time()
+            self.deadline = asyncio.get_running_loop().time() + max(0.0, finished + TERMINAL_GRACE_S - time.time())
+
+
+async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[RunRecord, int],
+                     *, last_event_id: int) -> AsyncGenerator[bytes, None]:
+    """One client's stream of one run. ``subscriber`` was subscribed before ``head`` (the run without its
+    steps, and its number of steps: :meth:`AsyncRunStore.head`) was read; whoever subscribed it
+    unsubscribes it when the stream is over (:class:`EventStreamResponse`)."""
+    stream = _RunStream(store, head[0].run_id, last_event_id)
+    loop = asyncio.get_running_loop()
+    yield f"retry: {RETRY_MS}\n\n".encode()
+    async for chunk in stream.replay(head):
+        yield chunk
+    while True:
+        deadline = stream.deadline
+        timeout = KEEPALIVE_S if deadline is None else min(KEEPALIVE_S, max(0.0, deadline - loop.time()))
+        try:
+            event = await asyncio.wait_for(subscriber.queue.get(), timeout)
+        except TimeoutError:
+            if deadline is not None and loop.time() >= deadline:
+                break
+            yield b": keepalive\n\n"
+            continue
+        if event is RESYNC:
+            # Events may have been lost while the hub reconnected: read the run again.
+            async for chunk in stream.replay():
+                yield chunk
+        elif event.kind == "step":
+            if event.sequence > stream.last:
+                stream.last = event.sequence
                 yield event.frame
-                if event.kind == "status" and RunStatus.parse(event.status).is_terminal and deadline is None:
-                    deadline = loop.time() + TERMINAL_GRACE_S
-            if subscriber.dropped and subscriber.queue.empty():
-                yield frame("dropped", {"reason": "too far behind; reconnect with Last-Event-ID", "last": last})
-                return
-        yield frame("end", {"run_id": record.run_id, "last": last})
-    finally:
-        hub.unsubscribe(subscriber)
+        else:
+            yield event.frame
+            if event.kind == "status" and RunStatus.parse(event.status).is_terminal and stream.deadline is None:
+                stream.deadline = loop.time() + TERMINAL_GRACE_S
+        if subscriber.dropped and subscriber.queue.empty():
+            yield frame("dropped", {"reason": "too far behind; reconnect with Last-Event-ID", "last": stream.last})
+            return
+    yield frame("end", {"run_id": stream.run_id, "last": stream.last})
 
 
-def _replay(record: RunRecord, last: int) -> tuple[list[bytes], int, float | None]:
-    """The frames of the steps after ``last``, the run's status and its call in flight; the new last
-    sequence; and, for a finished run, when (on the loop's clock) its stream may end."""
-    chunks = []
-    for step in record.steps:
-        if step.sequence > last:
-            chunks.append(frame("step", step_json(step), event_id=step.sequence))
-            last = step.sequence
-    chunks.append(frame("status", status_data(record.run_id, record.status.value,
-                                              record.termination_reason.value)))
-    progress = current_progress(record)
-    if progress is not None:
-        chunks.append(frame("progress", progress))
-    deadline = None
-    if record.status.is_terminal:
-        finished = record.finished_at or time.time()
-        deadline = asyncio.get_running_loop().time() + max(0.0, finished + TERMINAL_GRACE_S - time.time())
-    return chunks, last, deadline
-
-
-async def status_events(hub: EventHub, subscriber: Subscriber) -> AsyncIterator[bytes]:
+async def status_events(subscriber: Subscriber) -> AsyncGenerator[bytes, None]:
     """Every run's status changes (the runs page's list), until the client goes away."""
-    try:
-        yield f"retry: {RETRY_MS}\n\n".encode()
-        while True:
+    yield f"retry: {RETRY_MS}\n\n".encode()
+    while True:
+        try:
+            event = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_S)
+        except TimeoutError:
+            yield b": keepalive\n\n"
+            continue
+        if event is RESYNC:
+            yield frame("resync", {})
+        else:
+            yield event.frame
+        if subscriber.dropped and subscriber.queue.empty():
+            yield frame("dropped", {"reason": "too far behind; reconnect"})
+            return
+
+
+class StreamSlots:
+    """Event streams open per token on this process, at most ``per_token`` each
+    (``RUNBRAKE_API_MAX_STREAMS_PER_TOKEN``; docs/http-api.md, "Events: limits")."""
+
+    def __init__(self, per_token: int) -> None:
+        self.per_token = per_token
+        self._open: dict[str, int] = {}
+
+    def take(self, who: str) -> Callable[[], None] | None:
+        """A slot for ``who``: the callable that gives it back (once, however often it is called), or None
+        when all of ``who``'s slots are taken."""
+        if self._open.get(who, 0) >= self.per_token:
+            return None
+        self._open[who] = self._open.get(who, 0) + 1
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self._open[who] -= 1
+                if not self._open[who]:
+                    del self._open[who]
+
+        return give_back
+
+    def held(self, who: str) -> int:
+        return self._open.get(who, 0)
+
+
+# -- sending ---------------------------------------------------------------------------------------
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+
+
+class _Stalled(Exception):
+    """Raised by a send that did not complete within the send timeout."""
+
+
+class EventStreamResponse(StreamingResponse):
+    """A ``text/event-stream`` response that drops a client that does not read.
+
+    Every send must complete within ``send_timeout_s``. uvicorn's send waits while the transport's
+    buffer is full, that is while the client does not read (uvicorn/protocols/http/flow_control.py);
+    when one does not complete in time, the stream stops, the client's connection is aborted (``abort``,
+    from broker/connections.py; without one the server closes it as it can) and ``on_stall`` is told.
+    ``on_close`` runs exactly once when the response is over, however it ends, even when its stream never
+    started: it releases what the route took for the stream (its subscriber, its slot).
+    """
+
+    def __init__(self, frames: AsyncGenerator[bytes, None], *, send_timeout_s: float, headers: dict[str, str],
+                 on_close: Callable[[], None], on_stall: Callable[[], None] = lambda: None,
+                 abort: Callable[[Scope], Callable[[], None] | None] = lambda _scope: None) -> None:
+        self._pieces = _pieces(frames)
+        super().__init__(self._pieces, media_type="text/event-stream", headers=headers)
+        self._frames = frames
+        self._send_timeout_s = send_timeout_s
+        self._on_close = on_close
+        self._on_stall = on_stall
+        self._abort = abort
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        async def bounded_send(message: Message) -> None:
             try:
-                event = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_S)
+                async with asyncio.timeout(self._send_timeout_s):
+                    await send(message)
             except TimeoutError:
-                yield b": keepalive\n\n"
-                continue
-            if event is RESYNC:
-                yield frame("resync", {})
-            else:
-                yield event.frame
-            if subscriber.dropped and subscriber.queue.empty():
-                yield frame("dropped", {"reason": "too far behind; reconnect"})
-                return
-    finally:
-        hub.unsubscribe(subscriber)
+                raise _Stalled from None
+
+        try:
+            await super().__call__(scope, receive, bounded_send)
+        except _Stalled:
+            abort = self._abort(scope)
+            log.info("event_client_stalled", path=scope.get("path"), send_timeout_s=self._send_timeout_s,
+                     aborted=abort is not None)
+            self._on_stall()
+            if abort is not None:
+                abort()
+                await _disconnected(receive)
+        finally:
+            try:
+                await self._pieces.aclose()
+                await self._frames.aclose()  # a stream that never started has nothing to close: on_close does
+            finally:
+                self._on_close()
+
+
+async def _pieces(frames: AsyncIterator[bytes]) -> AsyncGenerator[bytes | memoryview, None]:
+    async for chunk in frames:
+        if len(chunk) <= PIECE_BYTES:
+            yield chunk
+            continue
+        view = memoryview(chunk)
+        for start in range(0, len(chunk), PIECE_BYTES):
+            yield view[start:start + PIECE_BYTES]
+
+
+async def _disconnected(receive: Any) -> None:
+    """Wait (bounded) until the server saw the aborted connection go, so that it does not log the response
+    as left incomplete by the application."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(1.0):
+            while (await receive())["type"] != "http.disconnect":
+                pass

@@ -39,13 +39,15 @@ class Producer:
         self._topology = Topology(store.namespace)
         self._admission = Admission(Catalog.empty()) if admission is None else admission
 
-    def enqueue(self, spec: RunSpec) -> Enqueued:
+    def enqueue(self, spec: RunSpec, *, scope: str | None = None) -> Enqueued:
         """Persist the run (queued, with its request) and send its message.
 
         Fail-closed: when the send fails, the run is settled failed (reason
         ``enqueue_failed``) so it never waits for a message that does not exist, and
         the caller gets the error. A repeated idempotency key returns the first run
-        and sends nothing.
+        and sends nothing. ``scope`` (the HTTP API's token name) gives the submitter idempotency keys
+        of its own: the store keeps the key as ``<scope>:<key>``, which no other token can name (a token
+        name has no ``:``); without one, the key is the spec's (the CLI, a token-less API).
 
         Raises:
             SpecError: the spec breaks the admission policy (nothing written or sent).
@@ -54,7 +56,10 @@ class Producer:
             PublishError: when RabbitMQ did not confirm the message (the run is failed).
         """
         self._admission.admit(spec)
-        created = self._store.create(spec.raw, idempotency_key=spec.idempotency_key)
+        key = spec.idempotency_key
+        if key is not None and scope is not None:
+            key = f"{scope}:{key}"
+        created = self._store.create(spec.raw, idempotency_key=key)
         if created.conflict:
             raise IdempotencyConflict(spec.idempotency_key or "", created.run_id)
         if not created.created:

@@ -16,19 +16,39 @@
   queues (replicated across the RabbitMQ cluster's nodes). Dramatiq declares the ``.XQ`` twin with
   arguments of its own, so that declaration is overridden too. Quorum queues refuse
   ``x-max-priority`` on RabbitMQ before 3.12; this broker never sets it.
+- The ``.XQ`` dead-letter twins are bounded in length, bytes and age (``wire.dead_letter_arguments``); a
+  twin declared before the bounds existed is kept as it is, with a warning (docs/messages.md,
+  "Dead-letter queues: upgrading").
+- A consumed envelope is checked before Dramatiq reads it (:class:`CheckedConsumer`): anything the worker
+  does not accept is dead-lettered once, with the reason, and acked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pika
+import pika.exceptions
+import structlog
 from dramatiq.asyncio import get_event_loop_thread
-from dramatiq.brokers.rabbitmq import DEAD_MESSAGE_TTL, RabbitmqBroker
-from dramatiq.common import xq_name
+from dramatiq.brokers.rabbitmq import RabbitmqBroker, _RabbitmqConsumer
+from dramatiq.common import q_name, xq_name
+from dramatiq.errors import ConnectionClosed
 from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
 
-from runbrake.broker.wire import queue_type_arguments
+from runbrake.broker.wire import (
+    DEAD_REASON_HEADER,
+    DEAD_SIZE_HEADER,
+    MAX_RUN_MESSAGE_BYTES,
+    MalformedRunMessage,
+    check_run_message,
+    declare_dead_letter_queue,
+    queue_type_arguments,
+)
 from runbrake.shared.settings import Settings
+
+log = structlog.get_logger(__name__)
 
 
 class RunbrakeBroker(RabbitmqBroker):
@@ -41,7 +61,17 @@ class RunbrakeBroker(RabbitmqBroker):
             middleware=middleware if middleware is not None else default_middleware(),
         )
         self._consumer_timeout_ms = (settings.run_time_limit_s + 300) * 1000
+        self._queue_type = settings.queue_type
         self._type_arguments = queue_type_arguments(settings.queue_type)
+
+    @property
+    def consumer_class(self) -> type[CheckedConsumer]:
+        return CheckedConsumer
+
+    def actors_on(self, queue_name: str) -> frozenset[str]:
+        """The names of the actors declared on ``queue_name`` (or on the queue whose delay twin it is)."""
+        queue = q_name(queue_name)
+        return frozenset(name for name, actor in self.actors.items() if actor.queue_name == queue)
 
     def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
         arguments: dict[str, Any] = super()._build_queue_arguments(queue_name)  # type: ignore[no-untyped-call]
@@ -50,13 +80,80 @@ class RunbrakeBroker(RabbitmqBroker):
         return arguments
 
     def _declare_xq_queue(self, queue_name: str) -> Any:
-        if not self._type_arguments:
-            return super()._declare_xq_queue(queue_name)  # type: ignore[no-untyped-call]
-        # Dramatiq's own declaration of the dead-letter twin, plus the queue type.
-        return self.channel.queue_declare(
-            queue=xq_name(queue_name), durable=True,
-            arguments={"x-message-ttl": DEAD_MESSAGE_TTL, **self._type_arguments},
-        )
+        # Dramatiq's declaration carries only a TTL: the dead-letter twin gets the bounds and the queue type.
+        return declare_dead_letter_queue(self.connection, xq_name(queue_name), queue_type=self._queue_type)
+
+
+class CheckedConsumer(_RabbitmqConsumer):
+    """Dramatiq's RabbitMQ consumer, refusing every envelope the worker does not accept before Dramatiq
+    reads it (``wire.check_run_message``; docs/messages.md, "Run queue: what a worker accepts").
+
+    A refused message is republished, persistent, to the queue's ``.XQ`` twin with the header
+    ``x-runbrake-dead-reason``, and then acked: it never reaches a worker thread and is never delivered
+    again. When that republish is refused, the message is rejected without requeue instead, which the
+    queue's ``x-dead-letter-*`` arguments route to the same twin. Both happen on the consumer's own thread,
+    the one its connection belongs to (pika is not thread-safe).
+    """
+
+    broker: RunbrakeBroker
+    queue_name: str
+    channel: Any
+    iterator: Iterator[tuple[Any, Any, bytes]]
+
+    def __init__(self, broker: RunbrakeBroker, queue_name: str, prefetch: int, timeout: int) -> None:
+        super().__init__(broker, queue_name, prefetch, timeout)  # type: ignore[no-untyped-call]
+        self._actors = broker.actors_on(queue_name)
+        self._dead_letters = xq_name(queue_name)
+        try:
+            self.channel.confirm_delivery()  # a dead letter is acked only once RabbitMQ has its copy
+        except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call] # as Dramatiq's own constructor does: the consumer restarts
+        self.iterator = self._checked(self.iterator)
+
+    @property
+    def consuming(self) -> bool:
+        """Its channel is open: it is bound to the queue and takes deliveries."""
+        return bool(self.connection.is_open and self.channel.is_open)
+
+    def _checked(self, deliveries: Iterator[tuple[Any, Any, bytes]]) -> Iterator[tuple[Any, Any, bytes]]:
+        """Pass on what the worker accepts; dead-letter the rest and pass on an idle tick instead."""
+        for method, properties, body in deliveries:
+            if method is None:
+                yield method, properties, body
+                continue
+            try:
+                check_run_message(body, queue=self.queue_name, actors=self._actors)
+            except MalformedRunMessage as exc:
+                reason = str(exc)
+            except Exception as exc:
+                # A bug in the check must not loop the consumer on one message (Dramatiq restarts a consumer
+                # that raises, and the message comes back): the message is refused.
+                log.exception("run_message_check_failed", queue=self.queue_name)
+                reason = f"could not be checked: {exc!r}"[:300]
+            else:
+                yield method, properties, body
+                continue
+            self._dead_letter(method, body, reason)
+            yield None, None, b""
+
+    def _dead_letter(self, method: Any, body: bytes, reason: str) -> None:
+        log.warning("run_message_malformed", queue=self.queue_name, reason=reason, size=len(body),
+                    redelivered=method.redelivered)
+        # None of the message's own properties are copied: a hostile header may not survive re-encoding.
+        headers: dict[str, Any] = {DEAD_REASON_HEADER: reason}
+        if len(body) > MAX_RUN_MESSAGE_BYTES:
+            headers[DEAD_SIZE_HEADER] = len(body)
+            body = body[:MAX_RUN_MESSAGE_BYTES]
+        try:
+            self.channel.basic_publish(
+                exchange="", routing_key=self._dead_letters, body=body, mandatory=True,
+                properties=pika.BasicProperties(delivery_mode=2, headers=headers),
+            )
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            log.warning("run_message_dead_letter_failed", queue=self.queue_name, error=repr(exc)[:300])
+            self.channel.basic_reject(method.delivery_tag, requeue=False)
+            return
+        self.channel.basic_ack(method.delivery_tag)
 
 
 INTERRUPT_CHECK_S = 1.0

@@ -127,8 +127,8 @@ _progress_s = 1.0
 
 
 @mcp.tool(description="Wait the given number of seconds, then say so. Cancellable. Reports MCP progress "
-                      "every second (when the client asked for progress).")
-async def slow(ctx: Context, seconds: float = 30) -> str:
+                      "every second (when the client asked for progress), its message ending with the note.")
+async def slow(ctx: Context, seconds: float = 30, note: str = "") -> str:
     with _recorded("slow", seconds=seconds):
         deadline = anyio.current_time() + seconds
         done = 0.0
@@ -136,7 +136,7 @@ async def slow(ctx: Context, seconds: float = 30) -> str:
             await anyio.sleep(min(_progress_s, left))
             done += _progress_s
             if done < seconds:
-                await ctx.report_progress(done, seconds, f"{done:g} of {seconds:g} s")
+                await ctx.report_progress(done, seconds, f"{done:g} of {seconds:g} s" + (f" {note}" if note else ""))
         return f"slept {seconds} s"
 
 

@@ -19,19 +19,25 @@ The durable queues are classic, or quorum queues with ``RUNBRAKE_QUEUE_TYPE=quor
                          + durable queue bound to it (routing key: the queue's name); any worker applies
                                          the fence and then wakes <ns>.cancel
     <ns>.cancel-requests.dead  durable queue  cancel requests that could not be read, with the reason why
+
+The dead-letter queues (``<ns>.runs.XQ``, ``<ns>.noop.XQ``, ``<ns>.cancel-requests.dead``) are bounded:
+:func:`dead_letter_arguments` (docs/messages.md, "Dead-letter queues: bounds").
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Final
 
 import pika
 import pika.exceptions
+import structlog
 from dramatiq import Message
-from pika.adapters.blocking_connection import BlockingChannel
+from dramatiq.common import q_name
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from runbrake.shared.settings import Settings
 
@@ -52,7 +58,21 @@ MAX_CANCEL_REQUEST_BYTES: Final = 4096
 MAX_CANCEL_REASON_CHARS: Final = 1000
 MAX_REQUESTED_BY_CHARS: Final = 200
 DEAD_REASON_HEADER: Final = "x-runbrake-dead-reason"
-"""The header a dead-lettered cancel request carries: why it was refused (docs/messages.md)."""
+"""The header a dead-lettered cancel request or run message carries: why it was refused (docs/messages.md)."""
+DEAD_SIZE_HEADER: Final = "x-runbrake-dead-size"
+"""The header a dead letter cut to its first bytes carries: the body's size, in bytes, as it arrived."""
+
+DEAD_LETTER_MAX_LENGTH: Final = 10_000
+"""Messages a dead-letter queue keeps at most; past it the oldest is dropped (``x-overflow: drop-head``)."""
+DEAD_LETTER_MAX_BYTES: Final = 64 * 1024 * 1024
+"""Body bytes a dead-letter queue keeps at most (64 MiB), the oldest dropped first."""
+DEAD_LETTER_TTL_MS: Final = 7 * 24 * 3600 * 1000
+"""How long a dead letter is kept: 7 days, Dramatiq's own default for its ``.XQ`` queues."""
+
+PRECONDITION_FAILED: Final = 406
+"""AMQP's reply code for a declaration whose arguments differ from the existing queue's."""
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +133,7 @@ class Topology:
         """
         typed = {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
         channel.exchange_declare(exchange=self.cancel_requests_exchange, exchange_type="direct", durable=True)
-        channel.queue_declare(queue=self.cancel_requests_dead_queue, durable=True, arguments=dict(typed))
+        declare_dead_letter_queue(channel.connection, self.cancel_requests_dead_queue, queue_type=queue_type)
         channel.queue_declare(queue=self.cancel_requests_queue, durable=True, arguments={
             **typed,
             "x-dead-letter-exchange": "",
@@ -149,6 +169,45 @@ def queue_type_arguments(queue_type: str) -> dict[str, str]:
     return {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
 
 
+def dead_letter_arguments(queue_type: str) -> dict[str, Any]:
+    """The arguments of every dead-letter queue: at most :data:`DEAD_LETTER_MAX_LENGTH` messages and
+    :data:`DEAD_LETTER_MAX_BYTES`, each kept :data:`DEAD_LETTER_TTL_MS`, the oldest dropped first, so that
+    whoever can publish malformed messages cannot fill the broker's disk (docs/messages.md, "Dead-letter
+    queues: bounds")."""
+    return {
+        "x-message-ttl": DEAD_LETTER_TTL_MS,
+        "x-max-length": DEAD_LETTER_MAX_LENGTH,
+        "x-max-length-bytes": DEAD_LETTER_MAX_BYTES,
+        "x-overflow": "drop-head",
+        **queue_type_arguments(queue_type),
+    }
+
+
+def declare_dead_letter_queue(connection: BlockingConnection, queue: str, *, queue_type: str) -> Any:
+    """Declare a dead-letter queue with its bounds, on a channel of its own; returns the declare's answer.
+
+    A queue declared before the bounds existed has other arguments, and RabbitMQ refuses to redeclare it
+    (``PRECONDITION_FAILED``, which closes the channel). Such a queue is kept as it is (a passive declare),
+    with a warning naming the fix: a policy, or deleting the queue (docs/messages.md, "Dead-letter queues:
+    upgrading"). A worker of an existing deployment therefore starts as before.
+    """
+    channel = connection.channel()
+    try:
+        return channel.queue_declare(queue=queue, durable=True, arguments=dead_letter_arguments(queue_type))
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != PRECONDITION_FAILED:
+            raise
+        log.warning("dead_letter_queue_unbounded", queue=queue, refused=exc.reply_text[:300],
+                    fix="apply the runbrake-dead-letters policy or delete the queue (docs/messages.md, "
+                        "'Dead-letter queues: upgrading')")
+        channel = connection.channel()
+        return channel.queue_declare(queue=queue, passive=True)
+    finally:
+        if channel.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                channel.close()
+
+
 # -- run messages --------------------------------------------------------------------------------
 
 
@@ -164,6 +223,106 @@ def run_message(topology: Topology, run_id: str, *, resume: bool = False) -> Mes
         kwargs={"resume": resume},
         options={},
     )
+
+
+MAX_RUN_MESSAGE_BYTES: Final = 65_536
+"""A run message is a Dramatiq envelope naming one run id (plus, once retried, Dramatiq's traceback): a
+longer body is refused before it is parsed."""
+MAX_MESSAGE_ID_CHARS: Final = 100
+MAX_ENVELOPE_INT: Final = 10**15
+"""The largest integer the envelope may carry (a timestamp of the year 33,658): far beyond any real one."""
+_ENVELOPE_FIELDS: Final = ("queue_name", "actor_name", "args", "kwargs", "options", "message_id",
+                           "message_timestamp")
+_RETRY_OPTIONS: Final = {"retries": int, "traceback": str, "requeue_timestamp": int}
+"""What Dramatiq's Retries middleware writes into a message it retries; a producer sends no option."""
+
+
+class MalformedRunMessage(ValueError):
+    """A Dramatiq envelope a worker does not accept; the message says why (it goes into the dead letter)."""
+
+
+def check_run_message(body: bytes, *, queue: str, actors: Collection[str]) -> None:
+    """Check a Dramatiq envelope consumed from ``queue`` before Dramatiq reads it (docs/messages.md,
+    "Run queue: what a worker accepts").
+
+    ``actors`` names the actors declared on the queue: the message must be for one of them, published on
+    the queue it names, with the arguments that actor takes (``execute_run(run_id, resume=False)``,
+    ``noop()``). Dramatiq itself trusts the envelope: a ``queue_name`` naming another queue made a worker
+    thread die (``dramatiq/worker.py`` looks the consumer up by it), a delayed one was moved to the queue
+    it names, and options such as ``time_limit``, ``max_retries`` or ``on_retry_exhausted`` override the
+    actor's.
+
+    Raises:
+        MalformedRunMessage: naming the first field that is not accepted. Never anything else.
+    """
+    if len(body) > MAX_RUN_MESSAGE_BYTES:
+        raise MalformedRunMessage(f"body is {len(body)} bytes, more than {MAX_RUN_MESSAGE_BYTES}")
+    try:
+        data = json.loads(body.decode(), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise MalformedRunMessage(f"not UTF-8 JSON: {exc}"[:300]) from None
+    if not isinstance(data, dict):
+        raise MalformedRunMessage(f"not a JSON object but {type(data).__name__}")
+    unknown = sorted(set(data) - set(_ENVELOPE_FIELDS))
+    if unknown:
+        raise MalformedRunMessage(f"unknown field {unknown[0][:100]!r}")
+    missing = [name for name in _ENVELOPE_FIELDS if name not in data]
+    if missing:
+        raise MalformedRunMessage(f"{missing[0]} is missing")
+    if data["queue_name"] != queue:
+        raise MalformedRunMessage(f"queue_name must be {queue!r}, the queue it was published to")
+    actor = data["actor_name"]
+    if not isinstance(actor, str) or actor not in actors:
+        raise MalformedRunMessage(f"actor_name must be one of {sorted(actors)}")
+    _check_arguments(actor, data["args"], data["kwargs"])
+    _check_options(data["options"], delayed=queue != q_name(queue))
+    message_id = data["message_id"]
+    if not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_MESSAGE_ID_CHARS:
+        raise MalformedRunMessage(f"message_id must be a string of 1 to {MAX_MESSAGE_ID_CHARS} characters")
+    if not _natural(data["message_timestamp"]):
+        raise MalformedRunMessage("message_timestamp must be milliseconds since the epoch (an integer)")
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _natural(value: object) -> bool:
+    """An integer (not a bool, not a float) from 0 to :data:`MAX_ENVELOPE_INT`."""
+    return type(value) is int and 0 <= value <= MAX_ENVELOPE_INT
+
+
+def _check_arguments(actor: str, args: object, kwargs: object) -> None:
+    if not isinstance(args, list):
+        raise MalformedRunMessage("args must be a list")
+    if not isinstance(kwargs, dict):
+        raise MalformedRunMessage("kwargs must be an object")
+    if actor == RUN_ACTOR:
+        if len(args) != 1 or not is_run_id(args[0]):
+            raise MalformedRunMessage("args must be one run id: 32 lowercase hex characters")
+        if set(kwargs) - {"resume"}:
+            raise MalformedRunMessage("kwargs may only hold resume")
+        if not isinstance(kwargs.get("resume", False), bool):
+            raise MalformedRunMessage("kwargs.resume must be true or false")
+    elif args or kwargs:
+        raise MalformedRunMessage(f"{actor} takes no arguments")
+
+
+def _check_options(options: object, *, delayed: bool) -> None:
+    if not isinstance(options, dict):
+        raise MalformedRunMessage("options must be an object")
+    for name, value in options.items():
+        if name == "eta" and delayed:
+            if not _natural(value):
+                raise MalformedRunMessage("options.eta must be milliseconds since the epoch (an integer)")
+            continue
+        kind = _RETRY_OPTIONS.get(name)
+        if kind is None:
+            raise MalformedRunMessage(f"option {name[:100]!r} is not accepted")
+        if type(value) is not kind or (kind is int and not _natural(value)):
+            raise MalformedRunMessage(f"options.{name} must be {'a string' if kind is str else 'an integer'}")
+    if delayed and "eta" not in options:
+        raise MalformedRunMessage("a message on a delay queue must carry options.eta")
 
 
 # -- cancel messages -----------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import time
 import urllib.parse
 import uuid
@@ -53,7 +55,7 @@ from runbrake.shared.records import (
     read_record,
     read_step,
 )
-from runbrake.shared.redaction import scrub
+from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
 
@@ -182,20 +184,114 @@ class Keys:
 # -- what goes on the wire -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+_IDENT: Final = re.compile(r"[A-Za-z0-9_.:|{}@+/=-]{0,300}")
+
+
+class Ident(str):
+    """A script argument runbrake made itself (a run id, an owner, a step token, a status, a channel
+    name): sent as it is. Anything else in a script's arguments is treated as text from outside."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str) -> Ident:
+        if not _IDENT.fullmatch(value):
+            raise ValueError(f"not an identifier runbrake made (letters, digits, '_.:|{{}}@+/=-'): {value[:60]!r}")
+        return super().__new__(cls, value)
+
+
+class Verbatim(str):
+    """A script argument kept exactly as the caller gave it, unscrubbed: only the run's request (it is what
+    runs: cutting a URL's password out of an inline server would change the run) and its idempotency key
+    (part of a key's name). Build one with :func:`verbatim_json` or for the key directly."""
+
+    __slots__ = ()
+
+
+Arg = Ident | Verbatim | str | int | float | Mapping[str, Any] | list[Any] | tuple[Any, ...]
+"""What a script argument may be given as; :func:`wire` says how each is sent."""
+
+
+def stored_json(value: Mapping[str, Any] | list[Any] | tuple[Any, ...]) -> str:
+    """The one form in which a structure from a model, a tool, an MCP server or a caller is written to Redis:
+    compact JSON of it with every string scrubbed (``shared/redaction.py`` :func:`scrub_value`: remembered
+    secrets, bearer tokens, URL passwords) and no NaN or Infinity token, which would break every reader of
+    the events channel (docs/security.md, "Where secrets live")."""
+    return json.dumps(scrub_value(value), separators=(",", ":"), allow_nan=False)
+
+
+def verbatim_json(value: Mapping[str, Any]) -> Verbatim:
+    """The run's request as stored: JSON with sorted keys, as given (see :class:`Verbatim`), never NaN.
+
+    Raises:
+        ValueError: when it holds NaN or Infinity (``RunSpec`` refuses those before: docs/security.md).
+    """
+    return Verbatim(json.dumps(value, sort_keys=True, allow_nan=False))
+
+
+def wire(value: Arg) -> str:
+    """One script argument as sent: an :class:`Ident` or :class:`Verbatim` as it is; a number in its exact
+    form (never NaN or Infinity); free text scrubbed; a mapping or list as :func:`stored_json`.
+
+    Every value a script writes passes here (:class:`ScriptCall` applies it to each argument), so a new
+    field cannot reach Redis unscrubbed by forgetting a call.
+
+    Raises:
+        ValueError: for a non-finite number.
+        TypeError: for anything else.
+    """
+    if isinstance(value, Ident | Verbatim):
+        return str(value)
+    if isinstance(value, bool):
+        raise TypeError("a script argument is not a bool: send '1' or '0' as an Ident")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"a script argument is a finite number, not {value!r}")
+        return repr(value)
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, Mapping | list | tuple):
+        return stored_json(value)
+    raise TypeError(f"cannot send a {type(value).__name__} as a script argument")
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class ScriptCall:
-    """One EVALSHA of a Lua script."""
+    """One EVALSHA of a Lua script. Its arguments are made as sent here, each through :func:`wire`: the one
+    way a value gets into a script, and a script is the one way anything is written (:class:`Command`
+    only reads and deletes)."""
 
     script: Script
     keys: tuple[str, ...]
     args: tuple[str, ...]
+    """The arguments as sent."""
+
+    def __init__(self, script: Script, keys: Iterable[str], args: Iterable[Arg]) -> None:
+        object.__setattr__(self, "script", script)
+        object.__setattr__(self, "keys", tuple(keys))
+        object.__setattr__(self, "args", tuple(wire(arg) for arg in args))
+
+
+_READS_AND_DELETES: Final = frozenset({
+    "GET", "MGET", "EXISTS", "HGET", "HMGET", "HGETALL", "HEXISTS", "HLEN", "LRANGE", "LLEN", "LINDEX",
+    "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE", "ZREVRANGEBYSCORE", "ZSCORE", "ZCARD", "ZCOUNT", "SCAN",
+    "DEL", "UNLINK", "HDEL", "ZREM", "EXPIRE", "PEXPIRE", "PING", "ECHO", "TTL", "PTTL", "TYPE",
+})
+"""What a plain command may do: read, delete, expire, ask. A write is a script, whose arguments go through
+:func:`wire`."""
 
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """One plain Redis command, e.g. ``Command(("HGETALL", key))``."""
+    """One plain Redis command that reads or deletes, e.g. ``Command(("HGETALL", key))``."""
 
     args: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        if not self.args or str(self.args[0]).upper() not in _READS_AND_DELETES:
+            verb = str(self.args[0]) if self.args else "nothing"
+            raise ValueError(f"a plain command reads or deletes, not {verb}: write with a script (ScriptCall)")
 
 
 Call = ScriptCall | Command
@@ -283,9 +379,9 @@ def describe_url(url: str, *, cluster: bool) -> str:
     return f"cluster {where}" if cluster else where
 
 
-def _script(script: Script, keys: Iterable[str], args: Iterable[Any], what: str,
+def _script(script: Script, keys: Iterable[str], args: Iterable[Arg], what: str,
             parse: Callable[[list[Any]], T]) -> Op[T]:
-    return Op(what, (ScriptCall(script, tuple(keys), tuple(str(a) for a in args)),), parse)
+    return Op(what, (ScriptCall(script, keys, args),), parse)
 
 
 # -- transitions ---------------------------------------------------------------------------------
@@ -318,7 +414,7 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
     now = time.time()
     idem = keys.idempotency(idempotency_key or "-", shard)
 
-    request_json = json.dumps(request, sort_keys=True)
+    request_json = verbatim_json(request)
     digest = hashlib.sha256(request_json.encode()).hexdigest()
 
     def parse(answers: list[Any]) -> Created:
@@ -333,8 +429,8 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
 
     return _script(
         _scripts.CREATE, (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard)),
-        (run_id, request_json, repr(now), "1" if idempotency_key else "0", idempotency_key or "", digest,
-         keys.events),
+        (Ident(run_id), request_json, now, Ident("1" if idempotency_key else "0"), Verbatim(idempotency_key or ""),
+         Ident(digest), Ident(keys.events)),
         "create a run", parse,
     )
 
@@ -358,15 +454,16 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
 
     return Op(f"{name} run {run_id}", (
         ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id)),
-                   (owner, repr(lease_s), run_id, keys.events)),
+                   (Ident(owner), float(lease_s), Ident(run_id), Ident(keys.events))),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
     ), parse)
 
 
 def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> Op[Transition]:
-    """running → waiting_for_approval (owner-guarded), storing the pending turn."""
+    """running → waiting_for_approval (owner-guarded), storing the pending turn (scrubbed, like every value
+    a script writes: :func:`wire`; the resumed segment continues from what is stored)."""
     return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases(keys.shard(run_id))),
-                   (owner, json.dumps(pending), run_id, keys.events),
+                   (Ident(owner), pending, Ident(run_id), Ident(keys.events)),
                    f"suspend run {run_id}", _transition("suspend", run_id))
 
 
@@ -377,7 +474,7 @@ def hand_over(keys: Keys, run_id: str, step: RunStep, *, owner: str, pending: Ma
     the transition."""
     append = append_step(keys, run_id, step, token=token, owner=owner)
     handoff = _script(_scripts.HANDOFF, (keys.run(run_id), *keys.waiting_lists(run_id)),
-                      (owner, json.dumps(pending), run_id, repr(time.time()), keys.events),
+                      (Ident(owner), pending, Ident(run_id), time.time(), Ident(keys.events)),
                       f"hand over run {run_id}", _transition("handoff", run_id))
 
     def parse(answers: list[Any]) -> tuple[Appended, Transition]:
@@ -401,19 +498,24 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
     return _script(
         _scripts.SETTLE,
         (keys.run(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
-        (status.value, reason.value, owner or "", repr(time.time()), scrub(error[:MAX_ERROR_CHARS]),
-         "" if required_status is None else required_status.value, run_id, keys.retention_s, keys.events),
+        # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
+        (Ident(status.value), Ident(reason.value), Ident(owner or ""), time.time(), scrub(error)[:MAX_ERROR_CHARS],
+         Ident("" if required_status is None else required_status.value), Ident(run_id), keys.retention_s,
+         Ident(keys.events)),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
     )
 
 
 def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Transition]:
-    """non-terminal → cancelled, writing the cancel key in the same script (the fence)."""
-    request = CancelRequest(reason=reason, requested_by=requested_by, requested_at=time.time())
+    """non-terminal → cancelled, writing the cancel key in the same script (the fence). The reason and who
+    asked are shown as attribution ("reason (by who)"): stored without bidi controls, which could reorder
+    what follows them (shared/redaction.py :func:`strip_bidi`)."""
+    request = CancelRequest(reason=strip_bidi(reason), requested_by=strip_bidi(requested_by),
+                            requested_at=time.time())
     return _script(
         _scripts.CANCEL,
         (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
-        (json.dumps(request.to_dict()), repr(request.requested_at), run_id, keys.retention_s, keys.events),
+        (request.to_dict(), request.requested_at, Ident(run_id), keys.retention_s, Ident(keys.events)),
         f"cancel run {run_id}", _transition("cancel", run_id),
     )
 
@@ -444,8 +546,8 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
         _scripts.APPEND_STEP,
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
          keys.servers_hour(recorded_at, keys.shard(run_id))),
-        (scrub(json.dumps(body, separators=(",", ":"))), repr(recorded_at), counter, run_id, keys.events,
-         token or uuid.uuid4().hex, owner),
+        (body, recorded_at, counter, Ident(run_id), Ident(keys.events), Ident(token or uuid.uuid4().hex),
+         Ident(owner)),
         f"append a step to run {run_id}", parse,
     )
 
@@ -479,7 +581,7 @@ def renew_leases(keys: Keys, owners: Mapping[str, str], *, lease_s: float) -> Op
 
     return Op("renew leases", tuple(
         ScriptCall(_scripts.RENEW_LEASE, (keys.run(run_id), keys.leases(keys.shard(run_id))),
-                   (owners[run_id], repr(lease_s), run_id))
+                   (Ident(owners[run_id]), float(lease_s), Ident(run_id)))
         for run_id in ids
     ), parse)
 
@@ -488,7 +590,7 @@ def expired_leases(keys: Keys, *, limit: int) -> Op[list[str]]:
     """The running runs whose lease expired by now (Redis's clock), oldest first within each shard, at most
     ``limit`` per shard."""
     return Op("read expired leases", tuple(
-        ScriptCall(_scripts.EXPIRED_LEASES, (keys.leases(shard),), (str(limit),)) for shard in keys.shards
+        ScriptCall(_scripts.EXPIRED_LEASES, (keys.leases(shard),), (limit,)) for shard in keys.shards
     ), _concatenated)
 
 
@@ -502,7 +604,7 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
         return transition
 
     return _script(_scripts.REAP, (keys.run(run_id), keys.leases(keys.shard(run_id)), *keys.retention(run_id)),
-                   (run_id, keys.retention_s, keys.events),
+                   (Ident(run_id), keys.retention_s, Ident(keys.events)),
                    f"reap run {run_id}", parse)
 
 
@@ -655,7 +757,7 @@ def unclaimed_since(keys: Keys, *, cutoff: float, limit: int) -> Op[list[str]]:
 def take_redrive(keys: Keys, run_id: str, *, cutoff: float) -> Op[str]:
     """Take the re-drive of one unclaimed run: ``start``, ``resume``, or ``""`` when it is not due or moved on."""
     return _script(_scripts.REDRIVE, (keys.unclaimed(keys.shard(run_id)), keys.run(run_id)),
-                   (run_id, repr(cutoff), repr(time.time())),
+                   (Ident(run_id), float(cutoff), time.time()),
                    f"re-drive run {run_id}", lambda answers: str(answers[0] or ""))
 
 
@@ -681,16 +783,16 @@ def approve_once(keys: Keys, run_id: str) -> Op[tuple[Transition, bool]]:
         return transition, transition.won and len(answer) > 2 and bool(answer[2])
 
     return _script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed(keys.shard(run_id))),
-                   (repr(time.time()), run_id), f"approve run {run_id}", parse)
+                   (time.time(), Ident(run_id)), f"approve run {run_id}", parse)
 
 
 def set_progress(keys: Keys, run_id: str, progress: Mapping[str, Any]) -> Op[bool]:
     """Keep the latest progress of the call in flight in the run's ``progress`` field and announce it;
     refused (False) when the run is no longer running. Fail-soft: progress is a courtesy, never a
-    reason to fail a call."""
-    body = json.dumps(progress, separators=(",", ":"))
+    reason to fail a call. The report (an MCP server's words) is scrubbed like every value a script writes
+    (:func:`wire`), and spliced into the announcement as the JSON it is stored as."""
     return Op(f"record progress of run {run_id}", (ScriptCall(
-        _api_scripts.SET_PROGRESS, (keys.run(run_id),), (body, run_id, keys.events)),),
+        _api_scripts.SET_PROGRESS, (keys.run(run_id),), (progress, Ident(run_id), Ident(keys.events))),),
         lambda answers: bool(answers[0]), fallback=False, fallback_event="progress_write_failed",
         context={"run_id": run_id})
 

@@ -18,7 +18,17 @@ import redis
 import redis.asyncio
 
 from runbrake.shared import _store_core as core
-from runbrake.shared.records import Appended, CancelRequest, Claim, RunRecord, Transition
+from runbrake.shared.errors import RunNotFound
+from runbrake.shared.records import (
+    Appended,
+    CancelRequest,
+    Claim,
+    RunRecord,
+    Transition,
+    read_cancel_request,
+    read_record,
+    read_step,
+)
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
@@ -173,6 +183,17 @@ class AsyncRunStore:
         """The run with its steps and cancel request (RunNotFound when absent)."""
         return await self.execute(core.get(self.keys, run_id))
 
+    async def head(self, run_id: str) -> tuple[RunRecord, int]:
+        """The run without its steps and how many steps it holds, read in one transaction
+        (:class:`RunNotFound` when absent): what an events stream reads before it pages through the steps
+        with :meth:`steps`, so that it never holds a whole run (docs/http-api.md, "Events: limits")."""
+        return await self.execute(_head(self.keys, run_id))
+
+    async def steps(self, run_id: str, start: int, count: int) -> tuple[RunStep, ...]:
+        """Up to ``count`` steps from list position ``start`` on (0-based). APPEND_STEP numbers steps in
+        list order from 1 (shared/_scripts.py), so position ``i`` holds sequence ``i + 1``."""
+        return await self.execute(_steps(self.keys, run_id, start, count))
+
     async def server_outcomes(self) -> dict[str, dict[str, int]]:
         return await self.execute(core.server_outcomes(self.keys))
 
@@ -208,3 +229,29 @@ class AsyncRunStore:
             if exhausted:
                 return found, None
         return found, position
+
+
+# The ranged reads of the events streams. Each touches the run's own keys only, which share one hash slot
+# (shared/_store_core.py, the key layout), so they hold on a Redis Cluster too.
+
+
+def _head(keys: core.Keys, run_id: str) -> core.Op[tuple[RunRecord, int]]:
+    def parse(answers: list[Any]) -> tuple[RunRecord, int]:
+        fields, raw_cancel, count = answers
+        if not fields:
+            raise RunNotFound(run_id)
+        return read_record(run_id, fields, (), read_cancel_request(raw_cancel)), int(count)
+
+    return core.Op(f"read run {run_id}", (
+        core.Command(("HGETALL", keys.run(run_id))),
+        core.Command(("GET", keys.cancel(run_id))),
+        core.Command(("LLEN", keys.steps(run_id))),
+    ), parse, transaction=True)
+
+
+def _steps(keys: core.Keys, run_id: str, start: int, count: int) -> core.Op[tuple[RunStep, ...]]:
+    def parse(answers: list[Any]) -> tuple[RunStep, ...]:
+        return tuple(read_step(run_id, raw) for raw in answers[0])
+
+    return core.Op(f"read the steps of run {run_id}",
+                   (core.Command(("LRANGE", keys.steps(run_id), start, start + max(count, 1) - 1)),), parse)

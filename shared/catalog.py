@@ -29,6 +29,7 @@ import json
 import os
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,11 @@ class Catalog(SpecModel):
             raise ConfigError("RUNBRAKE_CATALOG", f"cannot read {path}: {exc.strerror}") from exc
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError("RUNBRAKE_CATALOG", f"{path} is not valid TOML: {exc}") from exc
-        return cls.parse(data, where=str(path))
+        catalog = cls.parse(data, where=str(path))
+        # Every process that reads the catalog (CLI, API, workers) knows its secrets, to cut them out of
+        # what it logs and stores (docs/security.md, "Where secrets live"); it never sends them.
+        catalog.remember_secrets(os.environ)
+        return catalog
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], *, where: str = "catalog") -> Catalog:
@@ -113,31 +118,82 @@ class Catalog(SpecModel):
         """The catalog ``RUNBRAKE_CATALOG`` names, or an empty one."""
         return cls.load(settings.catalog) if settings.catalog else cls.empty()
 
-    def describe(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """What the catalog defines, secrets shown as ``${VAR}`` with whether VAR is set, never its value."""
+    def variables(self) -> set[str]:
+        """Every environment variable the catalog names: ``${VAR}`` in header and env values, ``api_key_env``."""
+        names = {m.api_key_env for m in self.models.values() if m.api_key_env is not None}
+        for server in self.mcp_servers.values():
+            templates = server.headers.values() if isinstance(server, HttpServerSpec) else server.env.values()
+            names.update(name for template in templates for name in variables_in(template))
+        return names
+
+    def remember_secrets(self, environ: Mapping[str, str]) -> None:
+        """Remember (``shared/redaction.py``) the value of each variable the catalog names that ``environ``
+        sets, so that this process's logs and store cut it out too, not only the worker that expands it."""
+        redaction.remember(*(environ[name] for name in sorted(self.variables()) if environ.get(name)))
+
+    def describe(self, environ: Mapping[str, str] | None = None, *, show_secrets: bool = False) -> dict[str, Any]:
+        """What the catalog defines. Variables show as ``${VAR}`` with whether VAR is set, never its value;
+        unless ``show_secrets``, the secrets written into the file itself show as ``***`` too: a URL's
+        password, literal header values (an auth scheme word before them stays), and literal values of
+        env entries whose name says secret (``*TOKEN*``, ``*KEY*``, ``*SECRET*``, ``*PASSWORD*``…)."""
         env = os.environ if environ is None else environ
 
-        def secret(template: str) -> dict[str, Any]:
-            return {"template": template, "variables": {v: v in env for v in variables_in(template)}}
+        def secret(template: str, *, literal_is_secret: bool = True) -> dict[str, Any]:
+            shown = template if show_secrets or not literal_is_secret else _masked(template)
+            return {"template": shown, "variables": {v: v in env for v in variables_in(template)}}
+
+        def url(value: str) -> str:
+            return value if show_secrets else _without_password(value)
 
         servers: dict[str, Any] = {}
         for name, server in self.mcp_servers.items():
             entry: dict[str, Any] = {"transport": server.transport, "tools": server.tools,
                                      "max_concurrency": server.max_concurrency, "timeout_s": server.timeout_s}
             if isinstance(server, HttpServerSpec):
-                entry["url"] = server.url
+                entry["url"] = url(server.url)
                 entry["headers"] = {k: secret(v) for k, v in server.headers.items()}
             else:
                 entry["command"] = server.command
                 entry["args"] = list(server.args)
-                entry["env"] = {k: secret(v) for k, v in server.env.items()}
+                entry["env"] = {k: secret(v, literal_is_secret=bool(_SECRET_NAME.search(k)))
+                                for k, v in server.env.items()}
             servers[name] = entry
         models = {
-            name: {"provider": m.provider, "base_url": m.base_url, "model": m.model, "api_key_env": m.api_key_env,
+            name: {"provider": m.provider, "base_url": url(m.base_url), "model": m.model,
+                   "api_key_env": m.api_key_env,
                    "api_key_set": None if m.api_key_env is None else m.api_key_env in env}
             for name, m in self.models.items()
         }
         return {"mcp_servers": servers, "models": models}
+
+
+MASK: Final = "***"
+_SECRET_NAME: Final = re.compile(r"(?i)TOKEN|KEY|SECRET|PASS|AUTH|CREDENTIAL|COOKIE|SESSION")
+_AUTH_SCHEME: Final = re.compile(r"(?i)^\s*(bearer|basic|token|digest)\s+")
+
+
+def _masked(template: str) -> str:
+    """``template`` with each literal stretch between its ``${VAR}`` references shown as ``***`` (blank
+    stretches, and an auth scheme word that opens the value, stay)."""
+    parts = re.split(r"(\$\{[A-Za-z_][A-Za-z0-9_]*\})", template)
+    shown = []
+    for index, part in enumerate(parts):
+        if index % 2 or not part.strip():
+            shown.append(part)
+            continue
+        scheme = _AUTH_SCHEME.match(part) if index == 0 else None
+        kept = scheme.group(0) if scheme else ""
+        shown.append(kept + (MASK if part[len(kept):].strip() else part[len(kept):]))
+    return "".join(shown)
+
+
+def _without_password(url: str) -> str:
+    """``url`` with its password, if any, shown as ``***``."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.password is None:
+        return url
+    host = parsed.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parsed._replace(netloc=f"{parsed.username or ''}:{MASK}@{host}"))
 
 
 def _plain(name: str) -> bool:

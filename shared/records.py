@@ -139,11 +139,11 @@ def read_step(run_id: str, raw: str) -> RunStep:
     """A stored step; one that cannot be read shows as an ``unknown`` step saying so, never a crash."""
     try:
         data = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # nested past the decoder's depth: RecursionError
         return _unreadable(run_id, 0, exc)
     try:
         return RunStep.from_dict(data)
-    except (ValueError, TypeError, AttributeError) as exc:  # StepError is a ValueError
+    except (ValueError, TypeError, AttributeError, OverflowError) as exc:  # StepError is a ValueError; int(1e999)
         sequence = data.get("sequence", 0) if isinstance(data, dict) else 0
         return _unreadable(run_id, int(sequence) if isinstance(sequence, int) else 0, exc)
 
@@ -200,6 +200,6 @@ def _progress(value: str | None) -> Mapping[str, Any] | None:
     """The stored progress report; anything unreadable counts as none (it is a courtesy, never a crash)."""
     try:
         data = json.loads(value) if value else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None

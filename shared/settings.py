@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -11,6 +12,7 @@ from typing import TypeVar
 from runbrake.shared.errors import ConfigError
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ALLOWED_HOST = re.compile(r"^(\*|([a-z0-9][a-z0-9.-]{0,252}|\[[0-9a-f:.]{2,45}\])(:[0-9]{1,5})?)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,12 @@ class Settings:
     """Longest ``input`` accepted, in characters. ``RUNBRAKE_MAX_INPUT_CHARS``."""
     max_argument_chars: int = 16_000
     """Bound on a tool call's arguments as stored (JSON characters). ``RUNBRAKE_MAX_ARGUMENT_CHARS``."""
+    max_model_content_chars: int = 100_000
+    """Bound on a model turn's text as kept (the step, the conversation, the final answer), in characters;
+    a longer one is cut with a mark and its step's ``detail.content_truncated`` says so. The default is
+    the bound on ``input`` (``RUNBRAKE_MAX_INPUT_CHARS``): some 25,000 tokens, past the output limit of
+    most models, while a step stays small enough to send whole on every events replay.
+    ``RUNBRAKE_MAX_MODEL_CONTENT_CHARS``."""
     max_tool_calls_per_turn: int = 32
     """Most tool calls one model turn may ask for; more fails the run (``too_many_tool_calls``).
     ``RUNBRAKE_MAX_TOOL_CALLS_PER_TURN``."""
@@ -70,11 +78,27 @@ class Settings:
     health_port: int = 0
     """Port of the worker's /healthz and /readyz (each process adds its index); 0 turns it off.
     ``RUNBRAKE_HEALTH_PORT``."""
+    health_host: str = "127.0.0.1"
+    """Address the worker's health and metrics ports listen on: loopback, unless set (``0.0.0.0`` where a
+    kubelet or a scraper reaches the pod's address). ``RUNBRAKE_HEALTH_HOST``."""
     redis_cluster: bool = False
     """``RUNBRAKE_REDIS_URL`` names seed nodes of a Redis Cluster. ``RUNBRAKE_REDIS_CLUSTER``."""
     queue_type: str = "classic"
     """``classic`` or ``quorum``: how the run and cancel-request queues are declared.
     ``RUNBRAKE_QUEUE_TYPE``."""
+    api_allowed_hosts: tuple[str, ...] | None = None
+    """``Host`` headers the HTTP API answers (lowercase; ``name`` any port, ``name:port`` that port, ``*``
+    any host); unset: the loopback names without tokens, any host with tokens (docs/http-api.md, "Allowed
+    hosts"). ``RUNBRAKE_API_ALLOWED_HOSTS``, comma-separated."""
+    api_header_timeout_s: float = 10.0
+    """How long the HTTP API waits for a request's headers to be complete, in seconds, before it closes
+    the connection (slowloris). ``RUNBRAKE_API_HEADER_TIMEOUT_S``."""
+    api_send_timeout_s: float = 30.0
+    """How long ``runbrake serve`` waits for an events client to take the next chunk of its stream before
+    it drops the client (its socket buffer stayed full), in seconds. ``RUNBRAKE_API_SEND_TIMEOUT_S``."""
+    api_max_streams_per_token: int = 16
+    """Event streams one token may hold open at once on one ``serve`` process (without tokens: all
+    clients together); the next is ``429``. ``RUNBRAKE_API_MAX_STREAMS_PER_TOKEN``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -109,6 +133,8 @@ class Settings:
             max_spec_bytes=_int(env, "RUNBRAKE_MAX_SPEC_BYTES", defaults.max_spec_bytes, 1024, 64 * 1_048_576),
             max_input_chars=_int(env, "RUNBRAKE_MAX_INPUT_CHARS", defaults.max_input_chars, 1, 10_000_000),
             max_argument_chars=_int(env, "RUNBRAKE_MAX_ARGUMENT_CHARS", defaults.max_argument_chars, 100, 10_000_000),
+            max_model_content_chars=_int(
+                env, "RUNBRAKE_MAX_MODEL_CONTENT_CHARS", defaults.max_model_content_chars, 1000, 10_000_000),
             max_tool_calls_per_turn=_int(
                 env, "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", defaults.max_tool_calls_per_turn, 1, 1000),
             max_steps_cap=_int(env, "RUNBRAKE_MAX_STEPS_CAP", defaults.max_steps_cap, 1, 1_000_000),
@@ -117,8 +143,14 @@ class Settings:
             drain_s=_int(env, "RUNBRAKE_DRAIN_S", defaults.drain_s, 0, 86_400),
             api_tokens=env.get("RUNBRAKE_API_TOKENS") or None,
             health_port=_int(env, "RUNBRAKE_HEALTH_PORT", defaults.health_port, 0, 65535),
+            health_host=_host(env, "RUNBRAKE_HEALTH_HOST", defaults.health_host),
             redis_cluster=_bool(env, "RUNBRAKE_REDIS_CLUSTER", defaults.redis_cluster),
             queue_type=_choice(env, "RUNBRAKE_QUEUE_TYPE", defaults.queue_type, ("classic", "quorum")),
+            api_allowed_hosts=_hosts(env, "RUNBRAKE_API_ALLOWED_HOSTS"),
+            api_header_timeout_s=_float(env, "RUNBRAKE_API_HEADER_TIMEOUT_S", defaults.api_header_timeout_s),
+            api_send_timeout_s=_float(env, "RUNBRAKE_API_SEND_TIMEOUT_S", defaults.api_send_timeout_s),
+            api_max_streams_per_token=_int(
+                env, "RUNBRAKE_API_MAX_STREAMS_PER_TOKEN", defaults.api_max_streams_per_token, 1, 100_000),
         )
 
 
@@ -137,11 +169,37 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(name, f"must be true or false, got {raw!r}")
 
 
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+
+def _host(env: Mapping[str, str], name: str, default: str) -> str:
+    """An IP address (``127.0.0.1``, ``0.0.0.0``, ``::``) or a host name to listen on."""
+    raw = env.get(name) or default
+    try:
+        ipaddress.ip_address(raw)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(raw):
+            raise ConfigError(name, f"must be an IP address or a host name, got {raw[:100]!r}") from None
+    return raw
+
+
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     raw = env.get(name) or default
     if raw not in choices:
         raise ConfigError(name, f"must be one of {', '.join(choices)}, got {raw!r}")
     return raw
+
+
+def _hosts(env: Mapping[str, str], name: str) -> tuple[str, ...] | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    hosts = tuple(part.strip().lower() for part in raw.split(","))
+    for host in hosts:
+        if not _ALLOWED_HOST.fullmatch(host):
+            raise ConfigError(name, f"must be comma-separated host names (host, host:port, [::1] or *), got {host!r}")
+    return hosts
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int = 10**9) -> int:

@@ -9,6 +9,7 @@ written or sent. :func:`run_spec_json_schema` states the same contract as a JSON
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
@@ -502,6 +503,12 @@ class RunSpec(SpecModel):
             raise SpecError("spec", f"not valid JSON ({_reason(exc)})") from exc
         if not isinstance(raw, dict):
             raise SpecError("spec", "must be a JSON object")
+        non_finite = [FieldProblem(loc=loc, msg="is NaN or Infinity, which JSON has no number for")
+                      for loc in _non_finite(raw, ())]
+        if non_finite:
+            # Python's and pydantic's parsers read them, but a stored NaN breaks every strict JSON reader
+            # of the run (the events stream, the page): refused where they enter (docs/security.md).
+            raise SpecError.from_problems(non_finite)
         servers = raw.get("mcp_servers", [])
         declared = (
             frozenset(servers) if isinstance(servers, dict)
@@ -517,6 +524,17 @@ class RunSpec(SpecModel):
     def to_json(self) -> str:
         """The spec as stored with the run."""
         return json.dumps(self.raw, sort_keys=True)
+
+
+def _non_finite(value: object, loc: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
+    """Where in a JSON value a number is NaN or infinite (``1e999`` reads as infinity)."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [loc]
+    if isinstance(value, dict):
+        return [found for key, item in value.items() for found in _non_finite(item, (*loc, key))]
+    if isinstance(value, list):
+        return [found for index, item in enumerate(value) for found in _non_finite(item, (*loc, index))]
+    return []
 
 
 _JSON: Final = TypeAdapter(Any)

@@ -88,13 +88,14 @@ class ToolResult:
             raise ValueError("max_chars must be at least 1")
         return dataclasses.replace(
             self,
-            content=_bound(self.content, max_chars),
-            structured=None if self.structured is None else _bound(self.structured, max_chars),
+            content=bound(self.content, max_chars),
+            structured=None if self.structured is None else bound(self.structured, max_chars),
         )
 
 
-def _bound(text: str, max_chars: int) -> str:
-    """At most ``max_chars`` characters, the truncation mark included (a hard bound)."""
+def bound(text: str, max_chars: int) -> str:
+    """At most ``max_chars`` characters, the truncation mark included (a hard bound): the one way a content
+    channel is cut, for tool results and model content alike (``worker/loop.py``)."""
     if len(text) <= max_chars:
         return text
     keep = max_chars

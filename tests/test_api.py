@@ -25,6 +25,9 @@ from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
 
+JSON = {"Content-Type": "application/json"}
+"""What every request with a body says (docs/http-api.md, "Requests")."""
+
 
 def slow_spec(toolbox: Toolbox, seconds: float = 30) -> dict[str, Any]:
     return spec({"toolbox": toolbox.spec}, [{"tool_calls": [call("slow", seconds=seconds)]}, {"content": "done"}]).raw
@@ -65,8 +68,8 @@ def test_enqueue_answers_201_with_the_run_and_a_repeated_key_200_or_409(
 ) -> None:
     body = json.dumps(valid_spec())
     with httpx2.Client(base_url=api.url) as http:
-        first = http.post("/v1/runs", content=body, headers={"Idempotency-Key": "order-17"})
-        again = http.post("/v1/runs", content=body, headers={"Idempotency-Key": "order-17"})
+        first = http.post("/v1/runs", content=body, headers={"Idempotency-Key": "order-17", **JSON})
+        again = http.post("/v1/runs", content=body, headers={"Idempotency-Key": "order-17", **JSON})
         in_body = http.post("/v1/runs", json={**valid_spec(), "idempotency_key": "order-17"})
         other = http.post("/v1/runs", json={**valid_spec(), "input": "something else"},
                           headers={"Idempotency-Key": "order-17"})
@@ -90,7 +93,7 @@ def test_an_invalid_spec_is_422_naming_every_field_and_nothing_is_written_or_sen
     bad = {**valid_spec(), "max_rounds": "8", "tool_timeout_s": -1, "surprise": 1}
     with httpx2.Client(base_url=api.url) as http:
         invalid = http.post("/v1/runs", json=bad)
-        not_json = http.post("/v1/runs", content=b"{not json")
+        not_json = http.post("/v1/runs", content=b"{not json", headers=JSON)
         bad_key = http.post("/v1/runs", json=valid_spec(), headers={"Idempotency-Key": "k" * 201})
 
     assert invalid.status_code == 422
@@ -116,9 +119,9 @@ def test_a_spec_above_max_spec_bytes_is_413_before_it_is_parsed(
         yield big[1000:].encode()
 
     with httpx2.Client(base_url=api.url) as http:
-        declared = http.post("/v1/runs", content=big)
-        streamed = http.post("/v1/runs", content=chunks())
-        garbage = http.post("/v1/runs", content=b"\xff" * 5000)
+        declared = http.post("/v1/runs", content=big, headers=JSON)
+        streamed = http.post("/v1/runs", content=chunks(), headers=JSON)
+        garbage = http.post("/v1/runs", content=b"\xff" * 5000, headers=JSON)
 
     for response in (declared, streamed, garbage):
         assert response.status_code == 413, response.text
@@ -198,7 +201,7 @@ def test_servers_schema_openapi_health_and_metrics(api: ApiProcess, store: RunSt
     assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/events", "/v1/runs/{run_id}/cancel",
             "/v1/runs/{run_id}/approve", "/v1/runs/{run_id}/deny"} <= set(openapi["paths"])
     assert (health.status_code, ready.status_code, ready.json()) == (
-        200, 200, {"ready": True, "redis": "ok", "rabbitmq": "ok"})
+        200, 200, {"ready": True, "redis": "ok", "rabbitmq": "ok", "events": "ok"})
     assert 'runbrake_api_requests_total{method="GET",route="/v1/servers",status="200"} 1.0' in metrics
     assert 'runbrake_api_request_seconds_count{method="GET",route="/v1/schema/run-spec"} 1.0' in metrics
 
@@ -291,7 +294,7 @@ def test_a_client_that_does_not_read_is_dropped_and_the_others_keep_their_stream
     slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
     slow.connect(("127.0.0.1", int(api.url.rsplit(":", 1)[1])))
-    slow.sendall(f"GET /v1/runs/{run_id}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    slow.sendall(f"GET /v1/runs/{run_id}/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
     try:
         with Client(api.url) as client:
             stream = client.events(run_id, read_timeout_s=30)

@@ -34,7 +34,12 @@ from tests.worker_helpers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-ALL_READY = {"redis", "rabbitmq", "cancel_listener", "draining"}
+ALL_READY = {"redis", "rabbitmq", "cancel_listener", "consumers", "draining"}
+
+
+def consuming() -> tuple[bool, str]:
+    """What ``Intake.consumer_status`` answers for a worker that takes messages."""
+    return True, "4 of 4 consumer threads alive, consuming"
 
 
 @pytest.fixture
@@ -76,7 +81,7 @@ def test_readiness_is_ok_when_both_services_answered_the_listener_consumes_and_n
     listener_ready.set()
     services.check_once()
 
-    report = HealthEndpoints(services, listener_ready, draining).readiness()
+    report = HealthEndpoints(services, listener_ready, draining, consumers=consuming).readiness()
 
     assert (report.ok, report.failed, int(report.status)) == (True, [], 200)
     assert set(report.body()["checks"]) == ALL_READY  # type: ignore[arg-type]
@@ -85,7 +90,7 @@ def test_readiness_is_ok_when_both_services_answered_the_listener_consumes_and_n
 def test_readiness_fails_naming_the_listener_while_it_is_not_consuming(services: ServiceChecks) -> None:
     services.check_once()
 
-    report = HealthEndpoints(services, threading.Event(), threading.Event()).readiness()
+    report = HealthEndpoints(services, threading.Event(), threading.Event(), consumers=consuming).readiness()
 
     assert (report.ok, report.failed, int(report.status)) == (False, ["cancel_listener"], 503)
     assert report.body()["checks"]["cancel_listener"] == {  # type: ignore[index]
@@ -98,7 +103,7 @@ def test_readiness_fails_while_draining(services: ServiceChecks) -> None:
     draining.set()
     services.check_once()
 
-    report = HealthEndpoints(services, listener_ready, draining).readiness()
+    report = HealthEndpoints(services, listener_ready, draining, consumers=consuming).readiness()
 
     assert report.failed == ["draining"]
 
@@ -168,7 +173,7 @@ def test_the_endpoints_answer_json_with_200_or_503(services: ServiceChecks, loop
     listener_ready = threading.Event()
     services.check_once()
     port = free_port()
-    server = serve(HealthEndpoints(services, listener_ready, threading.Event()), port, host="127.0.0.1")
+    server = serve(HealthEndpoints(services, listener_ready, threading.Event(), consumers=consuming), port)
     try:
         alive = _get(f"http://127.0.0.1:{port}/healthz")
         unready = _get(f"http://127.0.0.1:{port}/readyz")

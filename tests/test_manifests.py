@@ -272,6 +272,8 @@ def test_the_worker_probes_ask_its_health_port_and_the_api_probes_its_serving_po
     health_port = int(effective_env(objects, worker)["RUNBRAKE_HEALTH_PORT"] or 0)
 
     assert health_port > 0
+    # The kubelet probes (and the ServiceMonitor scrapes) the pod's address; the worker's default is loopback.
+    assert effective_env(objects, worker)["RUNBRAKE_HEALTH_HOST"] == "0.0.0.0"
     assert (worker["livenessProbe"]["httpGet"]["path"], worker["readinessProbe"]["httpGet"]["path"]) == (
         "/healthz", "/readyz")
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

@@ -129,7 +129,7 @@ def test_the_page_shows_what_a_waiting_run_asks_for_and_approves_it(
     wait_for_run(store, run_id, lambda r: r.status is RunStatus.WAITING_FOR_APPROVAL)
     page, errors = open_page(browser, f"{api.url}/#/runs/{run_id}", locale="en-US")
 
-    expect(page.get_by_test_id("run-status")).to_have_text("waiting_for_approval")
+    expect(page.get_by_test_id("run-status")).to_have_text("waiting for approval")
     expect(page.get_by_test_id("pending-tool")).to_have_text("toolbox.get-sum")
     expect(page.get_by_test_id("pending-arguments")).to_have_text('{"a": 2, "b": 3}')
     screenshot(page, "runs-page-waiting-en.png")
@@ -148,4 +148,23 @@ def test_the_page_shows_what_a_waiting_run_asks_for_and_approves_it(
     page.locator("[data-lang=de]").click()
     expect(page.get_by_test_id("run-status")).to_have_text("abgeschlossen")
     assert wait_for_run(store, run_id).status is RunStatus.COMPLETED
+    assert errors == []
+
+
+def test_a_run_that_reached_its_step_limit_shows_the_reasons_label_never_its_key(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore
+) -> None:
+    from playwright.sync_api import expect
+
+    looping = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("get-sum", a=1, b=1)]}] * 3, max_steps=2)
+    run_id = httpx2.post(f"{api.url}/v1/runs", json=looping.raw).json()["run_id"]
+    assert wait_for_run(store, run_id).termination_reason.value == "max_steps"
+
+    page, errors = open_page(browser, f"{api.url}/#/runs/{run_id}", locale="en-US")
+    expect(page.get_by_test_id("run-reason")).to_have_text("step limit reached")
+    page.locator("[data-lang=de]").click()
+    expect(page.get_by_test_id("run-reason")).to_have_text("Schrittlimit erreicht")
+    page.goto(f"{api.url}/#/")
+    expect(page.get_by_test_id("run-row").first).to_contain_text("Schrittlimit erreicht")
+    assert "reason." not in page.locator("main").inner_text()
     assert errors == []

@@ -111,7 +111,7 @@ def test_show_prints_the_call_a_waiting_run_waits_for_and_speaks_german_througho
     as_json = json.loads(runbrake("show", run_id, "--json").stdout)
 
     assert "Waiting for approval: calc.get-sum {\"a\": 2, \"b\": 3}" in english.stdout
-    assert "Status: waiting_for_approval" in english.stdout
+    assert "Status: waiting for approval" in english.stdout
     assert "calls calc.get-sum" in english.stdout
     assert "Wartet auf Freigabe: calc.get-sum {\"a\": 2, \"b\": 3}" in german.stdout
     assert "Status: wartet auf Freigabe" in german.stdout

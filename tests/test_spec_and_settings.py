@@ -79,6 +79,9 @@ def test_settings_defaults_for_the_bounds() -> None:
         ("RUNBRAKE_HEALTH_PORT", "9500", "health_port", 9500),
         ("RUNBRAKE_REDIS_CLUSTER", "yes", "redis_cluster", True),
         ("RUNBRAKE_QUEUE_TYPE", "quorum", "queue_type", "quorum"),
+        ("RUNBRAKE_API_ALLOWED_HOSTS", "API.example, [::1]:8080,*", "api_allowed_hosts",
+         ("api.example", "[::1]:8080", "*")),
+        ("RUNBRAKE_API_HEADER_TIMEOUT_S", "2.5", "api_header_timeout_s", 2.5),
     ],
 )
 def test_settings_read_each_runbrake_variable(variable: str, raw: str, attribute: str, expected: object) -> None:
@@ -144,6 +147,10 @@ def test_settings_read_the_process_environment_when_given_none(monkeypatch: pyte
         ("RUNBRAKE_HEALTH_PORT", "70000"),
         ("RUNBRAKE_REDIS_CLUSTER", "2"),
         ("RUNBRAKE_QUEUE_TYPE", "stream"),
+        ("RUNBRAKE_API_ALLOWED_HOSTS", "http://api.example"),
+        ("RUNBRAKE_API_ALLOWED_HOSTS", "api.example,,ops.example"),
+        ("RUNBRAKE_API_ALLOWED_HOSTS", "*:80"),
+        ("RUNBRAKE_API_HEADER_TIMEOUT_S", "0"),
     ],
 )
 def test_a_bad_setting_raises_config_error_naming_the_variable(variable: str, raw: str) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import pika
+import pika.data
 import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
@@ -96,7 +97,7 @@ class CancelRequestConsumer(ConsumerThread):
     def _dead_letter(self, channel: BlockingChannel, method: Any, properties: pika.BasicProperties, body: bytes,
                      reason: str) -> None:
         log.warning("cancel_request_malformed", reason=reason, size=len(body))
-        headers = dict(getattr(properties, "headers", None) or {})
+        headers = _copyable(getattr(properties, "headers", None) or {})
         headers[DEAD_REASON_HEADER] = reason
         dead = pika.BasicProperties(content_type=properties.content_type, delivery_mode=2, headers=headers)
         try:
@@ -109,3 +110,15 @@ class CancelRequestConsumer(ConsumerThread):
                 channel.basic_reject(delivery_tag=method.delivery_tag, requeue=False)
             return
         channel.basic_ack(delivery_tag=method.delivery_tag)
+
+
+def _copyable(headers: dict[str, Any]) -> dict[str, Any]:
+    """The request's headers when pika can encode them again, else none: a hostile header that decoded (a
+    timestamp kept as its integer seconds, broker/_amqp_tables.py) but does not encode must not make the
+    republish raise, which would restart the consumer on the same message for ever."""
+    try:
+        pika.data.encode_table([], headers)
+    except Exception:  # noqa: BLE001 - whatever pika raises for a value it cannot write (struct.error, its own)
+        log.warning("cancel_request_headers_dropped", headers=sorted(map(str, headers))[:20])
+        return {}
+    return dict(headers)

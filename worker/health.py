@@ -6,8 +6,12 @@ Each worker process with ``RUNBRAKE_HEALTH_PORT`` set serves, on that port plus 
   ``loop.call_soon_threadsafe`` within :data:`LOOP_TIMEOUT_S`. Every run of the process lives on that
   one loop, so a loop that does not answer is a process to restart.
 - ``GET /readyz`` (readiness): Redis answered a PING and RabbitMQ a round trip within the last
-  :data:`STALE_AFTER_S`, the cancel listener is bound and consuming, and the process is not draining
-  (it got SIGTERM).
+  :data:`STALE_AFTER_S`, the cancel listener is bound and consuming, a consumer thread is alive and the run
+  queue is consumed (``consumers``: a worker whose threads died, or whose queue declaration RabbitMQ refuses,
+  takes no run), and the process is not draining (it got SIGTERM).
+
+Both listen on ``RUNBRAKE_HEALTH_HOST`` (loopback unless set: the Kubernetes manifests set ``0.0.0.0`` so
+that the kubelet reaches the pod's address).
 
 Both answer 200 or 503 with one JSON object: ``{"ok": bool, "failed": [names], "checks": {name:
 {"ok": bool, "detail": str}}}``.
@@ -309,11 +313,13 @@ class HealthEndpoints:
 
     def __init__(
         self, services: ServiceChecks, listener_ready: threading.Event, draining: threading.Event,
-        *, loop_check: Callable[[], Check] = event_loop_check,
+        *, consumers: Callable[[], tuple[bool, str]], loop_check: Callable[[], Check] = event_loop_check,
     ) -> None:
         self._services = services
         self._listener_ready = listener_ready
         self._draining = draining
+        self._consumers = consumers
+        """Whether the process takes run messages, and a detail (``Intake.consumer_status``)."""
         self._loop_check = loop_check
 
     def liveness(self) -> Report:
@@ -323,11 +329,13 @@ class HealthEndpoints:
         now = time.monotonic()
         listening = self._listener_ready.is_set()
         draining = self._draining.is_set()
+        consuming, consumers = self._consumers()
         return Report((
             self._services.verdict("redis", now=now),
             self._services.verdict("rabbitmq", now=now),
             Check("cancel_listener", ok=listening,
                   detail="bound and consuming" if listening else "not consuming (connecting or reconnecting)"),
+            Check("consumers", ok=consuming, detail=consumers),
             Check("draining", ok=not draining,
                   detail="draining after SIGTERM: takes no new runs" if draining else "not draining"),
         ))
@@ -365,10 +373,14 @@ class _Handler(BaseHTTPRequestHandler):
         """Probes every few seconds are not worth a log line each."""
 
 
-def serve(endpoints: HealthEndpoints, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:  # noqa: S104
-    """Serve /healthz and /readyz on ``host:port`` from a daemon thread (all interfaces by default:
-    the kubelet probes the pod's address). Returns the server; ``shutdown()`` stops it."""
-    server = _Server((host, port), _Handler)
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def serve(endpoints: HealthEndpoints, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """Serve /healthz and /readyz on ``host:port`` from a daemon thread (loopback by default; an IPv6
+    address such as ``::`` works too). Returns the server; ``shutdown()`` stops it."""
+    server = (_Server6 if ":" in host else _Server)((host, port), _Handler)
     server.endpoints = endpoints
     threading.Thread(target=server.serve_forever, name="runbrake-health", daemon=True).start()
     return server
@@ -384,7 +396,7 @@ class WorkerHealth:
     @classmethod
     def start(
         cls, settings: Settings, store: RunStore, *, index: int, listener_ready: threading.Event,
-        draining: threading.Event,
+        draining: threading.Event, consumers: Callable[[], tuple[bool, str]],
     ) -> WorkerHealth:
         """Start what the settings ask for: the checks when health or metrics are on (metrics carry the
         queue-depth sample), the server when ``health_port`` is set (on ``health_port + index``)."""
@@ -395,8 +407,9 @@ class WorkerHealth:
         server = None
         if settings.health_port:
             port = settings.health_port + index
-            server = serve(HealthEndpoints(services, listener_ready, draining), port)
-            log.info("health_serving", port=port)
+            server = serve(HealthEndpoints(services, listener_ready, draining, consumers=consumers), port,
+                           settings.health_host)
+            log.info("health_serving", host=settings.health_host, port=port)
         return cls(services, server)
 
     def stop(self) -> None:

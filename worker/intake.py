@@ -15,6 +15,11 @@ of the GIL. Instead a message goes through three steps on one of a handful of co
 3. return: Dramatiq acks the message while the segment goes on on the loop. The slot is given back
    when the segment ends.
 
+Dramatiq's threads are watched (:class:`_WatchedWorker`): one that dies, whatever killed it, is replaced and
+counted (``runbrake_consumer_restarts_total``), and :meth:`Intake.consumer_status` tells readiness whether
+the process still takes messages (worker/health.py). What a message may say is checked before any of this,
+in the broker's consumer (``broker/rabbitmq.py``, ``CheckedConsumer``).
+
 Acking early changes nothing a run relies on: its durability lives in Redis, a claimed run is never run
 again (the claim guard refuses a second message), a killed worker's run is failed ``lease_lost`` by
 another worker's lease keeper, and the runtime's own time limit (``RUNBRAKE_RUN_TIME_LIMIT_S``) bounds a
@@ -29,12 +34,16 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import structlog
 from dramatiq import Broker, Retry, Worker
 from dramatiq.asyncio import get_event_loop_thread
+from dramatiq.common import q_name
+from dramatiq.worker import ConsumerThread, WorkerThread
 
+from runbrake.worker import metrics
 from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -145,6 +154,133 @@ class Slots:
             return True
 
 
+RESTART_DELAY_S = 0.5
+"""A thread that died is replaced after this pause, so that whatever keeps killing threads cannot spin."""
+
+
+class _Watched:
+    """A Dramatiq thread that reports its own death: an exit while it was still meant to run, whatever
+    raised. Dramatiq catches errors around a message and around a consumer's connection, but not everything
+    (a ``queue_name`` naming another queue raised ``KeyError`` out of a worker thread's ``finally``; an
+    exception injected between two messages is not caught either), and a dead thread is not replaced."""
+
+    running: bool
+    name: str
+    on_death: Callable[[_Watched, BaseException | None], None]
+
+    def run(self) -> None:
+        error: BaseException | None = None
+        try:
+            super().run()  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001 - reported and replaced, never swallowed silently
+            error = exc
+        if self.running:
+            self.on_death(self, error)
+
+
+class _WatchedWorkerThread(_Watched, WorkerThread):
+    """Dramatiq's worker thread (what this module calls a consumer thread), replaced when it dies."""
+
+
+class _WatchedConsumerThread(_Watched, ConsumerThread):
+    """Dramatiq's thread that reads one queue off RabbitMQ, replaced when it dies."""
+
+
+class _WatchedWorker(Worker):
+    """Dramatiq's worker whose threads are replaced when they die, each replacement counted
+    (``runbrake_consumer_restarts_total{kind}``) and logged (``consumer_thread_died``)."""
+
+    def __init__(self, broker: Broker, **options: Any) -> None:
+        super().__init__(broker, **options)
+        self._replacing = threading.Lock()
+        self._stopped = False
+
+    def _add_worker(self) -> None:
+        thread = self._worker_thread()
+        thread.start()
+        self.workers.append(thread)
+
+    def _worker_thread(self) -> _WatchedWorkerThread:
+        thread = _WatchedWorkerThread(broker=self.broker, consumers=self.consumers, work_queue=self.work_queue,
+                                      worker_timeout=self.worker_timeout)
+        thread.on_death = self._worker_died
+        return thread
+
+    def _add_consumer(self, queue_name: str, *, delay: bool = False) -> None:
+        # Dramatiq's own, building a watched thread (dramatiq/worker.py, Worker._add_consumer).
+        if queue_name in self.consumers:
+            return
+        if self.consumer_whitelist and q_name(queue_name) not in self.consumer_whitelist:
+            return
+        self.consumers[queue_name] = self._consumer_thread(queue_name, delay=delay)
+        self.consumers[queue_name].start()
+
+    def _consumer_thread(self, queue_name: str, *, delay: bool) -> _WatchedConsumerThread:
+        thread = _WatchedConsumerThread(
+            broker=self.broker, queue_name=queue_name, prefetch=self.delay_prefetch if delay else self.queue_prefetch,
+            work_queue=self.work_queue, worker_timeout=self.worker_timeout,
+        )
+        thread.on_death = self._consumer_died
+        return thread
+
+    def stop(self, timeout: int = 600_000) -> None:
+        with self._replacing:
+            self._stopped = True
+        super().stop(timeout)
+
+    def _worker_died(self, dead: _Watched, error: BaseException | None) -> None:
+        assert isinstance(dead, WorkerThread)
+        if not self._before_replacing(dead, error, kind="worker_thread"):
+            return
+        with self._replacing:
+            if self._stopped:
+                return
+            thread = self._worker_thread()
+            if dead.paused:  # the intake paused it to drain: the replacement takes no message either
+                thread.pause()
+            self.workers[self.workers.index(dead)] = thread
+            thread.start()
+        self._replaced(dead, thread, kind="worker_thread")
+
+    def _consumer_died(self, dead: _Watched, error: BaseException | None) -> None:
+        assert isinstance(dead, ConsumerThread)
+        with contextlib.suppress(Exception):  # its connection is this thread's own: close it, so RabbitMQ
+            dead.close()                      # requeues what it held
+        if not self._before_replacing(dead, error, kind="queue_consumer"):
+            return
+        with self._replacing:
+            if self._stopped:
+                return
+            thread = self._consumer_thread(dead.queue_name, delay=dead.queue_name.endswith(".DQ"))
+            self.consumers[dead.queue_name] = thread
+            thread.start()
+        self._replaced(dead, thread, kind="queue_consumer")
+
+    def _before_replacing(self, dead: _Watched, error: BaseException | None, *, kind: str) -> bool:
+        """Log the death, wait :data:`RESTART_DELAY_S`; False when the worker stopped meanwhile."""
+        log.error("consumer_thread_died", kind=kind, thread=dead.name, error=repr(error)[:300], exc_info=error or False)
+        time.sleep(RESTART_DELAY_S)
+        return not self._stopped
+
+    def _replaced(self, dead: _Watched, thread: threading.Thread, *, kind: str) -> None:
+        metrics.CONSUMER_RESTARTS.labels(kind=kind).inc()
+        log.warning("consumer_thread_restarted", kind=kind, thread=thread.name, replaces=dead.name)
+
+    def consumer_status(self, queue: str) -> tuple[bool, str]:
+        """Whether this worker takes messages off ``queue``: a live worker thread and a consumer of the
+        queue bound to it. From any thread (it reads, never calls, pika objects)."""
+        alive = sum(1 for thread in list(self.workers) if thread.is_alive())
+        reader = self.consumers.get(queue)
+        consumer = getattr(reader, "consumer", None)
+        consuming = bool(reader is not None and reader.is_alive() and getattr(consumer, "consuming", False))
+        threads = f"{alive} of {self.worker_threads} consumer threads alive"
+        if not alive:
+            return False, f"{threads}: nothing takes messages"
+        if not consuming:
+            return False, f"{threads}, not consuming {queue} (connecting, or the queue's declaration refused)"
+        return True, f"{threads}, consuming {queue}"
+
+
 class Intake:
     """The runs one worker process takes: ``concurrency`` in flight on the loop, fed by a few consumer
     threads. :meth:`take` is the run actor's body; the rest is for starting and stopping the process."""
@@ -157,7 +293,7 @@ class Intake:
         self._tasks: set[asyncio.Task[None]] = set()
         """The segments' tasks; touched on the loop only."""
         self._interrupted = False
-        self._worker: Worker | None = None
+        self._worker: _WatchedWorker | None = None
 
     # -- the run actor's body, on a consumer thread --
 
@@ -215,8 +351,8 @@ class Intake:
 
     def start_consuming(self, broker: Broker, queues: Iterable[str]) -> None:
         """Start Dramatiq's consumers and threads on ``queues``."""
-        worker = Worker(broker, queues=set(queues), worker_threads=self.consumer_threads,
-                        worker_timeout=WORKER_TIMEOUT_MS)
+        worker = _WatchedWorker(broker, queues=set(queues), worker_threads=self.consumer_threads,
+                                worker_timeout=WORKER_TIMEOUT_MS)
         # A prefetched message waits for a thread, a thread with a message waits for a slot: one per
         # thread keeps what a full worker holds back from other workers to its few threads.
         worker.queue_prefetch = self.consumer_threads
@@ -233,6 +369,12 @@ class Intake:
             # sleeps Dramatiq's consumer restart delay (3 s), which the stop would then wait out.
             for thread in self._worker.workers:
                 thread.pause()
+
+    def consumer_status(self, queue: str) -> tuple[bool, str]:
+        """Whether this process takes messages off ``queue`` (readiness, worker/health.py), and why not."""
+        if self._worker is None:
+            return False, "not consuming yet"
+        return self._worker.consumer_status(queue)
 
     @property
     def in_flight(self) -> int:

@@ -24,7 +24,7 @@ from runbrake.shared.errors import ProviderError, RunBoundReached
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
-from runbrake.shared.tool_result import ToolResult
+from runbrake.shared.tool_result import ToolResult, bound
 from runbrake.worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
 from runbrake.worker.models import ModelProvider
 
@@ -129,6 +129,7 @@ class ToolLoop:
         approval_required: frozenset[str] = frozenset(),
         max_tool_calls_per_turn: int = 32,
         max_argument_chars: int = 16_000,
+        max_model_content_chars: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._provider = provider
@@ -138,6 +139,7 @@ class ToolLoop:
         self._approval_required = approval_required
         self._max_tool_calls_per_turn = max_tool_calls_per_turn
         self._max_argument_chars = max_argument_chars
+        self._max_model_content_chars = max_model_content_chars
         self._clock = clock
 
     async def run(self, state: LoopState) -> LoopEnd:
@@ -209,13 +211,20 @@ class ToolLoop:
             )
             raise error
         assert turn is not None
+        detail: dict[str, Any] = {}
+        if turn.content is not None and len(turn.content) > self._max_model_content_chars:
+            # Bounded like a tool result's content (RUNBRAKE_MAX_MODEL_CONTENT_CHARS), before anything keeps
+            # it: the step, the conversation (and so the pending turn), the final answer.
+            detail["content_truncated"] = {"chars": len(turn.content), "kept": self._max_model_content_chars}
+            turn = replace(turn, content=bound(turn.content, self._max_model_content_chars))
+        # The one place a call's arguments are stored (the tool step names the call by its id), bounded.
+        detail["tool_calls"] = [_bounded(c.to_dict(), self._max_argument_chars) for c in turn.tool_calls]
         return turn, RunStep(
             kind=StepKind.MODEL,
             round=round_number,
             duration_ms=duration_ms,
             content=turn.content or "",
-            # The one place a call's arguments are stored (the tool step names the call by its id), bounded.
-            detail={"tool_calls": [_bounded(c.to_dict(), self._max_argument_chars) for c in turn.tool_calls]},
+            detail=detail,
         )
 
     async def _run_calls(self, state: LoopState, calls: list[ToolCall]) -> LoopEnd | None:

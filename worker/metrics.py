@@ -30,6 +30,12 @@ HANDOFFS = Counter(
     "Runs this worker handed back to the queue when its drain (RUNBRAKE_DRAIN_S) ran out at shutdown.",
     registry=REGISTRY,
 )
+CONSUMER_RESTARTS = Counter(
+    "runbrake_consumer_restarts_total",
+    "Dramatiq threads of this worker that died and were replaced: kind worker_thread (the consumer threads that "
+    "take run messages) or queue_consumer (the thread reading a queue off RabbitMQ).",
+    ["kind"], registry=REGISTRY,
+)
 CANCEL_LATENCY = Histogram(
     "runbrake_cancel_latency_seconds", "From the cancel request to the interrupted call being recorded.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
@@ -58,6 +64,7 @@ def watch_process(active_runs: Sized, listener_ready: threading.Event) -> None:
     CANCEL_LISTENER_CONNECTED.set_function(lambda: 1.0 if listener_ready.is_set() else 0.0)
 
 
-def serve(port: int) -> None:
-    """Serve /metrics on 0.0.0.0:``port`` from a daemon thread."""
-    start_http_server(port, registry=REGISTRY)
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    """Serve /metrics on ``host:port`` from a daemon thread (loopback unless ``RUNBRAKE_HEALTH_HOST`` says
+    otherwise)."""
+    start_http_server(port, addr=host, registry=REGISTRY)

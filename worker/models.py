@@ -10,6 +10,7 @@ cancellable by an enclosing anyio cancel scope, and both report failures as
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -223,10 +224,23 @@ def _tool_call(call: object, servers: set[str]) -> ToolCall:
 
 def _arguments(name: str, raw: str) -> Mapping[str, Any]:
     try:
-        # Some compatible servers send "" for a call without arguments.
-        arguments = json.loads(raw) if raw.strip() else {}
-    except json.JSONDecodeError as exc:
+        # Some compatible servers send "" for a call without arguments. NaN, Infinity and numbers too large
+        # for a float are not JSON (RFC 8259), though Python reads them: refused like any arguments that are
+        # not JSON, before they reach the tool or the store (docs/security.md).
+        arguments = json.loads(raw, parse_constant=_not_a_number, parse_float=_finite) if raw.strip() else {}
+    except ValueError as exc:  # a JSONDecodeError, or a number refused below
         raise ProviderError(f"the model called {name!r} with arguments that are not JSON: {raw!r:.200}") from exc
     if not isinstance(arguments, dict):
         raise ProviderError(f"the model called {name!r} with arguments that are not a JSON object: {raw!r:.200}")
     return arguments
+
+
+def _not_a_number(token: str) -> float:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a number")
+    return value

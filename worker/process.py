@@ -14,6 +14,7 @@ import pika.exceptions
 import redis
 import structlog
 
+from runbrake.broker._amqp_tables import harden_table_decoding
 from runbrake.broker.producer import Producer
 from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology
@@ -59,6 +60,7 @@ def run_worker_process(
     Returns the exit code: 3 at once, with one log line, when Redis or RabbitMQ cannot be reached at
     start (a wrong password included)."""
     configure_logging()
+    harden_table_decoding()  # before any consumer connects: a hostile header must not drop its connection
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)
     try:
@@ -84,7 +86,8 @@ def run_worker_process(
         declare_noop_actor(broker, settings)
         queues.add(topology.noop_queue)
     if settings.metrics_port:
-        metrics.serve(settings.metrics_port + index)
+        metrics.serve(settings.metrics_port + index, settings.health_host)
+        log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
     listener = CancelListener(settings, store, registry)
     metrics.watch_process(registry, listener.ready)
     backstop = Backstop(settings, store, registry)
@@ -114,7 +117,8 @@ def run_worker_process(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # Before consuming: a health port already taken fails the process before it takes a run.
-    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining)
+    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining,
+                                consumers=lambda: intake.consumer_status(topology.run_queue))
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)

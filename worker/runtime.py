@@ -292,6 +292,7 @@ class Runtime:
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
                 max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
                 max_argument_chars=self._settings.max_argument_chars,
+                max_model_content_chars=self._settings.max_model_content_chars,
             )
             # An exception (CancelRequested too) leaves the toolbox unwrapped: each MCP client lives in
             # a task of its own, so no task group of the SDK's lies between the loop and the ladder.

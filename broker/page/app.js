@@ -45,12 +45,16 @@ function el(tag, attrs, ...children) {
     else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
     else node.setAttribute(name, value === true ? "" : String(value));
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
   return node;
 }
+
+// Text that came from outside (a model, a tool, a server, a caller) goes in its own bidi isolate, so that a
+// right-to-left override in it cannot reorder the words around it ("reason (by who)"): docs/security.md.
+function user(text) { return el("bdi", { class: "user" }, text === null || text === undefined ? "" : text); }
 
 function when(epoch) {
   if (!epoch) return "-";
@@ -250,15 +254,16 @@ function runView(runId) {
   }
 
   function detail(step) {
-    if (step.kind === "tool") return step.tool_server + "." + step.tool_name + ": " + step.content;
+    if (step.kind === "tool") return [user(step.tool_server + "." + step.tool_name), ": ", user(step.content)];
     if (step.kind === "model") {
       const calls = ((step.detail && step.detail.tool_calls) || []).map((c) => c.server + "." + c.tool).join(", ");
       const text = step.error || step.content || "";
-      if (calls) return text ? text + " (" + label("run.calls") + " " + calls + ")" : label("run.calls") + " " + calls;
-      return text;
+      if (calls) return text ? [user(text), " (" + label("run.calls") + " ", user(calls), ")"] : [label("run.calls") + " ", user(calls)];
+      return [user(text)];
     }
     const d = step.detail || {};
-    return (d.decision ? label("decision." + d.decision) : "") + ": " + step.content + (d.decided_by ? " (" + label("run.by") + " " + d.decided_by + ")" : "");
+    return [(d.decision ? label("decision." + d.decision) : "") + ": ", user(step.content),
+      d.decided_by ? [" (" + label("run.by") + " ", user(d.decided_by), ")"] : null];
   }
 
   function stepRow(step) {
@@ -276,13 +281,13 @@ function runView(runId) {
       const share = p.total ? Math.min(100, Math.round((p.progress / p.total) * 100)) : null;
       progress = el("span", { "data-testid": "progress" },
         share !== null ? el("span", { class: "progress" }, el("span", { style: null, "data-share": share })) : null,
-        p.progress + (p.total ? "/" + p.total : "") + (p.message ? " · " + p.message : ""));
+        p.progress + (p.total ? "/" + p.total : ""), p.message ? [" · ", user(p.message)] : null);
     }
     return el("tr", { class: "in-flight", "data-testid": "in-flight" },
       el("td", { class: "num" }, "…"), el("td", { class: "num" }, flight.round), el("td", {}, label("kind.tool")),
       el("td", { class: "num", "data-testid": "elapsed" }, elapsedText()),
       el("td", { class: "outcome o-in_flight" }, label("run.in_flight")),
-      el("td", { class: "detail" }, flight.call.server + "." + flight.call.tool + " ", progress));
+      el("td", { class: "detail" }, user(flight.call.server + "." + flight.call.tool), " ", progress));
   }
 
   function actions() {
@@ -317,7 +322,7 @@ function runView(runId) {
     if (state.status !== "waiting_for_approval" || !call) return null;
     return el("div", { class: "pending", "data-testid": "pending-call" },
       el("strong", {}, t("pending.title") + " "), el("code", { "data-testid": "pending-tool" }, call.tool_server + "." + call.tool_name),
-      el("pre", { "data-testid": "pending-arguments" }, call.arguments_text));
+      el("pre", { "data-testid": "pending-arguments", dir: "ltr" }, user(call.arguments_text)));
   }
 
   function render() {
@@ -334,8 +339,8 @@ function runView(runId) {
       el("dt", {}, label("run.started")), el("dd", {}, when(run.started_at)),
       el("dt", {}, label("run.finished")), el("dd", {}, when(run.finished_at)));
     if (run.cancel) facts.append(el("dt", {}, label("run.cancel")), el("dd", { "data-testid": "run-cancel" },
-      run.cancel.reason + " (" + label("run.by") + " " + run.cancel.requested_by + ")"));
-    if (run.error) facts.append(el("dt", {}, label("run.error")), el("dd", {}, run.error));
+      user(run.cancel.reason), " (" + label("run.by") + " ", user(run.cancel.requested_by), ")"));
+    if (run.error) facts.append(el("dt", {}, label("run.error")), el("dd", {}, user(run.error)));
     main.append(...[facts, pendingBox(), actions()].filter(Boolean));
     if (state.deciding) main.append(decisionForm());
     const rows = sortedSteps().map(stepRow);
