@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
 # new tree: the list of package files is kept in a file that changes only when the list does.
-PACKAGE_FILES := $(sort $(wildcard shared/*.py broker/*.py worker/*.py broker/*/*.py worker/*/*.py broker/page/*))
+PACKAGE_FILES := $(sort $(wildcard shared/*.py shared/*/*.py broker/*.py worker/*.py broker/*/*.py worker/*/*.py broker/page/*))
 PACKAGE_LIST := $(VENV)/.package-files
 $(shell mkdir -p $(VENV) && (echo "$(PACKAGE_FILES)" | cmp -s - $(PACKAGE_LIST) || echo "$(PACKAGE_FILES)" > $(PACKAGE_LIST)))
 
@@ -40,8 +40,10 @@ browser:
 		fi; }
 	@test -x $(CHROMIUM) || { echo "browser: $(CHROMIUM) still missing after installing chromium" >&2; exit 1; }
 
+# lint-imports: the layers of pyproject.toml's [tool.importlinter] (docs/architecture.md, "Layers").
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -110,4 +112,4 @@ bench: setup services
 	$(PY) -m bench.api
 
 clean:
-	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .import_linter_cache *.egg-info

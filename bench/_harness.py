@@ -11,7 +11,7 @@ A benchmark runs inside :class:`Bench`::
 
 Leaving the block stops every process it started (SIGTERM, then SIGKILL after a grace
 period), deletes the namespace's Redis keys and its queues and cancel exchange
-(:func:`runbrake.broker.wire.delete_topology`), and removes the scratch directory (unless
+(:func:`runbrake.shared.messaging.wire.delete_topology`), and removes the scratch directory (unless
 ``keep`` is set). Everything is on loopback.
 """
 
@@ -40,8 +40,8 @@ from typing import Any
 import pika
 import pika.exceptions
 
-from runbrake.broker.wire import delete_topology
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.wire import delete_topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus

@@ -49,7 +49,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import Tool
 
-from runbrake.broker.wire import Topology
+from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.settings import Settings
 
 PEER_ACTOR: Final = "peer_run"

@@ -44,7 +44,7 @@ from bench._harness import (
     summary_ms,
     wait_until,
 )
-from runbrake.broker.wire import Topology, encode_cancel_request
+from runbrake.shared.messaging.wire import Topology, encode_cancel_request
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.steps import RunStep, StepKind
 

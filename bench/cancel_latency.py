@@ -73,10 +73,10 @@ from bench._harness import (
     summary_ms,
     wait_until,
 )
-from runbrake.broker.cancel import CancelPublisher, CancelResult, cancel_run
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind

@@ -56,10 +56,10 @@ from bench._harness import (
     wait_until,
 )
 from bench._peer import PeerKeys, build_peer_broker, delete_peer_queues, peer_message, peer_queue, probe
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.wire import Topology
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import StepKind

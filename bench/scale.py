@@ -26,7 +26,7 @@ What it does, in its own namespace (``bench-<hex>``), on loopback only:
    (the children's RSS growth over the runs they hold), and the CPU the workers and servers use over a
    five-second hold;
 5. **(c) cancel latency** while (b) holds: ``--cancels`` runs picked at random are cancelled one at a time
-   (fence + message, :func:`runbrake.broker.cancel.cancel_run`) after a random pause of up to 100 ms; a
+   (fence + message, :func:`runbrake.shared.messaging.cancel.cancel_run`) after a random pause of up to 100 ms; a
    sample is from just before ``cancel_run`` to the ``recorded_at`` of the run's cancelled tool step;
 6. SIGTERM to the supervisor (``RUNBRAKE_DRAIN_S=1``: the held runs are handed over at once): how long
    the stop took, and that no run was left ``running``;
@@ -64,10 +64,10 @@ from bench._harness import (
     summary_ms,
     wait_until,
 )
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import StepKind

@@ -63,10 +63,10 @@ from bench._harness import (
     thread_cpu_seconds,
     wait_until,
 )
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
-from runbrake.broker.wire import NOOP_ACTOR, Topology
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.shared.messaging.wire import NOOP_ACTOR, Topology
 from runbrake.shared.status import RunStatus
 
 AIM_RATIO = 0.2

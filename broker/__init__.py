@@ -1,4 +1,7 @@
-"""The producing side: enqueue, cancel, approve, the wire, the CLI, the HTTP API and its client.
+"""The entry points: the CLI, the HTTP API and its client, the runs page, the demo, the example MCP server.
+
+They call the operations of ``runbrake.shared.operations`` and publish through ``runbrake.shared.messaging``
+(docs/architecture.md, "Layers"); the worker imports nothing from here.
 
 ``from runbrake.broker import Client`` is the HTTP API's Python client (broker/client.py), imported
 on first use so that the rest of the package does not load it.

@@ -36,17 +36,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runbrake.broker.approval import approve_run, deny_run
 from runbrake.broker.auth import Tokens
-from runbrake.broker.cancel import CancelPublisher, cancel_run
 from runbrake.broker.connections import Connections
 from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
-from runbrake.broker.producer import Enqueued, Producer
-from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.broker.render import run_json, run_summary, server_health
+from runbrake.shared import operations
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
-from runbrake.shared.errors import IdempotencyConflict, PublishError, RunNotFound, SpecError, StoreError
+from runbrake.shared.errors import (
+    ApiError,
+    IdempotencyConflict,
+    PublishError,
+    ResumeUnsent,
+    RunbrakeError,
+    RunNotFound,
+    SpecError,
+    StoreError,
+    TransitionRefused,
+)
+from runbrake.shared.messaging.cancel import CancelPublisher
+from runbrake.shared.messaging.producer import Enqueued, Producer
+from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -73,17 +83,6 @@ READY_CACHE_S: Final = 1.0
 """How long a RabbitMQ reachability check is reused: a probe every second must not open a connection each."""
 ANONYMOUS: Final = "anonymous"
 """Who the API records as having cancelled or decided when it runs without tokens (loopback only)."""
-
-
-class ApiError(Exception):
-    """An error answer: its HTTP status and JSON body (``{"error": ...}`` plus any extra members)."""
-
-    def __init__(self, http_status: int, message: str, /, *, headers: dict[str, str] | None = None,
-                 **extra: Any) -> None:
-        super().__init__(message)
-        self.status = http_status
-        self.body = {"error": message, **extra}
-        self.headers = headers
 
 
 class ReasonBody(BaseModel):
@@ -194,10 +193,10 @@ def require(role: str) -> Callable[[Request], str]:
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         token = tokens.identify(presented.strip()) if scheme.lower() == "bearer" and presented.strip() else None
         if token is None:
-            raise ApiError(401, "a valid bearer token is required (Authorization: Bearer <token>)",
-                           headers={"WWW-Authenticate": 'Bearer realm="runbrake"'})
+            raise ApiError.answer(401, "a valid bearer token is required (Authorization: Bearer <token>)",
+                                  headers={"WWW-Authenticate": 'Bearer realm="runbrake"'})
         if role not in token.roles:
-            raise ApiError(403, f"token {token.name!r} lacks the {role!r} role")
+            raise ApiError.answer(403, f"token {token.name!r} lacks the {role!r} role")
         return token.name
 
     return check
@@ -210,7 +209,7 @@ Operator = Annotated[str, Depends(require("operate"))]
 
 def valid_run_id(run_id: str) -> str:
     if not RUN_ID.fullmatch(run_id):
-        raise ApiError(422, "invalid run id", errors=[
+        raise ApiError.answer(422, "invalid run id", errors=[
             {"loc": ["path", "run_id"], "msg": "a run id is 32 lowercase hex characters"}])
     return run_id
 
@@ -232,7 +231,7 @@ def _cursor(value: str | None) -> tuple[float, str] | None:
         if (isinstance(score, int | float) and not isinstance(score, bool) and math.isfinite(score)
                 and isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
             return float(score), run_id
-    raise ApiError(422, "invalid cursor", errors=[
+    raise ApiError.answer(422, "invalid cursor", errors=[
         {"loc": ["query", "cursor"], "msg": "pass next_cursor from the previous page unchanged"}])
 
 
@@ -291,9 +290,12 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     app.add_middleware(MetricsMiddleware)  # outside the guard: refused requests are counted too
     app.state.connections = connections
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+    @app.exception_handler(RunbrakeError)
+    async def runbrake_error(_request: Request, exc: RunbrakeError) -> JSONResponse:
+        answer = _answer_for(exc)
+        if answer is None:
+            raise exc  # a bug: answered 500 by the handler of Exception below, and logged
+        return answer
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -305,28 +307,10 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         """Starlette's own answers (an unknown route, a method the route lacks) in the documented shape."""
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(StoreError)
-    async def store_down(_request: Request, exc: StoreError) -> JSONResponse:
-        # The error names Redis's address: the log has it, the client does not (docs/http-api.md, "Errors").
-        log.warning("api_store_unavailable", error=str(exc))
-        return JSONResponse({"error": "the run store (Redis) could not be reached"}, status_code=503)
-
-    @app.exception_handler(PublishError)
-    async def broker_down(_request: Request, exc: PublishError) -> JSONResponse:
-        # An enqueue whose message RabbitMQ did not confirm (the run is settled failed, enqueue_failed);
-        # like a StoreError, the message names the address: logged, not answered.
-        log.warning("api_publish_failed", error=str(exc))
-        return JSONResponse({"error": "RabbitMQ did not take the run's message; the run is failed (enqueue_failed)"},
-                            status_code=503)
-
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
         """A bug: the documented shape and nothing of the exception (Starlette logs it and re-raises)."""
         return JSONResponse({"error": "internal error"}, status_code=500)
-
-    @app.exception_handler(RunNotFound)
-    async def not_found(_request: Request, exc: RunNotFound) -> JSONResponse:
-        return JSONResponse({"error": str(exc), "run_id": exc.run_id}, status_code=404)
 
     _routes(app)
     _page_routes(app)
@@ -348,22 +332,16 @@ def _routes(app: FastAPI) -> None:
         # Each token has its own idempotency keys (docs/http-api.md, "Idempotency keys"): a key says
         # nothing about another submitter's runs. Without tokens, one scope, shared with the CLI.
         scope = None if state.tokens is None else who
-        try:
-            enqueued: Enqueued = await state.amqp.run(
-                lambda: Producer(state.sync_store, state.broker, state.admission).enqueue(spec, scope=scope))
-        except SpecError as exc:  # the admission policy: the catalog, inline definitions, the bounds
-            errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
-            raise ApiError(422, "run spec refused", errors=errors) from exc
-        except IdempotencyConflict as exc:
-            raise ApiError(409, str(exc), run_id=exc.run_id) from exc
+        enqueued: Enqueued = await state.amqp.run(lambda: operations.enqueue(
+            Producer(state.sync_store, state.broker, state.admission), spec, scope=scope))
         answer = {"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created}
         if enqueued.created:
             log.info("api_run_enqueued", run_id=enqueued.run_id, by=who)
             return JSONResponse(answer, status_code=201, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
         stored = await state.store.get(enqueued.run_id)
         if dict(stored.request) != spec.raw:
-            raise ApiError(409, f"idempotency key {spec.idempotency_key!r} already names run {enqueued.run_id}, "
-                                "created from a different spec", run_id=enqueued.run_id)
+            raise ApiError.answer(409, f"idempotency key {spec.idempotency_key!r} already names run "
+                                       f"{enqueued.run_id}, created from a different spec", run_id=enqueued.run_id)
         return JSONResponse(answer, status_code=200, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
 
     @app.get("/v1/runs", tags=["runs"])
@@ -373,11 +351,11 @@ def _routes(app: FastAPI) -> None:
         wanted = None
         if status:
             if status not in {s.value for s in RunStatus if s is not RunStatus.UNKNOWN}:
-                raise ApiError(422, "invalid status", errors=[{"loc": ["query", "status"], "msg": (
+                raise ApiError.answer(422, "invalid status", errors=[{"loc": ["query", "status"], "msg": (
                     "one of " + ", ".join(s.value for s in RunStatus if s is not RunStatus.UNKNOWN))}])
             wanted = RunStatus(status)
         if not 1 <= limit <= 1000:
-            raise ApiError(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
+            raise ApiError.answer(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
         records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor))
         return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
 
@@ -418,13 +396,8 @@ def _routes(app: FastAPI) -> None:
         """Win the fence in Redis, then wake the worker that runs the run (like ``runbrake cancel``)."""
         state = _state(request)
         reason = await _reason(request) or "cancelled via the API"
-        result = await state.amqp.run(lambda: cancel_run(
+        result = await state.amqp.run(lambda: operations.cancel(
             state.sync_store, state.amqp.publisher(), run_id, reason=reason, requested_by=who))
-        if not result.exists:
-            raise ApiError(404, f"no run with id {run_id!r}", run_id=run_id)
-        if not result.won:
-            raise ApiError(409, f"run {run_id} is already {result.found.value}; nothing to cancel",
-                           run_id=run_id, status=result.found.value)
         return JSONResponse({"run_id": run_id, "cancelled": True, "message_confirmed": result.message_confirmed},
                             status_code=202)
 
@@ -434,14 +407,8 @@ def _routes(app: FastAPI) -> None:
         """Approve the call the run waits for (recorded with who and why); a worker resumes the run."""
         state = _state(request)
         reason = await _reason(request) or ""
-        try:
-            decision = await state.amqp.run(lambda: approve_run(
-                state.sync_store, Producer(state.sync_store, state.broker), run_id, decided_by=who, reason=reason))
-        except PublishError as exc:  # its message names RabbitMQ's address: logged, not answered
-            log.warning("api_resume_unsent", run_id=run_id, error=str(exc))
-            raise ApiError(503, "RabbitMQ did not take the resume message; the approval stands, approve again "
-                                "to resend", run_id=run_id) from exc
-        _decided(decision.exists, decision.decided, run_id, decision.found)
+        await state.amqp.run(lambda: operations.approve(
+            state.sync_store, Producer(state.sync_store, state.broker), run_id, decided_by=who, reason=reason))
         return {"run_id": run_id, "approved": True}
 
     @app.post("/v1/runs/{run_id}/deny", tags=["decisions"], responses=_BODY_ERRORS,
@@ -450,8 +417,7 @@ def _routes(app: FastAPI) -> None:
         """Deny the call the run waits for: the run ends failed (approval_denied)."""
         state = _state(request)
         reason = await _reason(request) or "denied by operator"
-        decision = await state.amqp.run(lambda: deny_run(state.sync_store, run_id, decided_by=who, reason=reason))
-        _decided(decision.exists, decision.decided, run_id, decision.found)
+        await state.amqp.run(lambda: operations.deny(state.sync_store, run_id, decided_by=who, reason=reason))
         return {"run_id": run_id, "denied": True}
 
     @app.get("/v1/servers", tags=["operations"])
@@ -509,7 +475,7 @@ def _last_event_id(value: str | None) -> int:
     if not value:
         return 0
     if not LAST_EVENT_ID.fullmatch(value.strip(" \t")):
-        raise ApiError(422, "invalid Last-Event-ID", errors=[
+        raise ApiError.answer(422, "invalid Last-Event-ID", errors=[
             {"loc": ["header", "last-event-id"], "msg": "a step sequence: 1 to 18 digits"}])
     return int(value.strip(" \t"))
 
@@ -518,15 +484,15 @@ async def _stream_slot(state: ApiState, who: str) -> Callable[[], None]:
     """One of ``who``'s event stream slots (429 when all are taken), once live events are available (503
     while the hub is not subscribed)."""
     if not await state.hub.wait_ready():
-        raise ApiError(503, "live events are not available right now; retry",
-                       headers={"Retry-After": str(STREAM_RETRY_AFTER_S)})
+        raise ApiError.answer(503, "live events are not available right now; retry",
+                              headers={"Retry-After": str(STREAM_RETRY_AFTER_S)})
     give_back = state.streams.take(who)
     if give_back is None:
         state.metrics.streams_refused.inc()
         log.info("event_stream_refused", by=who, open=state.streams.held(who))
-        raise ApiError(429, f"too many event streams open for {who!r}: at most {state.streams.per_token} at once "
-                            "(RUNBRAKE_API_MAX_STREAMS_PER_TOKEN); close one or retry later",
-                       headers={"Retry-After": str(STREAM_RETRY_AFTER_S)}, limit=state.streams.per_token)
+        raise ApiError.answer(429, f"too many event streams open for {who!r}: at most {state.streams.per_token} "
+                                   "at once (RUNBRAKE_API_MAX_STREAMS_PER_TOKEN); close one or retry later",
+                              headers={"Retry-After": str(STREAM_RETRY_AFTER_S)}, limit=state.streams.per_token)
     return give_back
 
 
@@ -544,12 +510,38 @@ def _event_stream(state: ApiState, frames: AsyncGenerator[bytes, None], subscrib
                                on_close=closed, on_stall=state.metrics.stalled.inc, abort=state.connections.aborter)
 
 
-def _decided(exists: bool, decided: bool, run_id: str, found: RunStatus) -> None:
-    if not exists:
-        raise ApiError(404, f"no run with id {run_id!r}", run_id=run_id)
-    if not decided:
-        raise ApiError(409, f"run {run_id} is {found.value}, not waiting for approval", run_id=run_id,
-                       status=found.value)
+def _answer_for(exc: RunbrakeError) -> JSONResponse | None:
+    """The one map from runbrake's errors (those of the operations, shared/operations.py, and the API's own
+    :class:`ApiError`) to the API's answers; None for an error that is a bug (answered 500).
+
+    A ``StoreError`` or ``PublishError`` names the service's address: the log has it, the client does not
+    (docs/http-api.md, "Errors").
+    """
+    match exc:
+        case ApiError():
+            return JSONResponse(exc.body, status_code=exc.status_code, headers=exc.headers)
+        case RunNotFound():
+            return JSONResponse({"error": str(exc), "run_id": exc.run_id}, status_code=404)
+        case TransitionRefused():
+            return JSONResponse({"error": str(exc), "run_id": exc.run_id, "status": exc.found.value},
+                                status_code=409)
+        case IdempotencyConflict():
+            return JSONResponse({"error": str(exc), "run_id": exc.run_id}, status_code=409)
+        case SpecError():  # the admission policy at enqueue: the catalog, inline definitions, the bounds
+            errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
+            return JSONResponse({"error": "run spec refused", "errors": errors}, status_code=422)
+        case StoreError():
+            log.warning("api_store_unavailable", error=str(exc))
+            return JSONResponse({"error": "the run store (Redis) could not be reached"}, status_code=503)
+        case ResumeUnsent():
+            log.warning("api_resume_unsent", run_id=exc.run_id, error=str(exc))
+            return JSONResponse({"error": "RabbitMQ did not take the resume message; the approval stands, approve "
+                                          "again to resend", "run_id": exc.run_id}, status_code=503)
+        case PublishError():  # an enqueue whose message RabbitMQ did not confirm (settled failed, enqueue_failed)
+            log.warning("api_publish_failed", error=str(exc))
+            return JSONResponse({"error": "RabbitMQ did not take the run's message; the run is failed "
+                                          "(enqueue_failed)"}, status_code=503)
+    return None
 
 
 _REASON_BODY: Final = {"requestBody": {
@@ -571,17 +563,17 @@ async def _json_body(request: Request, limit: int, what: str, setting: str | Non
     """
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
-        raise ApiError(415, "the body must be JSON, sent with Content-Type: application/json",
-                       headers={"Accept-Post": "application/json"})
+        raise ApiError.answer(415, "the body must be JSON, sent with Content-Type: application/json",
+                              headers={"Accept-Post": "application/json"})
     too_large = f"{what} is larger than {limit} bytes" + (f" ({setting})" if setting else "")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise ApiError(413, too_large, limit=limit)
+        raise ApiError.answer(413, too_large, limit=limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, too_large, limit=limit)
+            raise ApiError.answer(413, too_large, limit=limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -592,13 +584,13 @@ async def _reason(request: Request) -> str | None:
     try:
         data = json.loads(body) if body.strip() else {}
     except (ValueError, RecursionError):
-        raise ApiError(422, "invalid request", errors=[
+        raise ApiError.answer(422, "invalid request", errors=[
             {"loc": ["body"], "msg": "not JSON: send {} or {\"reason\": \"...\"}"}]) from None
     try:
         return ReasonBody.model_validate(data).reason
     except ValidationError as exc:
         errors = [{"loc": ["body", *e["loc"]], "msg": e["msg"]} for e in exc.errors()]
-        raise ApiError(422, "invalid request", errors=errors) from None
+        raise ApiError.answer(422, "invalid request", errors=errors) from None
 
 
 def _spec(body: bytes, idempotency_key: str | None) -> RunSpec:
@@ -616,7 +608,7 @@ def _spec(body: bytes, idempotency_key: str | None) -> RunSpec:
         return RunSpec.from_json(document)
     except SpecError as exc:
         errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
-        raise ApiError(422, "invalid run spec", errors=errors) from exc
+        raise ApiError.answer(422, "invalid run spec", errors=errors) from exc
 
 
 async def _rabbitmq_problem(state: ApiState) -> str | None:
@@ -680,7 +672,7 @@ def _page_routes(app: FastAPI) -> None:
     @app.get("/page/{name}", include_in_schema=False)
     async def page_file(name: str) -> Response:
         if name not in _PAGE_TYPES:
-            raise ApiError(404, "no such file")
+            raise ApiError.answer(404, "no such file")
         return Response(_page_file(name), media_type=_PAGE_TYPES[name], headers=_PAGE_HEADERS)
 
 

@@ -18,26 +18,28 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn, TypeVar, cast
+from typing import Any, ClassVar, Final, NoReturn, TypeVar, cast
 
 import click
 
-from runbrake.broker.approval import Decision, approve_run, deny_run
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.render import render_run, render_runs, render_servers, run_json, run_summary, server_health
+from runbrake.shared import operations
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
     ConfigError,
     IdempotencyConflict,
     InvalidRunId,
     PublishError,
+    RunbrakeError,
     RunNotFound,
     SpecError,
     StoreError,
+    TransitionRefused,
 )
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging.cancel import CancelPublisher
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.records import check_run_id
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
@@ -48,6 +50,20 @@ EXIT_REFUSED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNAVAILABLE = 3
 
+EXIT_CODES: Final[dict[type[RunbrakeError], int]] = {
+    SpecError: EXIT_BAD_INPUT,
+    ConfigError: EXIT_BAD_INPUT,
+    InvalidRunId: EXIT_BAD_INPUT,
+    RunNotFound: EXIT_REFUSED,
+    TransitionRefused: EXIT_REFUSED,
+    IdempotencyConflict: EXIT_REFUSED,
+    StoreError: EXIT_UNAVAILABLE,
+    PublishError: EXIT_UNAVAILABLE,
+}
+"""The one map from the errors of the operations (shared/operations.py) and the settings to the contract's
+exit codes: 1 refused by the run's state, 2 bad input, 3 a service could not be reached. A subclass takes
+its nearest listed ancestor's code; an error not listed is a bug, and shows its traceback."""
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -56,26 +72,38 @@ def fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def user_errors(command: F) -> F:
-    """Turn runbrake's errors into one-line messages and the contract's exit code; no traceback.
+def exit_code(exc: RunbrakeError) -> int | None:
+    """The exit code of ``exc`` (:data:`EXIT_CODES`), or None when it is not one a user can act on."""
+    return next((EXIT_CODES[kind] for kind in type(exc).__mro__ if kind in EXIT_CODES), None)
 
-    An invalid spec gets one line per problem, so that every mistake can be fixed in one go.
-    """
+
+def _messages(exc: RunbrakeError) -> list[str]:
+    """What the user is told about ``exc``: one line per problem of an invalid spec, so that every mistake
+    can be fixed in one go."""
+    if isinstance(exc, SpecError):
+        return [f"invalid spec: {problem.field}: {problem.msg}" for problem in exc.problems]
+    if isinstance(exc, ConfigError):
+        return [f"invalid setting {exc}"]
+    if isinstance(exc, StoreError | PublishError):
+        return [f"{exc} (is the service running? see docs/development.md, 'Services')"]
+    return [str(exc)]
+
+
+def user_errors(command: F) -> F:
+    """Turn runbrake's errors into one-line messages and the contract's exit code (:data:`EXIT_CODES`);
+    no traceback."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except SpecError as exc:
-            for problem in exc.problems:
-                click.echo(f"runbrake: error: invalid spec: {problem.field}: {problem.msg}", err=True)
-            sys.exit(EXIT_BAD_INPUT)
-        except ConfigError as exc:
-            fail(f"invalid setting {exc}", EXIT_BAD_INPUT)
-        except (RunNotFound, IdempotencyConflict) as exc:
-            fail(str(exc), EXIT_REFUSED)
-        except (StoreError, PublishError) as exc:
-            fail(f"{exc} (is the service running? see docs/development.md, 'Services')", EXIT_UNAVAILABLE)
+        except RunbrakeError as exc:
+            code = exit_code(exc)
+            if code is None:
+                raise
+            for line in _messages(exc):
+                click.echo(f"runbrake: error: {line}", err=True)
+            sys.exit(code)
 
     return cast(F, wrapper)
 
@@ -156,7 +184,7 @@ def enqueue(spec_file: str, as_json: bool) -> None:
     broker = build_broker(settings)
     with open_store(settings) as store:
         try:
-            enqueued = Producer(store, broker, admission).enqueue(spec)
+            enqueued = operations.enqueue(Producer(store, broker, admission), spec)
         finally:
             broker.close()
     if as_json:
@@ -178,24 +206,30 @@ def cancel(run_id: str, reason: str, requested_by: str | None, as_json: bool) ->
     """Cancel RUN_ID: win the fence in Redis, then wake the worker that runs it."""
     settings = settings_from_env()
     publisher = CancelPublisher(settings)
-    with open_store(settings) as store:
-        try:
-            result = cancel_run(store, publisher, run_id, reason=reason, requested_by=requested_by or whoami())
-        finally:
-            publisher.close()
+    try:
+        with open_store(settings) as store:
+            try:
+                result = operations.cancel(store, publisher, run_id, reason=reason,
+                                           requested_by=requested_by or whoami())
+            finally:
+                publisher.close()
+    except (RunNotFound, TransitionRefused) as exc:
+        if not as_json:
+            raise
+        # --json answers a refusal on stdout too, with the exit code of the error (EXIT_CODES).
+        emit_json({"run_id": run_id, "cancelled": False,
+                   "found": exc.found.value if isinstance(exc, TransitionRefused) else None,
+                   "message_confirmed": None, "message_error": None})
+        sys.exit(exit_code(exc))
     if as_json:
         emit_json({
             "run_id": run_id,
-            "cancelled": result.won,
-            "found": result.found.value if result.exists else None,
+            "cancelled": True,
+            "found": result.found.value,
             "message_confirmed": result.message_confirmed,
             "message_error": result.message_error,
         })
-        sys.exit(0 if result.won else EXIT_REFUSED)
-    if not result.exists:
-        fail(f"no run with id {run_id!r}", EXIT_REFUSED)
-    if not result.won:
-        fail(f"run {run_id} is already {result.found.value}; nothing to cancel", EXIT_REFUSED)
+        sys.exit(0)
     click.echo(f"cancelled {run_id} (was {result.found.value})")
     if result.message_confirmed:
         click.echo("cancel message: confirmed by RabbitMQ")
@@ -278,11 +312,10 @@ def approve(run_id: str, reason: str, decided_by: str | None) -> None:
     broker = build_broker(settings)
     with open_store(settings) as store:
         try:
-            decision = approve_run(store, Producer(store, broker), run_id, decided_by=decided_by or whoami(),
-                                   reason=reason)
+            operations.approve(store, Producer(store, broker), run_id, decided_by=decided_by or whoami(),
+                               reason=reason)
         finally:
             broker.close()
-    _refused_unless_decided(decision)
     click.echo(f"approved {run_id}; a worker resumes it")
 
 
@@ -294,16 +327,8 @@ def approve(run_id: str, reason: str, decided_by: str | None) -> None:
 def deny(run_id: str, reason: str, decided_by: str | None) -> None:
     """Deny the tool call RUN_ID waits for; the run ends failed (approval_denied)."""
     with open_store(settings_from_env()) as store:
-        decision = deny_run(store, run_id, decided_by=decided_by or whoami(), reason=reason)
-    _refused_unless_decided(decision)
+        operations.deny(store, run_id, decided_by=decided_by or whoami(), reason=reason)
     click.echo(f"denied {run_id}; the run failed (approval_denied)")
-
-
-def _refused_unless_decided(decision: Decision) -> None:
-    if not decision.exists:
-        fail(f"no run with id {decision.run_id!r}", EXIT_REFUSED)
-    if not decision.decided:
-        fail(f"run {decision.run_id} is {decision.found.value}, not waiting for approval", EXIT_REFUSED)
 
 
 @main.command()

@@ -8,9 +8,9 @@
             print(event.event, event.data)
         client.cancel(run["run_id"], reason="enough")
 
-Every method answers the API's JSON. An error answer raises :class:`ApiError` with the HTTP
-status and the body (``{"error": ..., "errors": [...]}``); a server that cannot be reached raises
-``httpx2.TransportError``.
+Every method answers the API's JSON. An error answer raises :class:`ApiError` with the HTTP status and
+the body (``{"error": ..., "errors": [...]}``): the class the API itself answers with (shared/errors.py),
+re-exported here. A server that cannot be reached raises ``httpx2.TransportError``.
 """
 
 from __future__ import annotations
@@ -23,26 +23,10 @@ from typing import Any
 
 import httpx2
 
-from runbrake.shared.errors import RunbrakeError
+from runbrake.shared.errors import ApiError
 from runbrake.shared.spec import RunSpec
 
 __all__ = ["ApiError", "Client", "Event"]
-
-
-class ApiError(RunbrakeError):
-    """The API answered with an error status; ``status_code`` and ``body`` say which and why."""
-
-    def __init__(self, status_code: int, body: Any) -> None:
-        message = body.get("error") if isinstance(body, dict) else None
-        super().__init__(f"HTTP {status_code}: {message or body}")
-        self.status_code = status_code
-        self.body = body
-
-    @property
-    def errors(self) -> list[dict[str, Any]]:
-        """The invalid fields of a 422 answer (``loc``, ``msg``)."""
-        errors = self.body.get("errors") if isinstance(self.body, dict) else None
-        return list(errors or [])
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,12 +28,12 @@ from typing import IO, Any
 import click
 import pika.exceptions
 
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.render import render_run
-from runbrake.broker.wire import delete_topology
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import delete_topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason

@@ -39,6 +39,7 @@ from starlette.responses import StreamingResponse
 
 from runbrake.broker.render import current_progress, step_json
 from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.errors import RunbrakeError
 from runbrake.shared.records import RunRecord
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
@@ -135,8 +136,9 @@ class Subscriber:
     dropped: bool = False
 
 
-class Unreadable(ValueError):
-    """Raised when a message on ``<ns>:events`` is not one the store's scripts publish."""
+class Unreadable(RunbrakeError, ValueError):
+    """Raised when a message on ``<ns>:events`` is not one the store's scripts publish (a ``ValueError`` too,
+    as it was before it joined the tree, shared/errors.py)."""
 
 
 class EventHub:

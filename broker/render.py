@@ -7,8 +7,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from runbrake.shared._store_core import ARGUMENT_ERROR
 from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.records import ARGUMENT_ERROR
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.store import RunRecord

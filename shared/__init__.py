@@ -1,5 +1,7 @@
 """runbrake's domain: outcomes, tool results, steps, run status, the Redis run store, the timeline,
-settings and errors. Knows nothing of RabbitMQ or MCP."""
+settings and errors. Knows nothing of RabbitMQ or MCP; beside it, ``shared/messaging/`` holds the RabbitMQ
+contract and ``shared/operations.py`` the operations every entry point offers (docs/architecture.md,
+"Layers")."""
 
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.errors import (
@@ -11,6 +13,8 @@ from runbrake.shared.errors import (
     RunNotFound,
     SpecError,
     StoreError,
+    ToolArgumentsRefused,
+    ToolCallCancelled,
     ToolTransportError,
     TransitionRefused,
 )
@@ -49,6 +53,8 @@ __all__ = [
     "StepKind",
     "StoreError",
     "TerminationReason",
+    "ToolArgumentsRefused",
+    "ToolCallCancelled",
     "ToolOutcome",
     "ToolResult",
     "ToolTransportError",

@@ -44,6 +44,7 @@ from runbrake.shared import _api_scripts, _scripts
 from runbrake.shared._scripts import Script
 from runbrake.shared.errors import OwnershipLost, RunNotFound, StoreError
 from runbrake.shared.records import (
+    ARGUMENT_ERROR,
     Appended,
     CancelRequest,
     Claim,
@@ -64,8 +65,6 @@ log = structlog.get_logger("runbrake.shared.store")
 T = TypeVar("T")
 
 _STEP_SYSTEM_FIELDS: Final = ("sequence", "recorded_at")
-ARGUMENT_ERROR: Final = "argument_error"
-"""The per-server counter of failed calls whose arguments were at fault."""
 MAX_ERROR_CHARS: Final = 2000
 
 

@@ -1,27 +1,50 @@
-"""The errors runbrake raises, as one tree.
+"""The errors runbrake raises, as one tree (tests/test_error_tree.py checks it against the classes).
 
     RunbrakeError
-     ├── ConfigError             bad settings in the environment
-     ├── SpecError               an invalid run spec (names every offending field)
-     ├── StoreError              Redis could not be reached or answered nonsense
-     ├── RunNotFound             no run with that id
-     ├── TransitionRefused       a guarded transition found another status
-     ├── RunBoundReached         a run reached max_steps or the tool calls a turn may ask for
-     ├── IdempotencyConflict     an idempotency key came again with a different spec
-     ├── InvalidRunId            a malformed run id
-     ├── PublishError            RabbitMQ did not take (or confirm) a message
-     ├── ProviderError           the model provider failed
-     └── ToolTransportError      an MCP call did not produce a result
-                                  (is_cancellation: it was cut off on purpose)
+     ├── ConfigError                 bad settings in the environment
+     │    └── MissingVariable        a ${VAR} the catalog names is not set (shared/catalog.py)
+     ├── TokensFileError             RUNBRAKE_API_TOKENS cannot be used (broker/auth.py)
+     ├── SpecError                   an invalid run spec (names every offending field)
+     ├── StepError                   a step that disagrees with itself (shared/steps.py; a ValueError too)
+     ├── StoreError                  Redis could not be reached or answered nonsense
+     ├── RunNotFound                 no run with that id
+     ├── TransitionRefused           a guarded transition found another status (``found``)
+     ├── RunBoundReached             a run reached max_steps or the tool calls a turn may ask for
+     ├── IdempotencyConflict         an idempotency key came again with a different spec
+     ├── InvalidRunId                a malformed run id
+     ├── PublishError                RabbitMQ did not take (or confirm) a message
+     │    └── ResumeUnsent           the resume message of an approval (the approval stands)
+     ├── MalformedMessage            a message on RabbitMQ a worker does not accept
+     │    ├── MalformedRunMessage    a run message's envelope (shared/messaging/wire.py; a ValueError too)
+     │    └── MalformedCancelRequest a cancel request's body (shared/messaging/wire.py; a ValueError too)
+     ├── Unreadable                  a message on <ns>:events the API cannot read (broker/events.py; a ValueError too)
+     ├── HandBack                    a run message goes back to the queue unclaimed (worker/intake.py;
+     │    │                          a Dramatiq Retry too)
+     │    ├── WorkerFull             no slot came free in time
+     │    └── CapacityClosed         the worker stopped taking runs
+     ├── NotImplementedHere          a provider or transport this process has no implementation of
+     │                               (shared/registry.py; a LookupError too)
+     ├── ProviderError               the model provider failed
+     ├── ToolTransportError          an MCP call did not produce a result
+     │    ├── ToolCallCancelled      it was cut off on purpose: the run was cancelled
+     │    └── ToolArgumentsRefused   the server refused the call's arguments (JSON-RPC -32602)
+     └── ApiError                    the HTTP API answered an error status (broker/api.py, broker/client.py)
 
     BaseException
-     ├── CancelRequested         internal control flow: the run's cancel key is set
-     └── OwnershipLost           internal control flow: the run is no longer this worker's
+     ├── CancelRequested             internal control flow: the run's cancel key is set
+     └── OwnershipLost               internal control flow: the run is no longer this worker's
+
+    Exception                        private to one module, never raised past it
+     ├── _Stalled                    an events stream's client stopped reading (broker/events.py)
+     ├── _HandOverDue                the loop's drain deadline passed (worker/loop.py)
+     └── ValueError
+          └── _Refused               a setting's value its rule refuses, inside pydantic (shared/settings.py)
 
 ``CancelRequested`` derives from ``BaseException`` on purpose, like Dramatiq's
 ``Interrupt`` and structlog's ``DropEvent``: no ``except Exception`` between the
 probe and the runtime's ladder may swallow it (docs/architecture.md, "Cancellation: the probe").
 Third-party errors are translated at the edge and chained (``raise ... from exc``).
+A transport fault says which kind it is by its class, as httpx's do: ``except ToolCallCancelled``.
 """
 
 from __future__ import annotations
@@ -30,10 +53,12 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runbrake.shared.status import TerminationReason
+    from collections.abc import Mapping
+
+    from runbrake.shared.status import RunStatus, TerminationReason
 
 
 class RunbrakeError(Exception):
@@ -139,10 +164,13 @@ class RunNotFound(RunbrakeError):
 
 
 class TransitionRefused(RunbrakeError):
-    """Raised when a guarded transition finds the run in a status it does not accept."""
+    """Raised when a guarded transition finds the run in a status it does not accept; ``found`` is that status.
 
-    def __init__(self, run_id: str, transition: str, found: str) -> None:
-        super().__init__(f"run {run_id}: cannot {transition}, it is {found}")
+    ``message`` is what the entry points show (shared/operations.py words it per operation).
+    """
+
+    def __init__(self, run_id: str, transition: str, found: RunStatus, message: str = "") -> None:
+        super().__init__(message or f"run {run_id}: cannot {transition}, it is {found.value}")
         self.run_id = run_id
         self.transition = transition
         self.found = found
@@ -179,49 +207,77 @@ class PublishError(RunbrakeError):
     """Raised when RabbitMQ refuses, drops or does not confirm a published message."""
 
 
+class ResumeUnsent(PublishError):
+    """Raised when RabbitMQ did not take the resume message of an approval: the approval stands, and
+    approving again sends the message again."""
+
+    def __init__(self, message: str, *, run_id: str) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
+class MalformedMessage(RunbrakeError):
+    """Raised when a message on RabbitMQ is not one a worker accepts; the message says why (it goes into
+    the dead letter, docs/messages.md)."""
+
+
 class ProviderError(RunbrakeError):
     """Raised when the model provider fails to produce a turn."""
 
 
 class ToolTransportError(RunbrakeError):
-    """Raised when an MCP call does not produce a result: a protocol error, a dead
-    server, a timeout, or a call cut off by a cancel.
+    """Raised when an MCP call does not produce a result: a protocol error, a dead server, a timeout.
 
-    Which of these it is shows in ``is_cancellation``, set only by
-    :meth:`for_cancelled_call` (docs/architecture.md, "Tool outcomes"): call sites never compare
-    codes or message text to decide what "cancelled" means.
+    The kinds a caller acts on are subclasses, caught by type (docs/architecture.md, "Tool outcomes"):
+    :class:`ToolCallCancelled` and :class:`ToolArgumentsRefused`. Call sites never compare codes or
+    message text to decide what "cancelled" means.
     """
 
     def __init__(self, message: str, *, server: str = "", tool: str = "") -> None:
         super().__init__(message)
         self.server = server
         self.tool = tool
-        self._cancellation = False
-        self._invalid_arguments = False
+
+
+class ToolCallCancelled(ToolTransportError):
+    """Raised when an MCP call was cut off because its run was cancelled; the tool records it as a
+    *cancelled* result, never a failed one (worker/mcp_tool.py)."""
+
+    def __init__(self, *, server: str, tool: str) -> None:
+        super().__init__(f"call to {server}.{tool} was cancelled", server=server, tool=tool)
+
+
+class ToolArgumentsRefused(ToolTransportError):
+    """Raised when the server refused the call's arguments (JSON-RPC -32602): the caller's mistake, not the
+    server's, so it is not counted against the server's health."""
+
+
+class ApiError(RunbrakeError):
+    """Raised when the HTTP API answers an error status: by the API to answer it (broker/api.py), by its
+    client on receiving one (broker/client.py). ``status_code`` and ``body`` say which and why.
+
+    ``body`` is the answer's JSON, ``{"error": ..., "errors": [...]}`` and any other members (the client
+    keeps the text of an answer that is not JSON); ``headers`` are the answer's own, where the API sets any.
+    """
+
+    def __init__(self, status_code: int, body: Any, /, *, headers: Mapping[str, str] | None = None) -> None:
+        message = body.get("error") if isinstance(body, dict) else None
+        super().__init__(f"HTTP {status_code}: {message or body}")
+        self.status_code = status_code
+        self.body = body
+        self.headers = None if headers is None else dict(headers)
 
     @classmethod
-    def for_cancelled_call(cls, *, server: str, tool: str) -> ToolTransportError:
-        """The call was cut off because its run was cancelled."""
-        error = cls(f"call to {server}.{tool} was cancelled", server=server, tool=tool)
-        error._cancellation = True
-        return error
+    def answer(cls, status_code: int, message: str, /, *, headers: Mapping[str, str] | None = None,
+               **extra: Any) -> ApiError:
+        """The API's answer ``{"error": message, **extra}`` with ``status_code``."""
+        return cls(status_code, {"error": message, **extra}, headers=headers)
 
     @property
-    def is_cancellation(self) -> bool:
-        """True only for an error built by :meth:`for_cancelled_call`."""
-        return self._cancellation
-
-    @classmethod
-    def for_invalid_arguments(cls, message: str, *, server: str, tool: str) -> ToolTransportError:
-        """The server refused the call's arguments (JSON-RPC -32602): the caller's mistake, not the server's."""
-        error = cls(message, server=server, tool=tool)
-        error._invalid_arguments = True
-        return error
-
-    @property
-    def is_invalid_arguments(self) -> bool:
-        """True only for an error built by :meth:`for_invalid_arguments`."""
-        return self._invalid_arguments
+    def errors(self) -> list[dict[str, Any]]:
+        """The invalid fields of a 422 answer (``loc``, ``msg``)."""
+        errors = self.body.get("errors") if isinstance(self.body, dict) else None
+        return list(errors or [])
 
 
 class OwnershipLost(BaseException):

@@ -18,6 +18,10 @@ from runbrake.shared.errors import InvalidRunId
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 
+ARGUMENT_ERROR: Final = "argument_error"
+"""The per-server counter (``RunStore.server_outcomes``) of failed calls whose arguments were at fault, beside
+the counters named by the outcomes; public because the CLI and the API show it (broker/render.py)."""
+
 log = structlog.get_logger(__name__)
 
 RUN_ID: Final = re.compile(r"[0-9a-f]{32}")

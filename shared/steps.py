@@ -9,6 +9,7 @@ from typing import Any
 
 import structlog
 
+from runbrake.shared.errors import RunbrakeError
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.tool_result import Failure, ToolResult
 
@@ -27,9 +28,10 @@ class StepKind(StrEnum):
     UNKNOWN = "unknown"
 
 
-class StepError(ValueError):
+class StepError(RunbrakeError, ValueError):
     """Raised when a step would disagree with itself (an outcome that contradicts its error flag, or
-    an outcome on a step that is not a tool step)."""
+    an outcome on a step that is not a tool step). A ``ValueError`` too, as it was before it joined the
+    tree (shared/errors.py)."""
 
 
 @dataclass(frozen=True, slots=True)

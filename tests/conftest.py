@@ -15,8 +15,8 @@ import pika
 import pytest
 import redis
 
-from runbrake.broker.wire import delete_topology
 from runbrake.shared import RunStore, Settings
+from runbrake.shared.messaging.wire import delete_topology
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
 pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.api_helpers",

@@ -7,10 +7,10 @@ from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AsyncIO, Retries, TimeLimit
 
-from runbrake.broker.rabbitmq import INTERRUPT_CHECK_S, default_middleware
-from runbrake.broker.wire import RUN_ACTOR, Topology
 from runbrake.shared import AsyncRunStore, Settings, StoreError
 from runbrake.shared.catalog import Admission, Catalog
+from runbrake.shared.messaging.rabbitmq import INTERRUPT_CHECK_S, default_middleware
+from runbrake.shared.messaging.wire import RUN_ACTOR, Topology
 from runbrake.worker.actors import STORE_OUTAGE_RETRIES, declare_run_actor, retry_store_outages
 from runbrake.worker.intake import CapacityClosed, Intake
 from runbrake.worker.registry import ActiveRuns

@@ -16,8 +16,8 @@ import pytest
 
 from runbrake.broker import Client
 from runbrake.broker.client import ApiError, Event, parse_events
-from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind
+from runbrake.shared.messaging.producer import Producer
 from tests.api_helpers import TOKENS, ApiProcess, bearer, serve_command, write_tokens
 from tests.mcp_helpers import Toolbox, free_port, wait_for_event
 from tests.test_cli import namespace_keys, queued_messages, runbrake, valid_spec

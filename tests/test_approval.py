@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from runbrake.broker.producer import Producer
 from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared.messaging.producer import Producer
 from tests.mcp_helpers import (
     Toolbox,
     matching_events,

@@ -30,10 +30,12 @@ import pika.exceptions
 import pytest
 from dramatiq.asyncio import get_event_loop_thread
 
-from runbrake.broker._amqp_tables import harden_table_decoding
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.wire import (
+from runbrake.shared import AsyncRunStore, ConfigError, RunSpec, RunStatus, RunStore, Settings
+from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging._amqp_tables import harden_table_decoding
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import (
     DEAD_LETTER_MAX_BYTES,
     DEAD_LETTER_MAX_LENGTH,
     DEAD_LETTER_TTL_MS,
@@ -47,8 +49,6 @@ from runbrake.broker.wire import (
     check_run_message,
     run_message,
 )
-from runbrake.shared import AsyncRunStore, ConfigError, RunSpec, RunStatus, RunStore, Settings
-from runbrake.shared.catalog import Admission
 from runbrake.worker import metrics
 from runbrake.worker.actors import declare_run_actor
 from runbrake.worker.intake import Intake
@@ -318,7 +318,7 @@ def test_the_hardened_decoding_keeps_a_far_timestamp_as_seconds_and_a_too_deep_t
 def test_a_hostile_header_no_longer_drops_the_consumers_connection_over_and_over(
     header: str, worker: WorkerProcess, producer: Producer, store: RunStore, rabbitmq: Settings,
 ) -> None:
-    """pika decodes headers in its frame parser: without the hardened decoding (broker/_amqp_tables.py) each
+    """pika decodes headers in its frame parser: without the hardened decoding (shared/messaging/_amqp_tables.py) each
     of these closed the consumer's connection, and the requeued message closed the next one, for ever."""
     value = {"far-timestamp": _far_timestamp, "deep-table": _deep_table}[header]()
     topology = Topology.of(rabbitmq)

@@ -20,11 +20,11 @@ import httpx2
 import pytest
 import redis
 
-from runbrake.broker.approval import approve_run, deny_run
-from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import ConfigError
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.operations import approve_run, deny_run
 from runbrake.shared.redaction import REDACTED, remember, scrub, scrub_value, strip_bidi
 from runbrake.shared.spec import RunSpec
 from tests.api_helpers import ApiProcess

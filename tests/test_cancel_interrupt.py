@@ -25,8 +25,6 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.producer import Producer
 from runbrake.shared import (
     RunRecord,
     RunStatus,
@@ -37,6 +35,8 @@ from runbrake.shared import (
     ToolOutcome,
     step_outcome,
 )
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
 from runbrake.worker.cancel_listener import Backstop
 from runbrake.worker.registry import ActiveRuns
 from tests.mcp_helpers import (

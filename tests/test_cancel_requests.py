@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.wire import DEAD_REASON_HEADER, Topology
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, Topology
 from tests.mcp_helpers import Toolbox, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 

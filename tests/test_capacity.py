@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from runbrake.broker.cli import main
-from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind
+from runbrake.shared.messaging.producer import Producer
 from runbrake.worker import supervisor
 from runbrake.worker.intake import CONSUMER_THREADS
 from runbrake.worker.process import DEFAULT_CONCURRENCY, MAX_CONCURRENCY

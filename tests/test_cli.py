@@ -21,8 +21,8 @@ import pika
 import pika.exceptions
 import pytest
 
-from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason, ToolResult
+from runbrake.shared.messaging.producer import Producer
 from tests.catalog_helpers import add_to_catalog
 from tests.mcp_helpers import free_port
 from tests.worker_helpers import (

@@ -16,9 +16,9 @@ from dramatiq.asyncio import EventLoopThread, get_event_loop_thread, set_event_l
 from dramatiq.logging import get_logger
 from prometheus_client.parser import text_string_to_metric_families
 
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.wire import Topology, run_message
 from runbrake.shared import RunStore, Settings
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import Topology, run_message
 from runbrake.worker import metrics
 from runbrake.worker.health import (
     CHECK_INTERVAL_S,

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStore, TerminationReason, ToolOutcome
+from runbrake.shared.messaging.producer import Producer
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from runbrake.broker.producer import Producer
 from runbrake.shared import RunSpec, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome, step_outcome
+from runbrake.shared.messaging.producer import Producer
 from tests.catalog_helpers import add_to_catalog
 from tests.mcp_helpers import (
     Toolbox,

@@ -89,5 +89,6 @@ def test_the_wheel_has_one_top_level_package_and_ships_the_example_server(tmp_pa
     assert tops == ["runbrake"]
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"runbrake"}
     assert "runbrake/broker/toolbox_server.py" in names
+    assert "runbrake/shared/messaging/wire.py" in names, "the RabbitMQ contract's subpackage is shipped"
     assert {"runbrake/shared/py.typed", "runbrake/broker/py.typed", "runbrake/worker/py.typed"} <= set(names)
     assert "runbrake = runbrake.broker.cli:main" in entry_points

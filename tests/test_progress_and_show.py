@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from runbrake.broker.producer import Producer
 from runbrake.shared import AsyncRunStore, RunStatus, RunStep, RunStore, Settings, StepKind
+from runbrake.shared.messaging.producer import Producer
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.progress import ProgressReporter
 from tests.mcp_helpers import Toolbox, wait_for_event

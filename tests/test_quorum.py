@@ -1,5 +1,5 @@
 """RUNBRAKE_QUEUE_TYPE=quorum: the run queue and its Dramatiq twins are quorum queues, a worker completes a
-run from them, and each listener's exclusive cancel queue stays classic (broker/rabbitmq.py)."""
+run from them, and each listener's exclusive cancel queue stays classic (shared/messaging/rabbitmq.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import dramatiq.errors
 import pika.exceptions
 import pytest
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.wire import Topology, queue_type_arguments
 from runbrake.shared import RunStatus, RunStore, Settings, TerminationReason
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import Topology, queue_type_arguments
 from tests.mcp_helpers import Toolbox
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 

@@ -16,13 +16,13 @@ import pika
 import pika.exceptions
 import pytest
 
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.wire import Topology, run_message
 from runbrake.shared import RunSpec, RunStatus, RunStore, Settings, SpecError, StepKind, TerminationReason
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, IdempotencyConflict
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import Topology, run_message
 from runbrake.shared.outcome import ToolOutcome
 from tests.catalog_helpers import add_to_catalog, catalog_path, to_toml
 from tests.mcp_helpers import Toolbox, http_toolbox, matching_events, wait_for_event

@@ -14,7 +14,8 @@ import pika.exceptions
 import pytest
 import redis
 
-from runbrake.broker.wire import (
+from runbrake.shared import AsyncRunStore, RunStatus, RunStep, RunStore, Settings, StepKind, StoreError, _scripts
+from runbrake.shared.messaging.wire import (
     MAX_CANCEL_BODY_BYTES,
     NOOP_ACTOR,
     RUN_ACTOR,
@@ -24,7 +25,6 @@ from runbrake.broker.wire import (
     encode_cancel,
     run_message,
 )
-from runbrake.shared import AsyncRunStore, RunStatus, RunStep, RunStore, Settings, StepKind, StoreError, _scripts
 from runbrake.shared.status import TerminationReason
 from tests.mcp_helpers import free_port
 

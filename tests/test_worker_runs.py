@@ -14,9 +14,6 @@ from pathlib import Path
 import pika
 import pytest
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.wire import Topology
 from runbrake.shared import (
     PublishError,
     RunStatus,
@@ -29,6 +26,9 @@ from runbrake.shared import (
     step_outcome,
 )
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import Topology
 from tests.mcp_helpers import Toolbox, free_port, matching_events, wait_for_event
 from tests.worker_helpers import (
     WorkerProcess,

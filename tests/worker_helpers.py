@@ -25,10 +25,10 @@ import pika
 import pytest
 import redis
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
 from runbrake.shared import RunRecord, RunSpec, RunStore, Settings
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
 from tests.catalog_helpers import add_to_catalog
 from tests.polling import poll_until
 

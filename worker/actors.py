@@ -7,9 +7,9 @@ from typing import Any
 import dramatiq
 import structlog
 
-from runbrake.broker.rabbitmq import RunbrakeBroker
-from runbrake.broker.wire import NOOP_ACTOR, RUN_ACTOR, Topology
-from runbrake.shared.errors import RunbrakeError, StoreError
+from runbrake.shared.errors import MalformedMessage, StoreError
+from runbrake.shared.messaging.rabbitmq import RunbrakeBroker
+from runbrake.shared.messaging.wire import NOOP_ACTOR, RUN_ACTOR, Topology
 from runbrake.shared.records import RUN_ID
 from runbrake.shared.settings import Settings
 from runbrake.worker.intake import HandBack, Intake
@@ -46,10 +46,6 @@ def declare_run_actor(broker: RunbrakeBroker, intake: Intake, settings: Settings
         max_backoff=60_000,
         time_limit=(settings.run_time_limit_s + settings.lease_s + 60) * 1000,
     )(execute_run)
-
-
-class MalformedMessage(RunbrakeError):
-    """Raised for a run message whose arguments cannot name a run; never retried."""
 
 
 STORE_OUTAGE_RETRIES = 30

@@ -17,7 +17,7 @@ import threading
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
-from runbrake.broker.wire import Topology, decode_cancel
+from runbrake.shared.messaging.wire import Topology, decode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker._consumer import ConsumerThread

@@ -4,7 +4,7 @@
 One :class:`CancelRequestConsumer` per worker process consumes the durable queue
 ``<ns>.cancel-requests`` (pika, on its own thread and connection: pika is not thread-safe), with
 manual acks and a small prefetch. Each request is applied like ``runbrake cancel``: the fence in
-Redis (:func:`runbrake.broker.cancel.cancel_run`), then the wake-up on ``<ns>.cancel``. The queue is
+Redis (:func:`runbrake.shared.messaging.cancel.cancel_run`), then the wake-up on ``<ns>.cancel``. The queue is
 shared by every worker, so each request is applied by one of them; a redelivered or repeated request
 finds the run already cancelled and is acked with a log line (at-least-once, idempotent).
 
@@ -25,9 +25,9 @@ import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.wire import DEAD_REASON_HEADER, MalformedCancelRequest, Topology, decode_cancel_request
 from runbrake.shared.errors import StoreError
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, MalformedCancelRequest, Topology, decode_cancel_request
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker._consumer import ConsumerThread
@@ -114,7 +114,7 @@ class CancelRequestConsumer(ConsumerThread):
 
 def _copyable(headers: dict[str, Any]) -> dict[str, Any]:
     """The request's headers when pika can encode them again, else none: a hostile header that decoded (a
-    timestamp kept as its integer seconds, broker/_amqp_tables.py) but does not encode must not make the
+    timestamp kept as its integer seconds, shared/messaging/_amqp_tables.py) but does not encode must not make the
     republish raise, which would restart the consumer on the same message for ever."""
     try:
         pika.data.encode_table([], headers)

@@ -44,8 +44,8 @@ import redis
 import structlog
 from dramatiq.asyncio import get_event_loop_thread
 
-from runbrake.broker.wire import Topology
 from runbrake.shared.errors import StoreError
+from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics

@@ -18,7 +18,7 @@ of the GIL. Instead a message goes through three steps on one of a handful of co
 Dramatiq's threads are watched (:class:`_WatchedWorker`): one that dies, whatever killed it, is replaced and
 counted (``runbrake_consumer_restarts_total``), and :meth:`Intake.consumer_status` tells readiness whether
 the process still takes messages (worker/health.py). What a message may say is checked before any of this,
-in the broker's consumer (``broker/rabbitmq.py``, ``CheckedConsumer``).
+in the broker's consumer (``shared/messaging/rabbitmq.py``, ``CheckedConsumer``).
 
 Acking early changes nothing a run relies on: its durability lives in Redis, a claimed run is never run
 again (the claim guard refuses a second message), a killed worker's run is failed ``lease_lost`` by
@@ -43,6 +43,7 @@ from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.common import q_name
 from dramatiq.worker import ConsumerThread, WorkerThread
 
+from runbrake.shared.errors import RunbrakeError
 from runbrake.worker import metrics
 from runbrake.worker.runtime import Runtime
 
@@ -78,21 +79,21 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-class HandBack(Retry):
-    """The message goes back to the queue, after :data:`HAND_BACK_DELAY_MS` in Dramatiq's delay queue, for
-    any worker to take; the run was not claimed. A ``Retry``, so Dramatiq logs it as a retry, not an error
-    (``worker/actors.py``, ``retry_store_outages``, retries it however often it happened)."""
+class HandBack(RunbrakeError, Retry):
+    """Raised when the message goes back to the queue, after :data:`HAND_BACK_DELAY_MS` in Dramatiq's delay
+    queue, for any worker to take; the run was not claimed. A Dramatiq ``Retry`` too, so Dramatiq logs it as a
+    retry, not an error (``worker/actors.py``, ``retry_store_outages``, retries it however often it happened)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, delay=HAND_BACK_DELAY_MS)
 
 
 class WorkerFull(HandBack):
-    """No slot came free within :data:`SLOT_WAIT_S`."""
+    """Raised when no slot came free within :data:`SLOT_WAIT_S`."""
 
 
 class CapacityClosed(HandBack):
-    """The worker stopped taking runs while this message waited for a slot, or before its run started."""
+    """Raised when the worker stopped taking runs while this message waited for a slot, or before its run started."""
 
 
 class Slots:

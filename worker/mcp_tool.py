@@ -2,7 +2,7 @@
 
 Never raises for what the call came to: a tool's own error, a dead server, a timeout
 and a cancel all become results. Which outcome a transport error maps to is read from
-``ToolTransportError.is_cancellation`` alone. Every result is bounded before it leaves.
+its class alone (``ToolCallCancelled``). Every result is bounded before it leaves.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import anyio
 from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import CallToolResult, ContentBlock, EmbeddedResource, ResourceLink, TextContent, TextResourceContents
 
-from runbrake.shared.errors import ToolTransportError
+from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_transport import McpConnection
@@ -48,11 +48,12 @@ async def execute(
     try:
         answer = await connection.call(call.tool, call.arguments, timeout_s=timeout_s, interrupt=interrupt,
                                        progress=progress)
+    except ToolCallCancelled as exc:
+        result = ToolResult.cancelled(str(exc))
+    except ToolArgumentsRefused as exc:
+        result = ToolResult.error(str(exc), failure=Failure.ARGUMENTS)
     except ToolTransportError as exc:
-        if exc.is_cancellation:
-            result = ToolResult.cancelled(str(exc))
-        else:
-            result = ToolResult.error(str(exc), failure=Failure.ARGUMENTS if exc.is_invalid_arguments else None)
+        result = ToolResult.error(str(exc))
     else:
         result = _from_answer(answer)
     return result.with_bounded_channels(max_chars)

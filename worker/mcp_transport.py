@@ -42,7 +42,7 @@ from mcp_types import INVALID_PARAMS, CallToolResult
 from pydantic import ValidationError
 
 from runbrake.shared.catalog import expand
-from runbrake.shared.errors import ToolTransportError
+from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 from runbrake.shared.registry import TRANSPORTS
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.worker.conversation import ToolInfo
@@ -211,8 +211,9 @@ class McpConnection:
             progress: called with each MCP progress notification the server sends for this call.
 
         Raises:
-            ToolTransportError: ``is_cancellation`` is true when ``interrupt`` cut the call
-                off; otherwise the call timed out, the server died or the protocol broke.
+            ToolCallCancelled: ``interrupt`` cut the call off.
+            ToolArgumentsRefused: the server refused the call's arguments (JSON-RPC -32602).
+            ToolTransportError: the call timed out, the server died or the protocol broke.
             Cancellation: a cancellation that does not come from ``interrupt`` (the task
                 itself is being cancelled) propagates unchanged.
         """
@@ -230,7 +231,7 @@ class McpConnection:
             if not _is_transport_fault(exc):
                 raise
             if isinstance(exc, MCPError) and exc.code == INVALID_PARAMS:
-                raise ToolTransportError.for_invalid_arguments(
+                raise ToolArgumentsRefused(
                     f"MCP server {self.server!r} refused the arguments of {tool}: {_describe(exc)}",
                     server=self.server, tool=tool,
                 ) from exc
@@ -240,7 +241,7 @@ class McpConnection:
             # answer is reported as it is, not as a cancellation.
             return result
         if interrupt.cancelled_caught:
-            raise ToolTransportError.for_cancelled_call(server=self.server, tool=tool)
+            raise ToolCallCancelled(server=self.server, tool=tool)
         # No result, no exception, not interrupted: only the deadline's scope swallows a
         # cancellation here, an outer one propagates through both scopes.
         raise ToolTransportError(

@@ -14,14 +14,14 @@ import pika.exceptions
 import redis
 import structlog
 
-from runbrake.broker._amqp_tables import harden_table_decoding
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
-from runbrake.broker.wire import Topology
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import StoreError
 from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging._amqp_tables import harden_table_decoding
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics

@@ -226,7 +226,7 @@ class Runtime:
         try:
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
-                # The approval step was recorded by whoever approved (runbrake.broker.approval); probe here.
+                # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
                 await hooks.checkpoint()
             with anyio.fail_after(self._settings.run_time_limit_s):
                 end = await self._run_loop(admitted, state, hooks)

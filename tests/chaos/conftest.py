@@ -23,10 +23,10 @@ import pika
 import pika.exceptions
 import pytest
 
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.shared import RunStore, Settings
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
 from tests.cluster_helpers import RedisCluster, redis_answers
 from tests.mcp_helpers import free_port
 from tests.polling import poll_until

@@ -17,11 +17,11 @@ from datetime import datetime
 
 import pytest
 
-from runbrake.broker.cancel import CancelPublisher, cancel_run
-from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import build_broker
 from runbrake.shared import RunStatus, RunStore, Settings, TerminationReason
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
 from tests.chaos.conftest import PrivateRabbitMQ, PrivateRedis
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until

@@ -1,7 +1,7 @@
 """Dramatiq's RabbitMQ broker, configured for long agent runs (docs/architecture.md, "Pitfalls").
 
 - Publisher confirms on: ``enqueue`` returns only once RabbitMQ has the message.
-- Queue names come from ``broker/wire.py``: ``<ns>.runs`` (plus Dramatiq's ``.DQ``/``.XQ`` twins).
+- Queue names come from ``shared/messaging/wire.py``: ``<ns>.runs`` (plus Dramatiq's ``.DQ``/``.XQ`` twins).
 - RabbitMQ's consumer timeout: a run's message is acked once its claim is decided
   (``worker/intake.py``), so it no longer stays unacked while the run executes. The
   run queue still raises ``x-consumer-timeout`` (RabbitMQ 3.12+) to the run's time
@@ -37,7 +37,7 @@ from dramatiq.common import q_name, xq_name
 from dramatiq.errors import ConnectionClosed
 from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
 
-from runbrake.broker.wire import (
+from runbrake.shared.messaging.wire import (
     DEAD_REASON_HEADER,
     DEAD_SIZE_HEADER,
     MAX_RUN_MESSAGE_BYTES,

@@ -39,6 +39,7 @@ from dramatiq import Message
 from dramatiq.common import q_name
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
+from runbrake.shared.errors import MalformedMessage
 from runbrake.shared.settings import Settings
 
 RUN_ACTOR: Final = "execute_run"
@@ -237,8 +238,9 @@ _RETRY_OPTIONS: Final = {"retries": int, "traceback": str, "requeue_timestamp": 
 """What Dramatiq's Retries middleware writes into a message it retries; a producer sends no option."""
 
 
-class MalformedRunMessage(ValueError):
-    """A Dramatiq envelope a worker does not accept; the message says why (it goes into the dead letter)."""
+class MalformedRunMessage(MalformedMessage, ValueError):
+    """Raised when a Dramatiq envelope is not one a worker accepts; the message says why (it goes into the dead
+    letter). A ``ValueError`` too, as it was before it joined the tree (shared/errors.py)."""
 
 
 def check_run_message(body: bytes, *, queue: str, actors: Collection[str]) -> None:
@@ -365,8 +367,9 @@ class CancelRequestBody:
     requested_by: str | None = None
 
 
-class MalformedCancelRequest(ValueError):
-    """A cancel request body that cannot be applied; the message says why (it goes into the dead letter)."""
+class MalformedCancelRequest(MalformedMessage, ValueError):
+    """Raised when a cancel request body cannot be applied; the message says why (it goes into the dead
+    letter). A ``ValueError`` too, as it was before it joined the tree (shared/errors.py)."""
 
 
 def is_run_id(value: object) -> bool:

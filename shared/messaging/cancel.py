@@ -1,0 +1,97 @@
+"""The cancel: win the fence in Redis, then wake the worker that holds the run
+(docs/architecture.md, "Cancellation")."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pika
+import pika.exceptions
+import structlog
+
+from runbrake.shared.messaging.wire import CANCEL_PROPERTIES, Topology, encode_cancel
+from runbrake.shared.settings import Settings
+from runbrake.shared.status import RunStatus
+from runbrake.shared.store import RunStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    """What a cancel came to: whether it won the fence (and the status it found), and whether the
+    wake-up message was confirmed by RabbitMQ (None when nothing was published)."""
+
+    run_id: str
+    won: bool
+    found: RunStatus
+    exists: bool
+    message_confirmed: bool | None = None
+    message_error: str | None = None
+
+
+class CancelPublisher:
+    """Publishes ``{"run_id": …}`` on the ``<namespace>.cancel`` fanout exchange with publisher confirms."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._topology = Topology.of(settings)
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: pika.adapters.blocking_connection.BlockingChannel | None = None
+
+    def publish(self, run_id: str) -> None:
+        """Publish one cancel message and wait for the broker's confirm.
+
+        Raises:
+            pika.exceptions.AMQPError: when RabbitMQ cannot be reached or refuses the message.
+        """
+        channel = self._ensure_channel()
+        channel.basic_publish(
+            exchange=self._topology.cancel_exchange, routing_key="", body=encode_cancel(run_id),
+            properties=CANCEL_PROPERTIES,
+        )
+
+    def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                connection.close()
+
+    def _ensure_channel(self) -> pika.adapters.blocking_connection.BlockingChannel:
+        if self._channel is not None and self._channel.is_open:
+            return self._channel
+        self.close()
+        self._connection = pika.BlockingConnection(pika.URLParameters(self._settings.rabbitmq_url))
+        channel = self._connection.channel()
+        channel.confirm_delivery()
+        self._topology.declare_cancel_exchange(channel)
+        self._channel = channel
+        return channel
+
+
+def cancel_run(
+    store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str, requested_by: str
+) -> CancelResult:
+    """Win the terminal transition, then publish the wake-up.
+
+    A failed publish does not undo the fence: the worker's backstop still finds the cancel key
+    within its poll interval. Pass ``publisher=None`` to write the fence alone.
+
+    Raises:
+        StoreError: when Redis cannot be reached (nothing changed, nothing published).
+    """
+    fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
+    result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)
+    if not fence.won:
+        return result
+    log.info("run_cancelled", run_id=run_id, reason=reason, requested_by=requested_by, was=fence.found.value)
+    if publisher is None:
+        return result
+    try:
+        publisher.publish(run_id)
+    except pika.exceptions.AMQPError as exc:
+        publisher.close()
+        log.warning("cancel_message_not_confirmed", run_id=run_id, error=repr(exc))
+        return CancelResult(run_id, True, fence.found, True, message_confirmed=False, message_error=repr(exc))
+    return CancelResult(run_id, True, fence.found, True, message_confirmed=True)

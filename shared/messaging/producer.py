@@ -1,0 +1,90 @@
+"""The producing side: validate a spec, persist the run, send a message that carries only its id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+
+from runbrake.shared.catalog import Admission, Catalog
+from runbrake.shared.errors import IdempotencyConflict, PublishError
+from runbrake.shared.messaging.rabbitmq import RunbrakeBroker
+from runbrake.shared.messaging.wire import Topology, run_message
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.store import RunStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """An enqueued run: its id, its status now, and whether this call created it."""
+
+    run_id: str
+    status: RunStatus
+    created: bool
+
+
+class Producer:
+    """Enqueues runs and resume messages.
+
+    Every spec passes ``admission`` first (the operator's catalog, the inline policy, the bounds);
+    without one, the strictest policy applies: an empty catalog, inline servers and models refused.
+    """
+
+    def __init__(self, store: RunStore, broker: RunbrakeBroker, admission: Admission | None = None) -> None:
+        self._store = store
+        self._broker = broker
+        self._topology = Topology(store.namespace)
+        self._admission = Admission(Catalog.empty()) if admission is None else admission
+
+    def enqueue(self, spec: RunSpec, *, scope: str | None = None) -> Enqueued:
+        """Persist the run (queued, with its request) and send its message.
+
+        Fail-closed: when the send fails, the run is settled failed (reason
+        ``enqueue_failed``) so it never waits for a message that does not exist, and
+        the caller gets the error. A repeated idempotency key returns the first run
+        and sends nothing. ``scope`` (the HTTP API's token name) gives the submitter idempotency keys
+        of its own: the store keeps the key as ``<scope>:<key>``, which no other token can name (a token
+        name has no ``:``); without one, the key is the spec's (the CLI, a token-less API).
+
+        Raises:
+            SpecError: the spec breaks the admission policy (nothing written or sent).
+            IdempotencyConflict: the idempotency key created a run from a different spec.
+            StoreError: when Redis cannot be reached (nothing was sent).
+            PublishError: when RabbitMQ did not confirm the message (the run is failed).
+        """
+        self._admission.admit(spec)
+        key = spec.idempotency_key
+        if key is not None and scope is not None:
+            key = f"{scope}:{key}"
+        created = self._store.create(spec.raw, idempotency_key=key)
+        if created.conflict:
+            raise IdempotencyConflict(spec.idempotency_key or "", created.run_id)
+        if not created.created:
+            status = self._store.status(created.run_id)
+            log.info("enqueue_deduplicated", run_id=created.run_id, status=status.value)
+            return Enqueued(created.run_id, status, created=False)
+        try:
+            self.send(created.run_id)
+        except PublishError as exc:
+            self._store.settle(
+                created.run_id, RunStatus.FAILED, TerminationReason.ENQUEUE_FAILED, error=str(exc)
+            )
+            raise
+        log.info("run_enqueued", run_id=created.run_id)
+        return Enqueued(created.run_id, RunStatus.QUEUED, created=True)
+
+    def send(self, run_id: str, *, resume: bool = False) -> None:
+        """Send the run's message and wait for RabbitMQ's confirm.
+
+        Raises:
+            PublishError: when RabbitMQ could not be reached or did not confirm.
+        """
+        message = run_message(self._topology, run_id, resume=resume)
+        try:
+            self._broker.declare_queue(message.queue_name)
+            self._broker.enqueue(message)
+        except Exception as exc:
+            raise PublishError(f"RabbitMQ did not take the message for run {run_id}: {exc}") from exc
