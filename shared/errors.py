@@ -238,6 +238,22 @@ class ToolTransportError(RunbrakeError):
         self.server = server
         self.tool = tool
 
+    @classmethod
+    def for_cancelled_call(cls, *, server: str, tool: str) -> ToolTransportError:
+        """The error of a call cut off by a cancel (docs/architecture.md, "Tool outcomes"): a
+        :class:`ToolCallCancelled`, the only way :attr:`is_cancellation` becomes true."""
+        return ToolCallCancelled(server=server, tool=tool)
+
+    @property
+    def is_cancellation(self) -> bool:
+        """Whether the call was cut off by a cancel: derived from the type, never stored beside it."""
+        return isinstance(self, ToolCallCancelled)
+
+    @property
+    def is_invalid_arguments(self) -> bool:
+        """Whether the server refused the call's arguments: derived from the type."""
+        return isinstance(self, ToolArgumentsRefused)
+
 
 class ToolCallCancelled(ToolTransportError):
     """Raised when an MCP call was cut off because its run was cancelled; the tool records it as a

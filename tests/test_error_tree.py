@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 
 import runbrake.shared.errors
-from runbrake.shared.errors import RunbrakeError
+from runbrake.shared.errors import RunbrakeError, ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 
 PACKAGES = ("runbrake.shared", "runbrake.broker", "runbrake.worker")
 NODE = re.compile(r"^(?P<indent>[ │├└─]*)(?P<name>[A-Z_][A-Za-z0-9_]*)\b")
@@ -114,3 +114,15 @@ def test_there_is_one_api_error_for_the_api_and_its_client() -> None:
     assert client.ApiError is ApiError
     assert api.ApiError is ApiError
     assert [n for n, cls in defined_exceptions().items() if n == "ApiError"] == ["ApiError"]
+
+
+def test_the_transport_errors_kind_is_its_type_and_the_flags_derive_from_it() -> None:
+    """DESIGN's ``for_cancelled_call`` / ``is_cancellation`` still read true, now derived from the subclass."""
+    cancelled = ToolTransportError.for_cancelled_call(server="calc", tool="slow")
+    refused = ToolArgumentsRefused("bad arguments", server="calc", tool="get-sum")
+    failed = ToolTransportError("server went away", server="calc", tool="get-sum")
+
+    assert isinstance(cancelled, ToolCallCancelled)
+    assert (cancelled.is_cancellation, cancelled.is_invalid_arguments) == (True, False)
+    assert (refused.is_cancellation, refused.is_invalid_arguments) == (False, True)
+    assert (failed.is_cancellation, failed.is_invalid_arguments) == (False, False)
