@@ -56,6 +56,24 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     # MCP calls, each rendered on the event loop): their warnings are what matter to an operator.
     for chatty in ("pika", "httpx2", "httpcore2"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    # The MCP SDK says INFO "GET stream disconnected, reconnecting in 1000ms..." whenever a server from before
+    # protocol 2026-07-28 closes a session's GET stream, which it does each time a client ends the session
+    # (mcp/client/streamable_http.py, handle_get_stream): a normal close, worth DEBUG.
+    logging.getLogger("mcp.client.streamable_http").addFilter(_AsDebug("GET stream disconnected"))
+
+
+class _AsDebug(logging.Filter):
+    """Lowers a logger's records whose message starts with ``prefix`` to DEBUG (dropped unless DEBUG is on)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self._prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and record.getMessage().startswith(self._prefix):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
 
 
 class _StructlogOutput(logging.Handler):
