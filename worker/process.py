@@ -30,9 +30,10 @@ from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.cancel_requests import CancelRequestConsumer
-from runbrake.worker.health import WorkerHealth
+from runbrake.worker.health import health_parts
 from runbrake.worker.intake import Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
+from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.retention import Sweeper
@@ -87,25 +88,26 @@ def run_worker_process(
     if include_noop:
         declare_noop_actor(broker, settings)
         queues.add(topology.noop_queue)
-    if settings.metrics_port:
-        metrics.serve(settings.metrics_port + index, settings.health_host)
-        log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
-    listener = CancelListener(settings, store, registry)
-    metrics.watch_process(registry, listener.ready)
-    backstop = Backstop(settings, store, registry)
-    leases = LeaseKeeper(settings, store, registry)
-    sweeper = Sweeper(settings, store)
-    redriver = Redriver(settings, store, producer)
-    requests = CancelRequestConsumer(settings, store)  # docs/messages.md, "Cancel requests"
-    requests.start()
-    listener.start()
-    backstop.start()
-    leases.start()
-    sweeper.start()
-    redriver.start()
     stop = threading.Event()
     draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
     hurry = threading.Event()  # a second signal: hand the runs over now, without waiting out the drain
+    listener = CancelListener(settings, store, registry)
+    metrics.watch_process(registry, listener.ready)
+    # The parts, in start order (docs/architecture.md, "The worker's parts"); stopped in reverse once the
+    # intake has drained, so the listener still interrupts and the lease keeper still renews during the drain.
+    # Built first: a health port already taken fails the process before it starts a part or takes a run.
+    parts: list[Part] = [
+        *([metrics.MetricsServer(settings.metrics_port + index, settings.health_host)] if settings.metrics_port
+          else []),
+        CancelRequestConsumer(settings, store),  # docs/messages.md, "Cancel requests"
+        listener,
+        Backstop(settings, store, registry),
+        LeaseKeeper(settings, store, registry),
+        Sweeper(settings, store),
+        Redriver(settings, store, producer),
+        *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
+                      consumers=lambda: intake.consumer_status(topology.run_queue)),
+    ]
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if draining.is_set():
@@ -118,35 +120,43 @@ def run_worker_process(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # Before consuming: a health port already taken fails the process before it takes a run.
-    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining,
-                                consumers=lambda: intake.consumer_status(topology.run_queue))
+    start_all(parts)
+    if settings.metrics_port:
+        log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
     log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
              queues=sorted(queues), listener_ready=listener.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
-        if not listener.is_alive():
-            # Should never happen (the listener survives its own errors); if it does, say so loudly.
-            log.critical("cancel_listener_died", action="starting a new one")
-            listener = CancelListener(settings, store, registry, ready=listener.ready)
-            listener.start()
+        _replace_dead(parts)
     drain(intake, registry, drain_s=settings.drain_s, hurry=hurry)
     intake.stop(grace_s=SHUTDOWN_GRACE_S)  # what is left after the hand-over is failed worker_shutdown
-    listener.stop()
-    requests.stop()
-    backstop.stop()
-    leases.stop()
-    sweeper.stop()
-    redriver.stop()
-    health.stop()
-    listener.join(5)
-    requests.join(5)
+    stop_all(parts, join_s=PART_JOIN_S)
     _close_quietly(broker)
     store.close()
     log.info("worker_stopped")
     return 0
+
+
+PART_JOIN_S = 5.0
+"""How long a stopping part is waited for."""
+
+
+def _replace_dead(parts: list[Part]) -> None:
+    """Start a fresh part in place of one whose thread died, where it has one (the cancel listener)."""
+    for position, part in enumerate(parts):
+        health = part.health()
+        if health.ok:
+            continue
+        replacement = part.replacement()
+        if replacement is None:
+            continue
+        # Should never happen (the listener survives its own errors); if it does, say so loudly.
+        log.critical(f"{getattr(part, 'role', type(part).__name__)}_died", detail=health.detail,
+                     action="starting a new one")
+        parts[position] = replacement
+        replacement.start()
 
 
 HANDOVER_WAIT_S = 10.0
