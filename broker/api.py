@@ -47,6 +47,7 @@ from runbrake.broker.render import run_json, run_summary, server_health
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import IdempotencyConflict, PublishError, RunNotFound, SpecError, StoreError
+from runbrake.shared.logging import silenced
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -278,8 +279,10 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
             yield
         finally:
             await hub.stop()
-            await asyncio.get_running_loop().run_in_executor(None, state.amqp.close)
-            state.broker.close()
+            # Idle since their last publish, RabbitMQ may have dropped them (shared/logging.py, "silenced").
+            with silenced("pika"):
+                await asyncio.get_running_loop().run_in_executor(None, state.amqp.close)
+                state.broker.close()
             state.sync_store.close()
             await state.store.aclose()
 

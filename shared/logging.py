@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import structlog
 
@@ -60,6 +62,26 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     # protocol 2026-07-28 closes a session's GET stream, which it does each time a client ends the session
     # (mcp/client/streamable_http.py, handle_get_stream): a normal close, worth DEBUG.
     logging.getLogger("mcp.client.streamable_http").addFilter(_AsDebug("GET stream disconnected"))
+
+
+@contextmanager
+def silenced(name: str) -> Iterator[None]:
+    """Nothing below CRITICAL from logger ``name`` (and its children) while the block runs.
+
+    For closing pika connections at a clean stop: Dramatiq's broker and the cancel publishers keep
+    connections that sit idle, a ``BlockingConnection`` answers heartbeats only while it is used, and
+    RabbitMQ drops it after two missed ones; closing a dropped one made pika log ConnectionResetError
+    tracebacks and ``BlockingConnection.close(200, 'Normal shutdown') called on closed connection`` at
+    error level (issue 16; Dramatiq hides only "Broken pipe", dramatiq/brokers/rabbitmq.py
+    ``_ignore_pika_logs``). At a clean stop that is not an error.
+    """
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # setLevel, not the attribute: it clears the loggers' cached levels
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class _AsDebug(logging.Filter):

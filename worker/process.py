@@ -3,12 +3,9 @@ event loop, worker/intake.py), the cancel listener, the backstop and the lease k
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import FrameType
 
 import pika
@@ -23,7 +20,7 @@ from runbrake.broker.wire import Topology
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import StoreError
-from runbrake.shared.logging import configure_logging
+from runbrake.shared.logging import configure_logging, silenced
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
@@ -206,30 +203,15 @@ def _check_rabbitmq(settings: Settings) -> None:
     parameters = pika.URLParameters(settings.rabbitmq_url)
     parameters.connection_attempts = 1
     # pika logs each failed step itself, several lines with tracebacks; the caller says it in one.
-    with _pika_silenced():
+    with silenced("pika"):
         connection = pika.BlockingConnection(parameters)
     connection.close()
 
 
 def _close_quietly(broker: RunbrakeBroker) -> None:
-    """Close the broker's connections, once every thread that used them has stopped.
-
-    Dramatiq's broker keeps a connection per thread that declared a queue or sent a message (each consumer
-    thread declares its queue through one, then never touches it again), and a BlockingConnection answers
-    heartbeats only while it is used: RabbitMQ drops the idle ones after two missed heartbeats. Closing a
-    dropped one made pika log eight error lines, ConnectionResetError tracebacks and ``BlockingConnection.close
-    (200, 'Normal shutdown') called on closed connection`` (issue 16); Dramatiq itself hides only "Broken pipe"
-    (dramatiq/brokers/rabbitmq.py, ``_ignore_pika_logs``). At a clean stop that is not an error."""
-    with _pika_silenced():
+    """Close the broker's connections, once every thread that used them has stopped. Dramatiq's broker keeps
+    a connection per thread that declared a queue or sent a message (each consumer thread declares its queue
+    through one, then never touches it again): RabbitMQ has dropped the idle ones (shared/logging.py,
+    ``silenced``)."""
+    with silenced("pika"):
         broker.close()
-
-
-@contextmanager
-def _pika_silenced() -> Iterator[None]:
-    pika_log = logging.getLogger("pika")
-    level = pika_log.level
-    pika_log.setLevel(logging.CRITICAL)  # setLevel, not the attribute: it clears the loggers' cached levels
-    try:
-        yield
-    finally:
-        pika_log.setLevel(level)
