@@ -165,7 +165,8 @@ class Ending:
 
 
 def ending_of(exc: BaseException) -> Ending:
-    """The one map from what ended a segment to the reason the run ends with (docs/labels.md, "Reasons").
+    """The one map from what ended a segment to the reason the run ends with (docs/labels.md,
+    "Termination reason (`termination_reason`)").
 
     A runbrake error says its own (``RunbrakeError.reason``, ``CancelRequested.reason``: shared/errors.py);
     ``OwnershipLost`` means another writer owns the run now (nothing is settled: the reaper says
