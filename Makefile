@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services browser lint typecheck test demo bench wheel-check lock manifests clean
+.PHONY: setup services browser lint typecheck docs configuration test demo bench wheel-check lock manifests clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -46,7 +46,19 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-test: setup services browser lint typecheck
+# The reference in docs/ as a MkDocs site (mkdocs.yml): --strict turns a broken link or anchor into a failure.
+# NO_MKDOCS_2_WARNING: Material's end-of-life banner says nothing about this site.
+DOCS_SITE := $(or $(TMPDIR),/tmp)/runbrake-docs-site
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(DOCS_SITE)
+	rm -rf $(DOCS_SITE)
+
+# docs/configuration.md is generated from the fields of Settings (shared/settings.py); tests/test_docs.py
+# checks that the committed page is current.
+configuration: setup
+	$(PY) -m runbrake.shared._settings_doc > docs/configuration.md
+
+test: setup services browser lint typecheck docs
 	$(PY) -m pytest
 
 demo: setup services

@@ -1,4 +1,4 @@
-"""The ``runbrake`` command (README.md, "Using it").
+"""The ``runbrake`` command (docs/usage.md, "Using it").
 
 Exit codes: 0 success, 1 refused by the run's state (unknown run, already finished,
 not waiting), 2 bad input (nothing written or sent), 3 a service (Redis, RabbitMQ)
@@ -75,7 +75,7 @@ def user_errors(command: F) -> F:
         except (RunNotFound, IdempotencyConflict) as exc:
             fail(str(exc), EXIT_REFUSED)
         except (StoreError, PublishError) as exc:
-            fail(f"{exc} (is the service running? see README: Services)", EXIT_UNAVAILABLE)
+            fail(f"{exc} (is the service running? see docs/development.md, 'Services')", EXIT_UNAVAILABLE)
 
     return cast(F, wrapper)
 
@@ -312,7 +312,7 @@ def _refused_unless_decided(decision: Decision) -> None:
 @click.option("--concurrency", "--threads", "concurrency", type=click.IntRange(1, 10_000), default=8,
               show_default=True,
               help="Runs in flight per process, all on its one event loop (--threads is its former name, "
-                   "deprecated). README: Sizing.")
+                   "deprecated). docs/benchmarks.md, 'Sizing'.")
 @user_errors
 def worker(processes: int, concurrency: int) -> None:
     """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C.
@@ -414,7 +414,8 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
         return
     click.echo(f"{where}: ok")
     for name, server in described["mcp_servers"].items():
-        target = server.get("url") or " ".join([server["command"], *server["args"]])
+        # What each transport shows comes from its registry entry (shared/registry.py): read what is there.
+        target = server.get("url") or " ".join([server.get("command", ""), *server.get("args", [])]).strip()
         secrets = {**server.get("headers", {}), **server.get("env", {})}
         unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
         shown = "; ".join(f"{k}: {s['template']}" for k, s in secrets.items())
@@ -423,6 +424,7 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
                    + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
                    + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
     for name, model in described["models"].items():
-        key = model["api_key_env"]
+        key = model.get("api_key_env")
         state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
-        click.echo(f"  model {name}: {model['model']} at {model['base_url']}{state}")
+        what = " at ".join(str(model[k]) for k in ("model", "base_url") if k in model) or model["provider"]
+        click.echo(f"  model {name}: {what}{state}")

@@ -48,7 +48,7 @@ _WAIT_S = 20.0
 
 def run_demo(base: Settings) -> int:
     """Run the demo; returns the exit code."""
-    settings = dataclasses.replace(base, namespace=f"{base.namespace}-demo-{uuid.uuid4().hex[:6]}")
+    settings = base.with_changes(namespace=f"{base.namespace}-demo-{uuid.uuid4().hex[:6]}")
     store = RunStore.connect(settings)
     store.ping()
     try:
@@ -113,7 +113,7 @@ def part_two(settings: Settings, store: RunStore) -> int:
     port = _free_port()
     with ExitStack() as stack:
         catalog = _catalog(port, Path(stack.enter_context(tempfile.TemporaryDirectory())) / "catalog.toml")
-        settings = dataclasses.replace(settings, catalog=str(catalog), allow_inline=False)
+        settings = settings.with_changes(catalog=str(catalog), allow_inline=False)
         env = {**os.environ, "RUNBRAKE_NAMESPACE": settings.namespace, "RUNBRAKE_CATALOG": str(catalog)}
         env.pop("RUNBRAKE_ALLOW_INLINE", None)
         broker = build_broker(settings)

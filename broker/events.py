@@ -43,6 +43,7 @@ from runbrake.shared.records import RunRecord
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.stream_events import StreamEvent
 
 log = structlog.get_logger(__name__)
 
@@ -76,18 +77,18 @@ _EXCERPT_CHARS: Final = 200
 class Event:
     """One event as the hub hands it out: its kind, run, step sequence (0 for others), SSE frame."""
 
-    kind: str
+    kind: StreamEvent
     run_id: str
     sequence: int
     frame: bytes
     status: str = ""
 
 
-RESYNC: Final = Event("resync", "", 0, b"")
+RESYNC: Final = Event(StreamEvent.RESYNC, "", 0, b"")
 """Put into every queue after the subscription was re-established: events may have been lost."""
 
 
-def frame(event: str, data: Any, *, event_id: int | None = None) -> bytes:
+def frame(event: StreamEvent, data: Any, *, event_id: int | None = None) -> bytes:
     """One SSE event: ``id`` (steps only), ``event`` and one ``data`` line of compact JSON.
 
     A non-finite number (``NaN`` is not JSON, and browsers' ``JSON.parse`` refuses it) goes out as ``null``.
@@ -117,12 +118,12 @@ def status_data(run_id: str, status: str, reason: str) -> dict[str, str]:
 def step_frame(run_id: str, step: RunStep) -> bytes:
     """A step's frame; a step that cannot be encoded (nested past the encoder's depth) says so instead."""
     try:
-        return frame("step", step_json(step), event_id=step.sequence)
+        return frame(StreamEvent.STEP, step_json(step), event_id=step.sequence)
     except (ValueError, TypeError, RecursionError) as exc:
         log.warning("step_unencodable", run_id=run_id, sequence=step.sequence, error=type(exc).__name__)
         stand_in = RunStep(kind=StepKind.UNKNOWN, round=step.round, sequence=step.sequence,
                            recorded_at=step.recorded_at, content=f"unencodable step: {type(exc).__name__}")
-        return frame("step", step_json(stand_in), event_id=step.sequence)
+        return frame(StreamEvent.STEP, step_json(stand_in), event_id=step.sequence)
 
 
 @dataclass(eq=False)
@@ -259,7 +260,7 @@ class EventHub:
         if event is None:
             return
         watchers = tuple(self._by_run.get(event.run_id, ()))
-        if event.kind == "status":
+        if event.kind is StreamEvent.STATUS:
             watchers += tuple(self._everything)
         for subscriber in watchers:
             self._offer(subscriber, event)
@@ -302,29 +303,31 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool]) -> Event | None:
     kind, run_id = message.get("event"), message.get("run_id")
     if not isinstance(kind, str) or not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise Unreadable("event and run_id must be strings, run_id 32 lowercase hex characters")
-    if kind == "status":
+    if kind == StreamEvent.STATUS:
         status, reason = message.get("status"), message.get("termination_reason", "")
         if not isinstance(status, str) or not isinstance(reason, str):
             raise Unreadable("status and termination_reason must be strings")
         parsed = RunStatus(status)  # ValueError for a status that is none
         if parsed is RunStatus.UNKNOWN:
             raise Unreadable("unknown is no status a run is ever in")
-        return Event("status", run_id, 0, frame("status", status_data(run_id, parsed.value, reason)), parsed.value)
+        data = status_data(run_id, parsed.value, reason)
+        return Event(StreamEvent.STATUS, run_id, 0, frame(StreamEvent.STATUS, data), parsed.value)
     if not wanted(run_id):
         return None
-    if kind == "step":
+    if kind == StreamEvent.STEP:
         body = message.get("step")
         if not isinstance(body, dict):
             raise Unreadable("step must be an object")
         step = RunStep.from_dict(body)
         if step.sequence < 1:
             raise Unreadable("a step's sequence is a positive integer")
-        return Event("step", run_id, step.sequence, frame("step", step_json(step), event_id=step.sequence))
-    if kind == "progress":
+        step_data = frame(StreamEvent.STEP, step_json(step), event_id=step.sequence)
+        return Event(StreamEvent.STEP, run_id, step.sequence, step_data)
+    if kind == StreamEvent.PROGRESS:
         progress = message.get("progress")
         if not isinstance(progress, dict):
             raise Unreadable("progress must be an object")
-        return Event("progress", run_id, 0, frame("progress", progress))
+        return Event(StreamEvent.PROGRESS, run_id, 0, frame(StreamEvent.PROGRESS, progress))
     return None
 
 
@@ -361,7 +364,8 @@ class _RunStream:
                     self.last = step.sequence
                     yield chunk
             size = max(1, min(PAGE_STEPS, PAGE_BYTES * len(page) // max(sent, 1)))
-        yield frame("status", status_data(record.run_id, record.status.value, record.termination_reason.value))
+        status = status_data(record.run_id, record.status.value, record.termination_reason.value)
+        yield frame(StreamEvent.STATUS, status)
         progress = current_progress(record)  # a record without steps: its status and report only
         if progress is not None and resumed_at > 0 and progress.get("tool_call_id") not in calls:
             # A resumed stream did not read the steps the client had: look at the last ones before them.
@@ -369,7 +373,7 @@ class _RunStream:
             calls.update(s.tool_call_id for s in await self.store.steps(self.run_id, start, resumed_at - start)
                          if s.kind is StepKind.TOOL and s.tool_call_id)
         if progress is not None and progress.get("tool_call_id") not in calls:
-            yield frame("progress", progress)
+            yield frame(StreamEvent.PROGRESS, progress)
         if record.status.is_terminal and self.deadline is None:
             finished = record.finished_at or time.time()
             self.deadline = asyncio.get_running_loop().time() + max(0.0, finished + TERMINAL_GRACE_S - time.time())
@@ -399,18 +403,20 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
             # Events may have been lost while the hub reconnected: read the run again.
             async for chunk in stream.replay():
                 yield chunk
-        elif event.kind == "step":
+        elif event.kind is StreamEvent.STEP:
             if event.sequence > stream.last:
                 stream.last = event.sequence
                 yield event.frame
         else:
             yield event.frame
-            if event.kind == "status" and RunStatus.parse(event.status).is_terminal and stream.deadline is None:
+            ended = event.kind is StreamEvent.STATUS and RunStatus.parse(event.status).is_terminal
+            if ended and stream.deadline is None:
                 stream.deadline = loop.time() + TERMINAL_GRACE_S
         if subscriber.dropped and subscriber.queue.empty():
-            yield frame("dropped", {"reason": "too far behind; reconnect with Last-Event-ID", "last": stream.last})
+            behind = {"reason": "too far behind; reconnect with Last-Event-ID", "last": stream.last}
+            yield frame(StreamEvent.DROPPED, behind)
             return
-    yield frame("end", {"run_id": stream.run_id, "last": stream.last})
+    yield frame(StreamEvent.END, {"run_id": stream.run_id, "last": stream.last})
 
 
 async def status_events(subscriber: Subscriber) -> AsyncGenerator[bytes, None]:
@@ -423,11 +429,11 @@ async def status_events(subscriber: Subscriber) -> AsyncGenerator[bytes, None]:
             yield b": keepalive\n\n"
             continue
         if event is RESYNC:
-            yield frame("resync", {})
+            yield frame(StreamEvent.RESYNC, {})
         else:
             yield event.frame
         if subscriber.dropped and subscriber.queue.empty():
-            yield frame("dropped", {"reason": "too far behind; reconnect"})
+            yield frame(StreamEvent.DROPPED, {"reason": "too far behind; reconnect"})
             return
 
 

@@ -20,7 +20,7 @@ MAX_ARGUMENTS_CHARS: Final = 4000
 
 
 def run_json(record: RunRecord) -> dict[str, Any]:
-    """The object ``show --json`` prints (README.md, "Using it"): the run, then steps with their outcome;
+    """The object ``show --json`` prints (docs/usage.md, "Using it"): the run, then steps with their outcome;
     ``pending_call`` (the call a waiting run waits on) and ``progress`` (the call in flight's latest MCP
     progress report) are null when there is none."""
     data = record.to_dict()

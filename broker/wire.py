@@ -164,7 +164,7 @@ def queue_type_arguments(queue_type: str) -> dict[str, str]:
     ``classic`` adds none, so a queue declared before the setting existed stays equivalent.
     ``quorum`` asks for a replicated quorum queue. RabbitMQ refuses to redeclare an existing queue
     with another type (``PRECONDITION_FAILED``): switching needs the old queues deleted first
-    (README.md, "Operating"). A listener's exclusive cancel queue is always classic.
+    (docs/operating.md, "Operating"). A listener's exclusive cancel queue is always classic.
     """
     return {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
 

@@ -40,35 +40,36 @@ from pydantic import Field, ValidationError
 
 from runbrake.shared import redaction
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
+from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Registry
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import (
-    HttpServerSpec,
-    McpServerSpec,
+    VARIABLE_PATTERN,
+    CatalogModelSpec,
+    CatalogServerSpec,
     ModelSpec,
-    OpenAIModel,
     RunSpec,
     ScriptedModel,
+    ServerSpec,
     SpecModel,
-    StdioServerSpec,
     problems_of,
+    variables_in,
 )
 
 __all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "expand", "variables_in"]
 
-_VARIABLE: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 log = structlog.get_logger(__name__)
 
-ServerSpec = HttpServerSpec | StdioServerSpec
 _DEFAULTS: Final = Settings()
 
 
 class Catalog(SpecModel):
     """What the operator allows: MCP servers and models by name."""
 
-    mcp_servers: dict[str, McpServerSpec] = Field(default_factory=dict)
-    """The MCP servers a spec may name."""
-    models: dict[str, OpenAIModel] = Field(default_factory=dict)
-    """The models a spec may name (the ``scripted`` provider needs no entry: it reaches nothing)."""
+    mcp_servers: dict[str, CatalogServerSpec] = Field(default_factory=dict)
+    """The MCP servers a spec may name (of the transports whose registry entry allows a catalog)."""
+    models: dict[str, CatalogModelSpec] = Field(default_factory=dict)
+    """The models a spec may name (of the providers whose entry allows a catalog: ``scripted`` needs no entry,
+    it reaches nothing)."""
 
     @classmethod
     def empty(cls) -> Catalog:
@@ -120,10 +121,10 @@ class Catalog(SpecModel):
 
     def variables(self) -> set[str]:
         """Every environment variable the catalog names: ``${VAR}`` in header and env values, ``api_key_env``."""
-        names = {m.api_key_env for m in self.models.values() if m.api_key_env is not None}
-        for server in self.mcp_servers.values():
-            templates = server.headers.values() if isinstance(server, HttpServerSpec) else server.env.values()
-            names.update(name for template in templates for name in variables_in(template))
+        names: set[str] = set()
+        for registry, specs in ((PROVIDERS, self.models.values()), (TRANSPORTS, self.mcp_servers.values())):
+            for spec in specs:
+                names.update(registry.of(spec).variables(spec))
         return names
 
     def remember_secrets(self, environ: Mapping[str, str]) -> None:
@@ -136,35 +137,44 @@ class Catalog(SpecModel):
         unless ``show_secrets``, the secrets written into the file itself show as ``***`` too: a URL's
         password, literal header values (an auth scheme word before them stays), and literal values of
         env entries whose name says secret (``*TOKEN*``, ``*KEY*``, ``*SECRET*``, ``*PASSWORD*``…)."""
-        env = os.environ if environ is None else environ
-
-        def secret(template: str, *, literal_is_secret: bool = True) -> dict[str, Any]:
-            shown = template if show_secrets or not literal_is_secret else _masked(template)
-            return {"template": shown, "variables": {v: v in env for v in variables_in(template)}}
-
-        def url(value: str) -> str:
-            return value if show_secrets else _without_password(value)
-
-        servers: dict[str, Any] = {}
-        for name, server in self.mcp_servers.items():
-            entry: dict[str, Any] = {"transport": server.transport, "tools": server.tools,
-                                     "max_concurrency": server.max_concurrency, "timeout_s": server.timeout_s}
-            if isinstance(server, HttpServerSpec):
-                entry["url"] = url(server.url)
-                entry["headers"] = {k: secret(v) for k, v in server.headers.items()}
-            else:
-                entry["command"] = server.command
-                entry["args"] = list(server.args)
-                entry["env"] = {k: secret(v, literal_is_secret=bool(_SECRET_NAME.search(k)))
-                                for k, v in server.env.items()}
-            servers[name] = entry
-        models = {
-            name: {"provider": m.provider, "base_url": url(m.base_url), "model": m.model,
-                   "api_key_env": m.api_key_env,
-                   "api_key_set": None if m.api_key_env is None else m.api_key_env in env}
-            for name, m in self.models.items()
+        shown = _Shown(os.environ if environ is None else environ, show_secrets=show_secrets)
+        servers = {
+            name: {"transport": server.transport, "tools": server.tools, "max_concurrency": server.max_concurrency,
+                   "timeout_s": server.timeout_s, **TRANSPORTS.of(server).describe(server, shown)}
+            for name, server in self.mcp_servers.items()
         }
+        models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown)}
+                  for name, model in self.models.items()}
         return {"mcp_servers": servers, "models": models}
+
+
+@dataclass(frozen=True, slots=True)
+class _Shown:
+    """How :meth:`Catalog.describe` shows values that may hold secrets (shared/registry.py, ``Shown``)."""
+
+    environ: Mapping[str, str]
+    show_secrets: bool
+
+    def secret(self, template: str, *, literal_is_secret: bool = True) -> dict[str, Any]:
+        shown = template if self.show_secrets or not literal_is_secret else _masked(template)
+        return {"template": shown, "variables": {v: v in self.environ for v in variables_in(template)}}
+
+    def url(self, value: str) -> str:
+        return value if self.show_secrets else _without_password(value)
+
+    def is_set(self, variable: str) -> bool:
+        return variable in self.environ
+
+    def secret_name(self, name: str) -> bool:
+        return bool(_SECRET_NAME.search(name))
+
+
+def _rebuild() -> None:
+    Catalog.model_rebuild(force=True)  # its unions follow the registries (shared/spec.py, _tagged_union)
+
+
+PROVIDERS.on_change(_rebuild)
+TRANSPORTS.on_change(_rebuild)
 
 
 MASK: Final = "***"
@@ -238,11 +248,6 @@ class MissingVariable(ConfigError):
         super().__init__(variable, f"is not set in the worker's environment (needed by {where})")
 
 
-def variables_in(template: str) -> list[str]:
-    """The variables a ``${VAR}`` template names."""
-    return _VARIABLE.findall(template)
-
-
 def expand(template: str, environ: Mapping[str, str], *, where: str) -> str:
     """``template`` with every ``${VAR}`` replaced by VAR's value.
 
@@ -256,7 +261,7 @@ def expand(template: str, environ: Mapping[str, str], *, where: str) -> str:
         redaction.remember(environ[name])
         return environ[name]
 
-    return _VARIABLE.sub(value, template)
+    return VARIABLE_PATTERN.sub(value, template)
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +346,7 @@ class Admission:
 
     def _servers(self, spec: RunSpec, catalog: Catalog, refuse: Any) -> dict[str, ServerSpec]:
         if isinstance(spec.mcp_servers, dict):
-            if spec.mcp_servers and not self.allow_inline:
+            if not self.allow_inline and not all(_inline(TRANSPORTS, s) for s in spec.mcp_servers.values()):
                 refuse(("mcp_servers",), "inline servers are refused: name servers of the operator's catalog "
                                          "(RUNBRAKE_ALLOW_INLINE=true is for development and tests only)")
             return dict(spec.mcp_servers)
@@ -360,10 +365,15 @@ class Admission:
             if model is None:
                 refuse(("model",), f"{spec.model!r} is not in the catalog ({_known(catalog.models)})")
             return model
-        if isinstance(spec.model, OpenAIModel) and not self.allow_inline:
-            refuse(("model",), "an inline openai model is refused: name a model of the operator's catalog "
-                               "(RUNBRAKE_ALLOW_INLINE=true is for development and tests only)")
+        if not self.allow_inline and not _inline(PROVIDERS, spec.model):
+            refuse(("model",), f"an inline {spec.model.provider} model is refused: name a model of the operator's "
+                               "catalog (RUNBRAKE_ALLOW_INLINE=true is for development and tests only)")
         return spec.model
+
+
+def _inline(registry: Registry, spec: object) -> bool:
+    """Whether ``spec``'s entry says it may be defined inline; an entry that does not say so may not."""
+    return registry.of(spec).inline
 
 
 

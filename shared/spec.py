@@ -4,15 +4,20 @@ The spec is a pydantic model. ``RunSpec.parse`` and ``RunSpec.from_json`` valida
 spec and raise one :class:`SpecError` that names every offending field, before anything is
 written or sent. :func:`run_spec_json_schema` states the same contract as a JSON Schema
 (Draft 2020-12); ``runbrake schema`` prints it and docs/run-spec.schema.json holds a copy.
+
+The model providers and MCP transports are registered here, beside their spec models, in the registries of
+shared/registry.py; the spec's tagged unions are built from those (docs/architecture.md, "Adding a model
+provider or transport").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Final, Literal, Self, TypeAlias, get_args
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, Self, TypeAlias, Union
 
 from pydantic import (
     AfterValidator,
@@ -21,6 +26,8 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    GetCoreSchemaHandler,
+    GetPydanticSchema,
     PrivateAttr,
     Tag,
     TypeAdapter,
@@ -34,20 +41,27 @@ from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
 from runbrake.shared.errors import FieldProblem, SpecError
+from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Entry, Registry, Shown, either
 
 __all__ = [
     "DEFAULT_MAX_ROUNDS",
     "DEFAULT_TOOL_TIMEOUT_S",
+    "VARIABLE_PATTERN",
+    "CatalogModelSpec",
+    "CatalogServerSpec",
     "HttpServerSpec",
     "McpServerSpec",
     "ModelSpec",
     "OpenAIModel",
+    "ProviderSpec",
     "RunSpec",
     "ScriptedModel",
     "ScriptedToolCall",
     "ScriptedTurn",
+    "ServerSpec",
     "StdioServerSpec",
     "run_spec_json_schema",
+    "variables_in",
 ]
 
 DEFAULT_MAX_ROUNDS: Final = 8
@@ -178,12 +192,6 @@ def _non_empty(turns: tuple[ScriptedTurn, ...]) -> tuple[ScriptedTurn, ...]:
     return turns
 
 
-def _union_tags(union: Any) -> frozenset[str]:
-    """The tags of a tagged union's members (their ``Tag`` annotations)."""
-    members = get_args(get_args(union)[0])
-    return frozenset(meta.tag for member in members for meta in get_args(member)[1:] if isinstance(meta, Tag))
-
-
 # -- the model -------------------------------------------------------------------------------------
 # The model side is made of (pydantic) dataclasses, as before, so that they can still be built
 # positionally: ScriptedToolCall("calc", "get-sum", {"a": 2}). A BaseModel takes keywords only, and a
@@ -252,41 +260,120 @@ class OpenAIModel:
     """Any OpenAI-compatible chat-completions endpoint."""
 
 
-def _provider(value: Any) -> str | None:
-    """The union member to validate a model spec with: its 'provider'."""
-    if isinstance(value, ScriptedModel | OpenAIModel):
-        return value.provider
-    if isinstance(value, dict) and isinstance(value.get("provider"), str):
-        return str(value["provider"])
-    return None
+def _describe_openai(model: OpenAIModel, shown: Shown) -> dict[str, Any]:
+    return {"base_url": shown.url(model.base_url), "model": model.model, "api_key_env": model.api_key_env,
+            "api_key_set": None if model.api_key_env is None else shown.is_set(model.api_key_env)}
 
 
-def _known_provider(value: Any) -> Any:
-    # Checked before the union so that the error points at 'provider' rather than at 'model'.
-    if isinstance(value, ScriptedModel | OpenAIModel):
+def _openai_variables(model: OpenAIModel) -> tuple[str, ...]:
+    return () if model.api_key_env is None else (model.api_key_env,)
+
+
+PROVIDERS.register(Entry(
+    tag="scripted", spec=ScriptedModel, implementation="runbrake.worker.models:ScriptedProvider",
+    title="deterministic turns", inline=True, catalog=False))  # it reaches nothing: inline, never in a catalog
+PROVIDERS.register(Entry(
+    tag="openai", spec=OpenAIModel, implementation="runbrake.worker.models:OpenAIProvider",
+    title="OpenAI-compatible endpoint", describe=_describe_openai, variables=_openai_variables))
+
+
+# -- the tagged unions, from the registries ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Members:
+    """The members of one tagged union as its schema was built (:func:`_tagged_union`): what the
+    discriminator and the one validator before it need, worked out once."""
+
+    field: str
+    tags: tuple[str, ...]
+    specs: tuple[type, ...]
+    implied: tuple[tuple[str, str], ...]
+    """(key, tag): the keys that imply a member when the tag field is left out."""
+    unknown: str
+    missing: str
+
+    @classmethod
+    def of(cls, registry: Registry, tags: tuple[str, ...]) -> _Members:
+        entries = [registry[tag] for tag in tags]
+        implied = tuple((e.implied_by, e.tag) for e in entries if e.implied_by is not None)
+        missing = (
+            "needs exactly one of " + either(f"{e.implied_by!r} ({e.title})" for e in entries if e.implied_by)
+            if implied else f"Field required: {registry.one_of(tags)}"
+        )
+        return cls(field=registry.tag_field, tags=tags, specs=tuple(e.spec for e in entries), implied=implied,
+                   unknown=f"must be {registry.one_of(tags)}", missing=missing)
+
+    def tag_of(self, value: Any) -> str | None:
+        """The member to validate a part with: its tag field, else the tag its keys imply (one at most)."""
+        if isinstance(value, self.specs):
+            return str(getattr(value, self.field))
+        if not isinstance(value, dict):
+            return None
+        if self.field in value:
+            tag = value[self.field]
+            return tag if isinstance(tag, str) else None
+        implied = [tag for key, tag in self.implied if key in value]
+        return implied[0] if len(implied) == 1 else None
+
+    def check(self, value: Any) -> Any:
+        """Before the union, so that each mistake gets its own message at its own field (not "unable to
+        extract tag" at the part)."""
+        if isinstance(value, self.specs):
+            return value
+        if not isinstance(value, dict):
+            raise _refuse("must be an object")
+        if self.field in value:
+            if value[self.field] not in self.tags:
+                raise _refuse_at((self.field,), self.unknown, value[self.field])
+            return value
+        if not self.implied:
+            raise _refuse_at((self.field,), self.missing, value)
+        if self.tag_of(value) is None:
+            raise _refuse(self.missing)
         return value
-    if not isinstance(value, dict):
-        raise _refuse("must be an object")
-    if "provider" not in value:
-        raise _refuse_at(("provider",), "Field required: 'scripted' or 'openai'", value)
-    if value["provider"] not in _PROVIDERS:
-        raise _refuse_at(("provider",), "must be 'scripted' or 'openai'", value["provider"])
-    return value
 
 
-ModelSpec: TypeAlias = Annotated[
-    Annotated[ScriptedModel, Tag("scripted")] | Annotated[OpenAIModel, Tag("openai")],
-    Discriminator(_provider),
-    BeforeValidator(_known_provider),
-]
-"""Which model provider a run uses; a new provider is one more member here."""
-_PROVIDERS: Final = _union_tags(ModelSpec)
+def _tagged_union(registry: Registry, *, in_catalog: bool = False) -> GetPydanticSchema:
+    """The tagged union of a registry's members (those a catalog may define, with ``in_catalog``), built
+    anew whenever a model using it is rebuilt (:func:`_rebuild`), so that it follows the registry."""
+
+    def schema(source: Any, handler: GetCoreSchemaHandler) -> Any:  # a pydantic_core CoreSchema
+        members = _Members.of(registry, tuple(e.tag for e in registry if e.catalog or not in_catalog))
+        if len(members.specs) == 1:
+            # A union of one is its member: its own messages, and its tag field's default applies.
+            return handler.generate_schema(members.specs[0])
+        tagged = tuple(Annotated[spec, Tag(tag)] for tag, spec in zip(members.tags, members.specs, strict=True))
+        return handler.generate_schema(Annotated[
+            Union[tagged],  # noqa: UP007 - a union of a tuple of types has no '|' spelling
+            Discriminator(members.tag_of),
+            BeforeValidator(members.check),
+        ])
+
+    return GetPydanticSchema(schema)
 
 
-class _ServerSpec(SpecModel):
+class ProviderSpec(Protocol):
+    """What every model provider's spec has: its tag."""
+
+    @property
+    def provider(self) -> str: ...
+
+
+ModelSpec: TypeAlias = Annotated[ProviderSpec, _tagged_union(PROVIDERS)]
+"""Which model provider a run uses: one of :data:`~shared.registry.PROVIDERS`."""
+CatalogModelSpec: TypeAlias = Annotated[ProviderSpec, _tagged_union(PROVIDERS, in_catalog=True)]
+"""A model an operator's catalog defines: a provider whose entry allows it in a catalog."""
+
+
+class ServerSpec(SpecModel):
     """What every MCP server spec has: its name, filled in from its key in mcp_servers, and what only an
     operator's catalog may say about it (docs/security.md): which tools are allowed, how many calls
     may be in flight, the default time a call may take."""
+
+    if TYPE_CHECKING:
+        transport: str
+        """Its tag: one of :data:`~shared.registry.TRANSPORTS`."""
 
     name: SkipJsonSchema[str] = Field(default="", exclude=True)
     """The server's key in mcp_servers (not part of the JSON object)."""
@@ -312,8 +399,12 @@ class _ServerSpec(SpecModel):
             raise _refuse("unknown field (only an operator's catalog sets it)")
         return value
 
+    def where(self) -> str:
+        """Where the server is, for messages: its URL, its command."""
+        raise NotImplementedError
 
-class HttpServerSpec(_ServerSpec):
+
+class HttpServerSpec(ServerSpec):
     """An MCP server over streamable HTTP."""
 
     transport: Literal["http"] = "http"
@@ -324,8 +415,11 @@ class HttpServerSpec(_ServerSpec):
     """Catalog only: HTTP headers sent to the server; ``${VAR}`` is expanded from the worker's environment
     when it connects, never written anywhere."""
 
+    def where(self) -> str:
+        return self.url
 
-class StdioServerSpec(_ServerSpec):
+
+class StdioServerSpec(ServerSpec):
     """An MCP server the worker starts as a subprocess and talks to over stdio."""
 
     transport: Literal["stdio"] = "stdio"
@@ -337,44 +431,45 @@ class StdioServerSpec(_ServerSpec):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for it, on top of a safe default set (PATH, HOME, ...), never the worker's own."""
 
-
-_TRANSPORT_KEYS: Final = {"url": "http", "command": "stdio"}
-"""Which key implies which transport when 'transport' is left out."""
-
-
-def _server_transport(value: Any) -> str | None:
-    """The union member to validate a server spec with: its 'transport', else the one its keys imply."""
-    if isinstance(value, HttpServerSpec | StdioServerSpec):
-        return value.transport
-    if not isinstance(value, dict):
-        return None
-    if "transport" in value:
-        return str(value["transport"])
-    implied = {transport for key, transport in _TRANSPORT_KEYS.items() if key in value}
-    return implied.pop() if len(implied) == 1 else None
+    def where(self) -> str:
+        return f"stdio: {self.command}"
 
 
-def _one_transport(value: Any) -> Any:
-    # Checked before the union so that each mistake gets its own message, not "unable to extract tag".
-    if isinstance(value, HttpServerSpec | StdioServerSpec):
-        return value
-    if not isinstance(value, dict):
-        raise _refuse("must be an object")
-    if "transport" in value:
-        if value["transport"] not in _TRANSPORTS:
-            raise _refuse_at(("transport",), "must be 'http' or 'stdio'", value["transport"])
-    elif _server_transport(value) is None:
-        raise _refuse("needs exactly one of 'url' (streamable HTTP) or 'command' (stdio)")
-    return value
+def _describe_http(server: HttpServerSpec, shown: Shown) -> dict[str, Any]:
+    return {"url": shown.url(server.url), "headers": {k: shown.secret(v) for k, v in server.headers.items()}}
 
 
-McpServerSpec: TypeAlias = Annotated[
-    Annotated[HttpServerSpec, Tag("http")] | Annotated[StdioServerSpec, Tag("stdio")],
-    Discriminator(_server_transport),
-    BeforeValidator(_one_transport),
-]
-"""How to reach one MCP server; a new transport is one more member here."""
-_TRANSPORTS: Final = _union_tags(McpServerSpec)
+def _describe_stdio(server: StdioServerSpec, shown: Shown) -> dict[str, Any]:
+    return {"command": server.command, "args": list(server.args),
+            "env": {k: shown.secret(v, literal_is_secret=shown.secret_name(k)) for k, v in server.env.items()}}
+
+
+VARIABLE_PATTERN: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+"""A ``${VAR}`` reference in a catalog's header or env value (expanded in the worker: shared/catalog.py)."""
+
+
+def variables_in(template: str) -> list[str]:
+    """The variables a ``${VAR}`` template names."""
+    return VARIABLE_PATTERN.findall(template)
+
+
+def _variables(templates: Iterable[str]) -> list[str]:
+    return [name for template in templates for name in variables_in(template)]
+
+
+TRANSPORTS.register(Entry(
+    tag="http", spec=HttpServerSpec, implementation="runbrake.worker.mcp_transport:http_target",
+    title="streamable HTTP", implied_by="url", describe=_describe_http,
+    variables=lambda server: _variables(server.headers.values())))
+TRANSPORTS.register(Entry(
+    tag="stdio", spec=StdioServerSpec, implementation="runbrake.worker.mcp_transport:stdio_target",
+    title="stdio", implied_by="command", describe=_describe_stdio,
+    variables=lambda server: _variables(server.env.values())))
+
+McpServerSpec: TypeAlias = Annotated[ServerSpec, _tagged_union(TRANSPORTS)]
+"""How to reach one MCP server: one of :data:`~shared.registry.TRANSPORTS`."""
+CatalogServerSpec: TypeAlias = Annotated[ServerSpec, _tagged_union(TRANSPORTS, in_catalog=True)]
+"""An MCP server an operator's catalog defines: a transport whose entry allows it in a catalog."""
 
 _CATALOG_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -410,11 +505,11 @@ ServersRef: TypeAlias = Annotated[
 ]
 """The MCP servers: names in the operator's catalog, or inline definitions by name (development only)."""
 
-_TAGGED_UNIONS: Final[tuple[tuple[tuple[str | None, ...], frozenset[str]], ...]] = (
+_TAGGED_UNIONS: Final[tuple[tuple[tuple[str | None, ...], frozenset[str] | Registry], ...]] = (
     (("model",), frozenset({"catalog", "inline"})),
-    (("model",), _PROVIDERS),
+    (("model",), PROVIDERS),
     (("mcp_servers",), frozenset({"catalog", "inline"})),
-    (("mcp_servers", None), _TRANSPORTS),  # None: any server name
+    (("mcp_servers", None), TRANSPORTS),  # None: any server name
 )
 """Where the spec has a tagged union, and its tags: pydantic puts a member's tag into an error's loc
 (``model.scripted.turns``), a level the JSON does not have."""
@@ -526,6 +621,15 @@ class RunSpec(SpecModel):
         return json.dumps(self.raw, sort_keys=True)
 
 
+def _rebuild() -> None:
+    # The unions are built when a model's schema is: a registry change builds them again (_tagged_union).
+    RunSpec.model_rebuild(force=True)
+
+
+PROVIDERS.on_change(_rebuild)
+TRANSPORTS.on_change(_rebuild)
+
+
 def _non_finite(value: object, loc: tuple[str | int, ...]) -> list[tuple[str | int, ...]]:
     """Where in a JSON value a number is NaN or infinite (``1e999`` reads as infinity)."""
     if isinstance(value, float):
@@ -578,7 +682,7 @@ def _json_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
         if (
             len(parts) > size
             and all(want is None or want == got for want, got in zip(prefix, parts, strict=False))
-            and parts[size] in tags
+            and parts[size] in (tags.tags() if isinstance(tags, Registry) else tags)
         ):
             del parts[size]
     return tuple(parts)

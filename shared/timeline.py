@@ -1,4 +1,4 @@
-"""The timeline: what each step came to, and the labels it is shown with (README.md, "Using it": the Outcome column).
+"""The timeline: what each step came to, and the labels it is shown with (docs/usage.md, "Using it": Outcome).
 
 One string travels end to end (docs/architecture.md, "Tool outcomes: one string end to
 end"): ``ToolOutcome.CANCELLED.value`` is the stored ``tool_outcome``, the timeline's
@@ -92,6 +92,12 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "reason.max_steps": "step limit reached",
         "reason.too_many_tool_calls": "too many tool calls in one turn",
         "reason.unknown": "unknown",
+        "event.step": "step",
+        "event.progress": "progress",
+        "event.status": "status",
+        "event.end": "end of stream",
+        "event.dropped": "dropped (too far behind)",
+        "event.resync": "read again",
     },
     "de": {
         "column.outcome": "Ergebnis",
@@ -145,6 +151,12 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "reason.max_steps": "Schrittlimit erreicht",
         "reason.too_many_tool_calls": "zu viele Werkzeugaufrufe in einem Zug",
         "reason.unknown": "unbekannt",
+        "event.step": "Schritt",
+        "event.progress": "Fortschritt",
+        "event.status": "Status",
+        "event.end": "Ende des Streams",
+        "event.dropped": "getrennt (zu weit zurück)",
+        "event.resync": "neu lesen",
     },
 }
 

@@ -1,7 +1,7 @@
 """Fixtures for the real services: each test gets its own namespace and cleans up after itself.
 
 A service that cannot be reached fails the test under ``CI=true`` and skips it otherwise
-(README.md, "Development"). Nothing here stands in for Redis, RabbitMQ or MCP.
+(docs/development.md, "Development"). Nothing here stands in for Redis, RabbitMQ or MCP.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def anyio_backend() -> str:
 
 
 def _unavailable(what: str, exc: BaseException) -> None:
-    message = f"{what} is not reachable ({exc}); start it (see README: 'Services')"
+    message = f"{what} is not reachable ({exc}); start it (docs/development.md, 'Services')"
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)

@@ -1,36 +1,25 @@
 """What the deployment files are checked against: the settings the code reads, and the Dockerfile's instructions.
 
-The code is the reference: a variable is a setting when ``Settings.from_env`` (shared/settings.py) reads
-it, whatever a manifest or the README says.
+The code is the reference: a variable is a setting when it is a field of ``Settings`` (shared/settings.py),
+whatever a manifest or a docs page says.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
+from runbrake.shared import Settings
+
 REPO = Path(__file__).resolve().parent.parent
-SETTINGS = REPO / "shared" / "settings.py"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 
 
-@cache
 def settings_variables() -> frozenset[str]:
-    """Every ``RUNBRAKE_*`` name ``Settings.from_env`` reads (string literals inside that method)."""
-    tree = ast.parse(SETTINGS.read_text(), str(SETTINGS))
-    from_env = next(
-        node for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef) and node.name == "from_env"
-    )
-    return frozenset(
-        node.value for node in ast.walk(from_env)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str)
-        and re.fullmatch(r"RUNBRAKE_[A-Z0-9_]+", node.value)
-    )
+    """Every ``RUNBRAKE_*`` name ``Settings.from_env`` reads: one per field of the settings model."""
+    return frozenset(Settings.variables.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The example toolbox MCP server (``runbrake.broker.toolbox_server``) as test fixtures.
 
-Real servers in real processes (README.md, "Development"): over streamable HTTP on a free
+Real servers in real processes (docs/development.md, "Development"): over streamable HTTP on a free
 loopback port, or over stdio, started by the SDK itself. The server writes one JSON line
 per tool event to an events file, which is how a test learns that a call has started on
 the server or that its handler saw the cancellation: :func:`wait_for_event` (blocking) and

@@ -1,4 +1,4 @@
-"""A local server speaking the OpenAI chat-completions API, for tests (README.md, "Development").
+"""A local server speaking the OpenAI chat-completions API, for tests (docs/development.md, "Development").
 
 Tests may not call a real LLM, so ``OpenAIProvider`` talks to this: a small Starlette app
 served by uvicorn on a free 127.0.0.1 port in a background thread. It answers

@@ -1,4 +1,4 @@
-"""The ``runbrake`` command as an operator uses it (README.md, "Using it").
+"""The ``runbrake`` command as an operator uses it (docs/usage.md, "Using it").
 
 Every test runs the real command in a subprocess with the test's environment (the
 ``namespace`` fixture puts ``RUNBRAKE_NAMESPACE`` there) and reads its exit code, stdout
@@ -37,7 +37,7 @@ _CLI_TIMEOUT_S = 30.0
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _DEAD_SERVER = {"url": "http://127.0.0.1:9/mcp"}
 
-# The fields `show --json` promises (README.md, "Using it").
+# The fields `show --json` promises (docs/usage.md, "Using it").
 RUN_FIELDS = {"run_id", "status", "termination_reason", "created_at", "started_at", "finished_at", "error",
               "cancel", "steps"}
 STEP_FIELDS = {"sequence", "kind", "round", "duration_ms", "recorded_at", "content", "detail", "outcome"}

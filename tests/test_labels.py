@@ -13,10 +13,12 @@ from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import RunRecord
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import StepKind
+from runbrake.shared.stream_events import StreamEvent
 from runbrake.shared.timeline import LABELS, label
 
 NAMED: tuple[tuple[str, type[StrEnum]], ...] = (
-    ("status", RunStatus), ("reason", TerminationReason), ("kind", StepKind), ("outcome", ToolOutcome))
+    ("status", RunStatus), ("reason", TerminationReason), ("kind", StepKind), ("outcome", ToolOutcome),
+    ("event", StreamEvent))
 """Label key prefix and the enum whose values follow it. ``TerminationReason.NONE`` is never shown."""
 
 DOC_ROW = re.compile(r"^\| `(?P<value>[a-z_]+)` \| (?P<en>[^|]+) \| (?P<de>[^|]+) \|$")

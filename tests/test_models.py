@@ -1,7 +1,7 @@
 """Model providers: the scripted provider plays its turns, the OpenAI provider speaks chat completions.
 
 The OpenAI provider is exercised against ``tests.openai_stub``, a local server speaking
-that API (tests never call a real LLM: README.md, "Development").
+that API (tests never call a real LLM: docs/development.md, "Development").
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ run from them, and each listener's exclusive cancel queue stays classic (broker/
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 from collections.abc import Callable
@@ -40,7 +39,7 @@ def test_queue_type_arguments() -> None:
 def test_a_quorum_worker_completes_a_run_from_quorum_queues_and_listens_on_a_classic_queue(
     toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore, rabbitmq: Settings,
 ) -> None:
-    quorum = dataclasses.replace(rabbitmq, queue_type="quorum")
+    quorum = rabbitmq.with_changes(queue_type="quorum")
     worker = start_worker(RUNBRAKE_QUEUE_TYPE="quorum")
     listener_queue = worker.wait_for_log("cancel_listener_connected")[0]["queue"]
     broker = build_broker(quorum)
@@ -61,9 +60,9 @@ def test_a_quorum_worker_completes_a_run_from_quorum_queues_and_listens_on_a_cla
 
 
 def test_rabbitmq_refuses_to_redeclare_the_quorum_run_queue_as_classic(rabbitmq: Settings) -> None:
-    """Why switching a namespace's queue type needs its old queues deleted (README.md, "Operating")."""
+    """Why switching a namespace's queue type needs its old queues deleted (docs/operating.md, "Operating")."""
     run_queue = Topology.of(rabbitmq).run_queue
-    quorum_broker = build_broker(dataclasses.replace(rabbitmq, queue_type="quorum"))
+    quorum_broker = build_broker(rabbitmq.with_changes(queue_type="quorum"))
     classic_broker = build_broker(rabbitmq)
     try:
         quorum_broker.declare_queue(run_queue, ensure=True)

@@ -1,11 +1,10 @@
 """Settings from the environment and the run spec: defaults, every variable and every bound, and bad
-input refused with the name of what is wrong: every offending field of a spec at once (README.md,
+input refused with the name of what is wrong: every offending field of a spec at once (docs/usage.md,
 "A run spec"), through ``RunSpec`` and through ``runbrake enqueue``, and the spec's JSON Schema."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import subprocess
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
+from pydantic import ValidationError
 
 from runbrake.shared import ConfigError, RunSpec, RunStore, Settings, SpecError
 from runbrake.shared.errors import FieldProblem
@@ -90,9 +90,9 @@ def test_settings_read_each_runbrake_variable(variable: str, raw: str, attribute
     assert getattr(settings, attribute) == expected
     # ...and only that one: every other field keeps its default.
     defaults = Settings()
-    for f in dataclasses.fields(Settings):
-        if f.name != attribute:
-            assert getattr(settings, f.name) == getattr(defaults, f.name), f.name
+    for name in Settings.model_fields:
+        if name != attribute:
+            assert getattr(settings, name) == getattr(defaults, name), name
 
 
 @pytest.mark.parametrize(
@@ -170,11 +170,51 @@ def test_a_namespace_with_a_line_break_is_refused(raw: str) -> None:
     assert raised.value.variable == "RUNBRAKE_NAMESPACE"
 
 
+def test_the_settings_read_exactly_these_variables() -> None:
+    """Names are a contract (docs/configuration.md): a field renamed renames its variable, and fails here."""
+    assert sorted(Settings.variables.values()) == sorted([
+        "RUNBRAKE_RABBITMQ_URL", "RUNBRAKE_REDIS_URL", "RUNBRAKE_NAMESPACE", "RUNBRAKE_MAX_TOOL_RESULT_CHARS",
+        "RUNBRAKE_CANCEL_POLL_MS", "RUNBRAKE_RUN_TIME_LIMIT_S", "RUNBRAKE_LEASE_S", "RUNBRAKE_METRICS_PORT",
+        "RUNBRAKE_REDIS_TIMEOUT_S", "RUNBRAKE_CATALOG", "RUNBRAKE_ALLOW_INLINE", "RUNBRAKE_MAX_SPEC_BYTES",
+        "RUNBRAKE_MAX_INPUT_CHARS", "RUNBRAKE_MAX_ARGUMENT_CHARS", "RUNBRAKE_MAX_MODEL_CONTENT_CHARS",
+        "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", "RUNBRAKE_MAX_STEPS_CAP", "RUNBRAKE_RETENTION_S", "RUNBRAKE_REDRIVE_S",
+        "RUNBRAKE_DRAIN_S", "RUNBRAKE_API_TOKENS", "RUNBRAKE_HEALTH_PORT", "RUNBRAKE_HEALTH_HOST",
+        "RUNBRAKE_REDIS_CLUSTER", "RUNBRAKE_QUEUE_TYPE", "RUNBRAKE_API_ALLOWED_HOSTS",
+        "RUNBRAKE_API_HEADER_TIMEOUT_S", "RUNBRAKE_API_SEND_TIMEOUT_S", "RUNBRAKE_API_MAX_STREAMS_PER_TOKEN",
+    ])
+
+
+def test_every_setting_has_its_documentation() -> None:
+    assert [name for name, field in Settings.model_fields.items() if not field.description] == []
+
+
 def test_settings_cannot_be_changed_once_read() -> None:
     settings = Settings.from_env({})
 
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         settings.namespace = "other"  # type: ignore[misc]
+
+
+def test_a_copy_with_changes_is_checked_like_the_variables() -> None:
+    settings = Settings.from_env({})
+
+    assert settings.with_changes(lease_s=10).lease_s == 10
+    assert settings.with_changes(lease_s=10).namespace == settings.namespace
+    with pytest.raises(ConfigError) as raised:
+        settings.with_changes(lease_s=4)
+    assert raised.value.variable == "RUNBRAKE_LEASE_S"
+
+
+def test_only_the_exact_variable_names_are_read() -> None:
+    """A lower-case ``runbrake_lease_s`` or an unknown ``RUNBRAKE_*`` variable changes nothing."""
+    assert Settings.from_env({"runbrake_lease_s": "10", "RUNBRAKE_NO_SUCH_SETTING": "x"}) == Settings()
+
+
+def test_keyword_fields_never_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNBRAKE_NAMESPACE", "from-the-env")
+
+    assert Settings().namespace == "runbrake"
+    assert Settings(lease_s=10).namespace == "runbrake"
 
 
 # -- the run spec -------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ a test counts calls on the server's side.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -219,7 +218,7 @@ def test_runbrake_worker_runs_runs_logs_what_it_does_and_stops_cleanly_on_sigter
 
 def test_enqueue_is_fail_closed_when_rabbitmq_does_not_take_the_message(store: RunStore, settings: Settings) -> None:
     dead_port = free_port()
-    broker = build_broker(dataclasses.replace(settings, rabbitmq_url=f"amqp://guest:guest@127.0.0.1:{dead_port}/"))
+    broker = build_broker(settings.with_changes(rabbitmq_url=f"amqp://guest:guest@127.0.0.1:{dead_port}/"))
     run_spec = spec({"toolbox": {"url": "http://127.0.0.1:9/mcp"}}, [{"content": "never"}])
 
     with pytest.raises(PublishError, match="RabbitMQ did not take the message"):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 TOOL_NAME_SEPARATOR = "__"
-"""A real model sees a tool as ``<server>__<tool>`` (README.md, "Using it")."""
+"""A real model sees a tool as ``<server>__<tool>`` (docs/usage.md, "Using it")."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,9 +26,9 @@ import math
 import os
 import ssl
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Final, assert_never
+from typing import Any, Final
 
 import anyio
 import httpx2
@@ -43,6 +43,7 @@ from pydantic import ValidationError
 
 from runbrake.shared.catalog import expand
 from runbrake.shared.errors import ToolTransportError
+from runbrake.shared.registry import TRANSPORTS
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.worker.conversation import ToolInfo
 
@@ -114,7 +115,7 @@ class McpConnection:
             if connection._client is None:
                 fault = connection._fault
                 raise ToolTransportError(
-                    f"could not connect to MCP server {spec.name!r} ({_where(spec)}): {_describe(fault)}",
+                    f"could not connect to MCP server {spec.name!r} ({spec.where()}): {_describe(fault)}",
                     server=spec.name,
                 ) from fault
             yield connection
@@ -266,26 +267,31 @@ class McpConnection:
 
 
 def _target(spec: McpServerSpec) -> Transport | StdioServerParameters:
-    match spec:
-        case HttpServerSpec():
-            # Catalog headers are expanded here, in the worker, when it connects (docs/security.md).
-            headers = {
-                name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.headers.{name}")
-                for name, value in spec.headers.items()
-            }
-            return streamable_http_client(spec.url, http_client=_http_client(spec.url, headers))
-        case StdioServerSpec():
-            # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
-            # worker's whole environment with its credentials.
-            env = {
-                name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.env.{name}")
-                for name, value in spec.env.items()
-            }
-            return StdioServerParameters(
-                command=spec.command, args=list(spec.args), env=get_default_environment() | env
-            )
-        case _:
-            assert_never(spec)
+    """What the SDK's client connects with: the implementation the server's transport entry names
+    (shared/registry.py); one not implemented here fails the server's connect, never falls back."""
+    implementation: Callable[[McpServerSpec], Transport | StdioServerParameters] = TRANSPORTS.implementation(spec)
+    return implementation(spec)
+
+
+def http_target(spec: HttpServerSpec) -> Transport:
+    """The ``http`` transport: streamable HTTP over this loop's shared client of the server's URL."""
+    # Catalog headers are expanded here, in the worker, when it connects (docs/security.md).
+    headers = {
+        name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.headers.{name}")
+        for name, value in spec.headers.items()
+    }
+    return streamable_http_client(spec.url, http_client=_http_client(spec.url, headers))
+
+
+def stdio_target(spec: StdioServerSpec) -> StdioServerParameters:
+    """The ``stdio`` transport: the server's command as a subprocess."""
+    # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
+    # worker's whole environment with its credentials.
+    env = {
+        name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.env.{name}")
+        for name, value in spec.env.items()
+    }
+    return StdioServerParameters(command=spec.command, args=list(spec.args), env=get_default_environment() | env)
 
 
 _http_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], httpx2.AsyncClient]] = (
@@ -297,7 +303,7 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
     event loop; the SDK leaves a client it was given open.
 
     A client per segment cost each run in flight its own pool and transport, and a connect per segment;
-    shared, a run costs just the connections its streams hold (docs/architecture.md, "Capacity"). No cap
+    shared, a run costs just the connections its streams hold (docs/architecture.md, "Capacity: runs in flight"). No cap
     on connections: each call in flight holds one, and ``--concurrency`` bounds the calls. The SDK's
     default client would also build an SSL context per connection, ~50 ms of CPU on the loop
     (bench/throughput.py profile): one context per process.
@@ -320,16 +326,6 @@ _KEEPALIVE_CONNECTIONS: Final = 64
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
-
-
-def _where(spec: McpServerSpec) -> str:
-    match spec:
-        case HttpServerSpec():
-            return spec.url
-        case StdioServerSpec():
-            return f"stdio: {spec.command}"
-        case _:
-            assert_never(spec)
 
 
 def _is_transport_fault(exc: BaseException) -> bool:

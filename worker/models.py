@@ -1,4 +1,4 @@
-"""Model providers: what the tool loop calls to get the next model turn (README.md, "Using it").
+"""Model providers: what the tool loop calls to get the next model turn (docs/usage.md, "Using it").
 
 ``ScriptedProvider`` plays a spec's deterministic turns; ``OpenAIProvider`` talks to any
 OpenAI-compatible chat-completions endpoint through the official ``openai`` SDK. Both are
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -26,6 +26,7 @@ from openai.types.chat import (
 
 from runbrake.shared import redaction
 from runbrake.shared.errors import ProviderError
+from runbrake.shared.registry import PROVIDERS, NotImplementedHere
 from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
 from runbrake.worker.conversation import TOOL_NAME_SEPARATOR, Message, ModelTurn, ToolCall, ToolInfo
 
@@ -149,10 +150,16 @@ def _excerpt(text: str) -> str:
 
 
 def provider_for(spec: ModelSpec) -> ModelProvider:
-    """The provider for a run spec's ``model``."""
-    if isinstance(spec, ScriptedModel):
-        return ScriptedProvider(spec)
-    return OpenAIProvider(spec)
+    """The provider for a run spec's ``model``: the implementation its registry entry names.
+
+    Raises:
+        ProviderError: when the provider has no implementation in this worker (it never falls back to another).
+    """
+    try:
+        implementation: Callable[[ModelSpec], ModelProvider] = PROVIDERS.implementation(spec)
+    except NotImplementedHere as exc:
+        raise ProviderError(str(exc)) from exc
+    return implementation(spec)
 
 
 def _message_param(message: Message) -> ChatCompletionMessageParam:

@@ -45,7 +45,7 @@ WATCHDOG_INTERVAL_S = 5.0
 DEFAULT_CONCURRENCY = 8
 """Runs in flight per worker process unless ``--concurrency`` says otherwise (the former ``--threads`` default)."""
 MAX_CONCURRENCY = 10_000
-"""The highest ``--concurrency`` accepted; README.md, "Sizing", says what a process holds in practice."""
+"""The highest ``--concurrency`` accepted; docs/benchmarks.md, "Sizing", says what a process holds in practice."""
 
 EXIT_UNAVAILABLE = 3
 """Redis or RabbitMQ could not be reached (or refused the credentials) at start."""
