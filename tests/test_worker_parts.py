@@ -158,8 +158,14 @@ async def async_store(settings: Settings, store: RunStore) -> AsyncIterator[Asyn
     await connected.aclose()
 
 
-def _scripted(turns: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"input": "test run", "model": {"provider": "scripted", "turns": turns}, "mcp_servers": []}
+def _run(store: RunStore, turns: list[dict[str, Any]]) -> str:
+    """A queued run of a scripted model with no MCP server."""
+    spec = {"input": "test run", "model": {"provider": "scripted", "turns": turns}, "mcp_servers": []}
+    return store.create(spec).run_id
+
+
+def _runtime(settings: Settings, store: AsyncRunStore, *subscribers: Subscriber) -> Runtime:
+    return Runtime(settings, store, ActiveRuns(), Admission(Catalog.empty()), subscribers=subscribers)
 
 
 @pytest.mark.integration
@@ -168,9 +174,8 @@ async def test_every_subscriber_hears_a_runs_status_steps_and_settle_and_a_broke
     settings: Settings, store: RunStore, async_store: AsyncRunStore,
 ) -> None:
     journal = _Journal()
-    runtime = Runtime(settings, async_store, ActiveRuns(), Admission(Catalog.empty()),
-                      subscribers=[_Broken(), journal])
-    run_id = store.create(_scripted([{"content": "It is 5."}])).run_id
+    runtime = _runtime(settings, async_store, _Broken(), journal)
+    run_id = _run(store, [{"content": "It is 5."}])
 
     outcome = await runtime.execute(run_id)
     again = await runtime.execute(run_id)  # a duplicate message: skipped
@@ -191,10 +196,9 @@ async def test_a_run_failed_by_its_provider_is_settled_with_the_errors_own_reaso
     settings: Settings, store: RunStore, async_store: AsyncRunStore,
 ) -> None:
     journal = _Journal()
-    runtime = Runtime(settings, async_store, ActiveRuns(), Admission(Catalog.empty()), subscribers=[journal])
-    run_id = store.create(_scripted([{"fail": "the model is down"}])).run_id
+    run_id = _run(store, [{"fail": "the model is down"}])
 
-    outcome = await runtime.execute(run_id)
+    outcome = await _runtime(settings, async_store, journal).execute(run_id)
 
     record = store.get(run_id)
     assert outcome is RunOutcome.FAILED
