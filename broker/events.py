@@ -339,6 +339,17 @@ class _RunStream:
         self.run_id = run_id
         self.last = last
         self.deadline: float | None = None
+        self.status: RunStatus | None = None
+        """The status last sent: a live status event that repeats it, or comes after a terminal one, is
+        stale (its PUBLISH reached this process after the replay read the run) and is not sent."""
+
+    def fresh(self, status: str) -> bool:
+        """Whether a live status event says something new; if so, it becomes the status last sent."""
+        found = RunStatus.parse(status, run_id=self.run_id)
+        if found is self.status or (self.status is not None and self.status.is_terminal):
+            return False  # terminal is terminal: nothing after it is news
+        self.status = found
+        return True
 
     async def replay(self, head: tuple[RunRecord, int] | None = None) -> AsyncIterator[bytes]:
         """The steps after :attr:`last`, one page at a time, then the run's status and its call in flight.
@@ -365,6 +376,7 @@ class _RunStream:
                     yield chunk
             size = max(1, min(PAGE_STEPS, PAGE_BYTES * len(page) // max(sent, 1)))
         status = status_data(record.run_id, record.status.value, record.termination_reason.value)
+        self.status = record.status
         yield frame(StreamEvent.STATUS, status)
         progress = current_progress(record)  # a record without steps: its status and report only
         if progress is not None and resumed_at > 0 and progress.get("tool_call_id") not in calls:
@@ -407,11 +419,13 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
             if event.sequence > stream.last:
                 stream.last = event.sequence
                 yield event.frame
+        elif event.kind is StreamEvent.STATUS:
+            if stream.fresh(event.status):
+                yield event.frame
+                if stream.status is not None and stream.status.is_terminal and stream.deadline is None:
+                    stream.deadline = loop.time() + TERMINAL_GRACE_S
         else:
             yield event.frame
-            ended = event.kind is StreamEvent.STATUS and RunStatus.parse(event.status).is_terminal
-            if ended and stream.deadline is None:
-                stream.deadline = loop.time() + TERMINAL_GRACE_S
         if subscriber.dropped and subscriber.queue.empty():
             behind = {"reason": "too far behind; reconnect with Last-Event-ID", "last": stream.last}
             yield frame(StreamEvent.DROPPED, behind)

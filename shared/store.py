@@ -93,6 +93,11 @@ class RunStore:
         return self.keys.cluster
 
     def close(self) -> None:
+        """Close the client and its connections."""
+        if isinstance(self._client, redis.RedisCluster):
+            # A cluster client made from a URL gives each node a pool the node's client does not own, so
+            # RedisCluster.close() leaves their sockets open (redis-py 8.1, cluster.py, create_redis_node).
+            self._client.disconnect_connection_pools()  # type: ignore[no-untyped-call]
         if self._client is not None:
             self._client.close()
 

@@ -87,9 +87,13 @@ def launch_api(log_path: Path, *, tokens: Path | None = None, **env: str) -> Api
         except httpx2.TransportError:
             return False
 
-    poll_until(healthy, timeout=STARTUP_TIMEOUT_S, interval=0.05,
-               failure=lambda: f"runbrake serve did not answer /healthz:\n{api.log()}",
-               give_up=lambda: process.poll() is not None)
+    try:
+        poll_until(healthy, timeout=STARTUP_TIMEOUT_S, interval=0.05,
+                   failure=lambda: f"runbrake serve did not answer /healthz:\n{api.log()}",
+                   give_up=lambda: process.poll() is not None)
+    except BaseException:
+        api.stop()  # a server that never answered is not left running (nor its Popen to warn at exit)
+        raise
     return api
 
 

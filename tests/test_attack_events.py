@@ -142,6 +142,31 @@ def test_a_poisoned_publish_is_skipped_and_the_next_real_status_event_still_reac
     assert api.log().count("event_unreadable") == 1  # logged once for the burst, not once per message
 
 
+def test_a_stale_status_event_a_repeat_or_one_after_the_terminal_status_never_reaches_the_client(
+    api: ApiProcess, store: RunStore, settings: Settings
+) -> None:
+    """A status's PUBLISH can reach the API after the replay read the run (issue 16: the claim's
+    ``running`` arrived twice), or after a later terminal status: the stream sends neither."""
+    run_id = running_run(store)
+
+    def status(value: str, reason: str = "") -> str:
+        return json.dumps({"event": "status", "run_id": run_id, "status": value, "termination_reason": reason})
+
+    with Client(api.url) as client:
+        stream = client.events(run_id, read_timeout_s=30)
+        assert (first := next(stream)).event == "status"
+        assert first.data["status"] == "running"  # the replay
+        store.redis.publish(f"{settings.namespace}:events", status("running"))  # a late repeat
+        store.cancel(run_id, reason="enough", requested_by="t")
+        store.redis.publish(f"{settings.namespace}:events", status("running"))  # older than the cancel
+        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=1, content="recorded after the cancel"))
+        rest = list(stream)
+
+    assert [(e.event, e.data.get("status") or e.data.get("content")) for e in rest if e.event != "end"] == [
+        ("status", "cancelled"), ("step", "recorded after the cancel")]
+    assert rest[-1].event == "end"
+
+
 def _status_events(response: httpx2.Response) -> Iterator[dict[str, object]]:
     for line in response.iter_lines():
         if line.startswith("data: "):

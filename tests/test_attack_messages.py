@@ -56,7 +56,7 @@ from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import Runtime
 from tests.mcp_helpers import free_port
 from tests.polling import poll_until
-from tests.worker_helpers import WorkerProcess, wait_for_run
+from tests.worker_helpers import WorkerProcess, take_messages, wait_for_run
 
 RUN_ID = "3f2a9c1e0b7d4e6f8a1b2c3d4e5f6a7b"
 QUEUE = "ns.runs"
@@ -161,22 +161,7 @@ def publish(settings: Settings, body: bytes, *, queue: str | None = None) -> Non
 
 def take_dead_letters(settings: Settings, count: int) -> list[tuple[bytes, dict[str, Any]]]:
     """Take ``count`` messages off ``<ns>.runs.XQ`` (bounded wait), with their headers."""
-    queue = f"{Topology.of(settings).run_queue}.XQ"
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
-    taken: list[tuple[bytes, dict[str, Any]]] = []
-    try:
-        channel = connection.channel()
-
-        def take() -> bool:
-            method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
-            if method is not None:
-                taken.append((body, dict(properties.headers or {})))
-            return len(taken) >= count
-
-        poll_until(take, timeout=20, failure=lambda: f"only {len(taken)} of {count} dead letters arrived")
-    finally:
-        connection.close()
-    return taken
+    return take_messages(settings, f"{Topology.of(settings).run_queue}.XQ", count)
 
 
 def ready_messages(settings: Settings, queue: str) -> int | None:

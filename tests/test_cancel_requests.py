@@ -16,15 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
 
 from runbrake.broker.producer import Producer
 from runbrake.broker.wire import DEAD_REASON_HEADER, Topology
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
 from tests.mcp_helpers import Toolbox, wait_for_event
-from tests.polling import poll_until
-from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -51,22 +49,7 @@ def cancelled_call(record: Any) -> bool:
 
 def dead_letters(settings: Settings, count: int) -> list[tuple[bytes, dict[str, Any]]]:
     """Take ``count`` messages off the dead-letter queue (bounded wait), with their headers."""
-    queue = Topology.of(settings).cancel_requests_dead_queue
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
-    taken: list[tuple[bytes, dict[str, Any]]] = []
-    try:
-        channel = connection.channel()
-
-        def take() -> bool:
-            method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
-            if method is not None:
-                taken.append((body, dict(properties.headers or {})))
-            return len(taken) >= count
-
-        poll_until(take, timeout=15, failure=lambda: f"only {len(taken)} of {count} dead letters arrived: {taken}")
-    finally:
-        connection.close()
-    return taken
+    return take_messages(settings, Topology.of(settings).cancel_requests_dead_queue, count, timeout=15)
 
 
 def test_a_cancel_request_from_plain_pika_cancels_the_run_and_interrupts_its_call(

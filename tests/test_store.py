@@ -30,6 +30,7 @@ from runbrake.shared import (
     ToolResult,
     Transition,
 )
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -1051,3 +1052,30 @@ def test_transitions_and_reads_raise_store_error_when_redis_is_unreachable(unrea
         UNREACHABLE_CALLS[name](unreachable)
 
     assert isinstance(raised.value.__cause__, redis.RedisError)
+
+
+def test_closing_a_store_closes_every_connection_it_opened(settings: Settings) -> None:
+    """On a cluster too: redis-py's RedisCluster.close() leaves the nodes' sockets open, each one then a
+    ResourceWarning whenever the garbage collector finds it (issue 16: a green run that exited 1)."""
+    store = RunStore.connect(settings)
+    run_id = store.create({"input": "x", "model": {"provider": "scripted", "turns": []}}).run_id
+    store.get(run_id)
+    client = store.redis
+    if isinstance(client, redis.RedisCluster):
+        nodes = [(n.port, n.redis_connection) for n in client.get_nodes() if n.redis_connection is not None]
+    else:
+        nodes = [(client.connection_pool.connection_kwargs["port"], client)]
+    mine = {(port, conn.client_info()["addr"]) for port, conn in nodes}
+    store.delete_namespace()
+
+    store.close()
+
+    def open_ones() -> set[tuple[int, str]]:
+        still = set()
+        for port in {p for p, _ in mine}:
+            with redis.Redis(host="127.0.0.1", port=port, decode_responses=True) as watcher:
+                addrs = {c["addr"] for c in watcher.client_list()}
+            still |= {(p, a) for p, a in mine if p == port and a in addrs}
+        return still
+
+    poll_until(lambda: not open_ones(), timeout=10, failure=lambda: f"still connected after close: {open_ones()}")

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pika
 import pytest
 import redis
 
@@ -190,3 +191,23 @@ def commands_until_marker(monitor: redis.client.Monitor, store: RunStore) -> lis
             return seen
         seen.append(entry)
     return seen
+
+
+def take_messages(settings: Settings, queue: str, count: int, *,
+                  timeout: float = 20) -> list[tuple[bytes, dict[str, Any]]]:
+    """Take ``count`` messages off ``queue`` (a bounded wait), each with its headers."""
+    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    taken: list[tuple[bytes, dict[str, Any]]] = []
+    try:
+        channel = connection.channel()
+
+        def take() -> bool:
+            method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
+            if method is not None:
+                taken.append((body, dict(properties.headers or {})))
+            return len(taken) >= count
+
+        poll_until(take, timeout=timeout, failure=lambda: f"only {len(taken)} of {count} messages on {queue}: {taken}")
+    finally:
+        connection.close()
+    return taken
