@@ -12,10 +12,11 @@ import pika
 import pika.exceptions
 import redis
 import structlog
+from dramatiq import Broker
 
 from runbrake.broker._amqp_tables import harden_table_decoding
 from runbrake.broker.producer import Producer
-from runbrake.broker.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.broker.rabbitmq import build_broker
 from runbrake.broker.wire import Topology
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
@@ -208,7 +209,7 @@ def _check_rabbitmq(settings: Settings) -> None:
     connection.close()
 
 
-def _close_quietly(broker: RunbrakeBroker) -> None:
+def _close_quietly(broker: Broker) -> None:
     """Close the broker's connections, once every thread that used them has stopped. Dramatiq's broker keeps
     a connection per thread that declared a queue or sent a message (each consumer thread declares its queue
     through one, then never touches it again): RabbitMQ has dropped the idle ones (shared/logging.py,
