@@ -54,6 +54,7 @@ from runbrake.shared.errors import (
     StoreError,
     TransitionRefused,
 )
+from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
@@ -277,8 +278,10 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
             yield
         finally:
             await hub.stop()
-            await asyncio.get_running_loop().run_in_executor(None, state.amqp.close)
-            state.broker.close()
+            # Idle since their last publish, RabbitMQ may have dropped them (shared/logging.py, "silenced").
+            with silenced("pika"):
+                await asyncio.get_running_loop().run_in_executor(None, state.amqp.close)
+                state.broker.close()
             state.sync_store.close()
             await state.store.aclose()
 

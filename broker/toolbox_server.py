@@ -42,6 +42,8 @@ from typing import Any
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
+from mcp.types import METHOD_NOT_FOUND, RequestParams
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -146,6 +148,11 @@ async def echo(text: str) -> str:
         return text
 
 
+async def _no_discover(_ctx: Any, _params: RequestParams | None) -> Any:
+    """What a server from before protocol 2026-07-28 answers to ``server/discover``."""
+    raise MCPError(code=METHOD_NOT_FOUND, message="Method not found", data="server/discover")
+
+
 def main() -> None:
     """Parse the command line and serve until killed."""
     global _events_path, _progress_s  # set once, before the server starts
@@ -157,12 +164,17 @@ def main() -> None:
     parser.add_argument("--events", type=Path, help="append one JSON line per tool event to this file")
     parser.add_argument("--bearer-env", metavar="VAR",
                         help="HTTP only: refuse requests without 'Authorization: Bearer <the value of VAR>'")
+    parser.add_argument("--legacy", action="store_true",
+                        help="answer as a server from before protocol 2026-07-28: no server/discover, so a client "
+                             "falls back to the initialize handshake and a session with its GET stream")
     parser.add_argument("--progress-s", type=float, default=1.0,
                         help="how often the slow tool reports progress, in seconds (default: 1)")
     options = parser.parse_args()
     _events_path, _progress_s = options.events, options.progress_s
     if options.bearer_env:
         mcp.bearer = os.environ[options.bearer_env]
+    if options.legacy:
+        mcp._lowlevel_server.add_request_handler("server/discover", RequestParams, _no_discover)
     if options.transport == "stdio":
         mcp.run()
     else:

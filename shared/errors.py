@@ -53,16 +53,24 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from runbrake.shared.status import TerminationReason
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from runbrake.shared.status import RunStatus, TerminationReason
+    from runbrake.shared.status import RunStatus
 
 
 class RunbrakeError(Exception):
-    """Raised for every error runbrake reports; catch this to catch them all."""
+    """Raised for every error runbrake reports; catch this to catch them all.
+
+    ``reason`` is the termination reason a run ends with when this error ends it (worker/runtime.py,
+    ``ending_of``, maps every error in one place); ``None`` where an error says nothing of its own.
+    """
+
+    reason: TerminationReason | None = None
 
 
 class ConfigError(RunbrakeError):
@@ -117,6 +125,8 @@ class SpecError(RunbrakeError):
     ``(field,)``); :meth:`from_problems` reports several, each with its ``loc``.
     ``field`` and ``problem`` are the first one's; ``str()`` lists them all.
     """
+
+    reason: TerminationReason | None = TerminationReason.SPEC_REFUSED
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(field, problem)
@@ -180,6 +190,8 @@ class RunBoundReached(RunbrakeError):
     """Raised when a run reaches one of its bounds (``max_steps``, tool calls per turn); ``reason`` is
     the termination reason it ends with."""
 
+    reason: TerminationReason
+
     def __init__(self, reason: TerminationReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
@@ -223,6 +235,8 @@ class MalformedMessage(RunbrakeError):
 
 class ProviderError(RunbrakeError):
     """Raised when the model provider fails to produce a turn."""
+
+    reason: TerminationReason | None = TerminationReason.PROVIDER_FAILED
 
 
 class ToolTransportError(RunbrakeError):
@@ -311,6 +325,8 @@ class OwnershipLost(BaseException):
 
 class CancelRequested(BaseException):
     """Raised by the runtime's probe when the run's cancel key is set; caught only by the ladder."""
+
+    reason: ClassVar[TerminationReason] = TerminationReason.CANCELLED
 
     def __init__(self, run_id: str) -> None:
         super().__init__(run_id)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import structlog
 
@@ -56,6 +58,44 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     # MCP calls, each rendered on the event loop): their warnings are what matter to an operator.
     for chatty in ("pika", "httpx2", "httpcore2"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    # The MCP SDK says INFO "GET stream disconnected, reconnecting in 1000ms..." whenever a server from before
+    # protocol 2026-07-28 closes a session's GET stream, which it does each time a client ends the session
+    # (mcp/client/streamable_http.py, handle_get_stream): a normal close, worth DEBUG.
+    logging.getLogger("mcp.client.streamable_http").addFilter(_AsDebug("GET stream disconnected"))
+
+
+@contextmanager
+def silenced(name: str) -> Iterator[None]:
+    """Nothing below CRITICAL from logger ``name`` (and its children) while the block runs.
+
+    For closing pika connections at a clean stop: Dramatiq's broker and the cancel publishers keep
+    connections that sit idle, a ``BlockingConnection`` answers heartbeats only while it is used, and
+    RabbitMQ drops it after two missed ones; closing a dropped one made pika log ConnectionResetError
+    tracebacks and ``BlockingConnection.close(200, 'Normal shutdown') called on closed connection`` at
+    error level (issue 16; Dramatiq hides only "Broken pipe", dramatiq/brokers/rabbitmq.py
+    ``_ignore_pika_logs``). At a clean stop that is not an error.
+    """
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # setLevel, not the attribute: it clears the loggers' cached levels
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class _AsDebug(logging.Filter):
+    """Lowers a logger's records whose message starts with ``prefix`` to DEBUG (dropped unless DEBUG is on)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self._prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and record.getMessage().startswith(self._prefix):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
 
 
 class _StructlogOutput(logging.Handler):

@@ -17,6 +17,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
 from runbrake.shared.settings import Settings
+from runbrake.worker.parts import Health, PartThread
 
 log = structlog.get_logger(__name__)
 
@@ -24,16 +25,15 @@ _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 10.0
 
 
-class ConsumerThread(threading.Thread):
+class ConsumerThread(PartThread):
     """Subclasses say what to consume (:meth:`_consume`) and what they are called (``role``)."""
 
     role: str
     """Names the thread, the connection and the log events: ``<role>_connected`` and the like."""
 
     def __init__(self, settings: Settings, *, ready: threading.Event | None = None) -> None:
-        super().__init__(name=f"runbrake-{self.role.replace('_', '-')}", daemon=True)
+        super().__init__(f"runbrake-{self.role.replace('_', '-')}")
         self._settings = settings
-        self._stopping = threading.Event()
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
         self.ready = threading.Event() if ready is None else ready
@@ -86,11 +86,16 @@ class ConsumerThread(threading.Thread):
 
     def stop(self) -> None:
         """Stop consuming and close the connection; safe from any thread."""
-        self._stopping.set()
+        super().stop()
         connection = self._connection
         if connection is not None and connection.is_open:
             with contextlib.suppress(pika.exceptions.AMQPError):  # the only pika call that may cross threads
                 connection.add_callback_threadsafe(self._stop_consuming)
+
+    def health(self) -> Health:
+        if not self.is_alive():
+            return Health(False, "not running")
+        return Health(True, "bound and consuming" if self.ready.is_set() else "connecting or reconnecting")
 
     def _stop_consuming(self) -> None:
         if self._channel is not None and self._channel.is_open:

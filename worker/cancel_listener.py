@@ -21,6 +21,7 @@ from runbrake.shared.messaging.wire import Topology, decode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker._consumer import ConsumerThread
+from runbrake.worker.parts import Part, Periodic
 from runbrake.worker.registry import ActiveRuns
 
 log = structlog.get_logger(__name__)
@@ -56,22 +57,23 @@ class CancelListener(ConsumerThread):
         if self._registry.interrupt(run_id):
             log.info("cancel_message_delivered", run_id=run_id)
 
+    def replacement(self) -> Part:
+        """A new listener on the same ``ready`` event (readiness and the metrics gauge read that one)."""
+        return CancelListener(self._settings, self._store, self._registry, ready=self.ready)
 
-class Backstop(threading.Thread):
+
+class Backstop(Periodic):
     """Every poll interval, one MGET over the active runs' cancel keys; interrupts a run whose cancel
     it sees on two polls in a row (the first sighting leaves the message its chance to arrive)."""
 
     def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
-        super().__init__(name="runbrake-cancel-backstop", daemon=True)
-        self._interval_s = settings.cancel_poll_ms / 1000
+        super().__init__("runbrake-cancel-backstop", interval_s=settings.cancel_poll_ms / 1000)
         self._store = store
         self._registry = registry
-        self._stopping = threading.Event()
         self._seen: set[str] = set()
 
-    def run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
-            self.poll()
+    def tick(self) -> None:
+        self.poll()
 
     def poll(self) -> None:
         """One MGET over this process's active runs; interrupt those cancelled since the last poll too."""
@@ -81,6 +83,3 @@ class Backstop(threading.Thread):
             if self._registry.interrupt(run_id):
                 log.info("cancel_found_by_backstop", run_id=run_id)
         self._seen = cancelled
-
-    def stop(self) -> None:
-        self._stopping.set()

@@ -26,6 +26,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
 from runbrake.shared.errors import StoreError
+from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, MalformedCancelRequest, Topology, decode_cancel_request
 from runbrake.shared.settings import Settings
@@ -59,7 +60,8 @@ class CancelRequestConsumer(ConsumerThread):
         return self._topology.cancel_requests_queue
 
     def _stopped(self) -> None:
-        self._publisher.close()
+        with silenced("pika"):  # its connection sat idle since the last request: RabbitMQ may have dropped it
+            self._publisher.close()
 
     def _on_message(self, channel: BlockingChannel, method: Any, properties: pika.BasicProperties,
                     body: bytes) -> None:

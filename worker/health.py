@@ -49,6 +49,7 @@ from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
+from runbrake.worker.parts import Part, Periodic, ServerPart
 
 log = structlog.get_logger(__name__)
 
@@ -138,18 +139,17 @@ class _Result:
     detail: str
 
 
-class ServiceChecks(threading.Thread):
+class ServiceChecks(Periodic):
     """Every interval: PING Redis, a round trip to RabbitMQ, and (when asked to) the queue-depth sample."""
 
     def __init__(
         self, settings: Settings, store: RunStore, *, sample_queue_depth: bool,
         interval_s: float = CHECK_INTERVAL_S, stale_after_s: float = STALE_AFTER_S,
     ) -> None:
-        super().__init__(name="runbrake-service-checks", daemon=True)
+        super().__init__("runbrake-service-checks", interval_s=interval_s, tick_first=True)
         self._settings = settings
         self._store = store
         self._sample = sample_queue_depth
-        self._interval_s = interval_s
         self._stale_after_s = stale_after_s
         self._run_queue = Topology.of(settings).run_queue
         self._sampler_key = f"{settings.namespace}:queue-depth-sampler"
@@ -162,23 +162,20 @@ class ServiceChecks(threading.Thread):
         """This process exports a runbrake_queue_depth sample."""
         self._lock = threading.Lock()
         self._results: dict[str, _Result] = {}
-        self._stopping = threading.Event()
         self._connection: pika.BlockingConnection | None = None
         self._channel: pika.adapters.blocking_connection.BlockingChannel | None = None
 
     # -- the thread ------------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def tick(self) -> None:
         try:
-            while not self._stopping.is_set():
-                try:
-                    self.check_once()
-                except Exception:  # the thread goes on: a dead one would leave /readyz stale for good
-                    log.exception("service_checks_round_failed")
-                    self._close()
-                self._stopping.wait(self._interval_s)
-        finally:
-            self.close()
+            self.check_once()
+        except Exception:  # the thread goes on: a dead one would leave /readyz stale for good
+            log.exception("service_checks_round_failed")
+            self._close()
+
+    def _stopped(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Resign as the queue-depth sampler (the lock is released, so another process takes over at its
@@ -191,11 +188,6 @@ class ServiceChecks(threading.Thread):
     def sampling(self) -> bool:
         """This process holds the sampler lock and exports ``runbrake_queue_depth``."""
         return self._sampling
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stopping.set()
-        if self.is_alive():
-            self.join(timeout_s)
 
     def check_once(self) -> None:
         """One round: Redis, RabbitMQ, and the queue-depth sample. Called by the thread (tests call it too)."""
@@ -377,44 +369,37 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def serve(endpoints: HealthEndpoints, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
-    """Serve /healthz and /readyz on ``host:port`` from a daemon thread (loopback by default; an IPv6
-    address such as ``::`` works too). Returns the server; ``shutdown()`` stops it."""
+def health_server(endpoints: HealthEndpoints, port: int, host: str = "127.0.0.1") -> ServerPart:
+    """/healthz and /readyz on ``host:port``, bound and not yet serving (loopback by default; an IPv6
+    address such as ``::`` works too)."""
     server = (_Server6 if ":" in host else _Server)((host, port), _Handler)
     server.endpoints = endpoints
-    threading.Thread(target=server.serve_forever, name="runbrake-health", daemon=True).start()
-    return server
+    return ServerPart("runbrake-health", server)
 
 
-class WorkerHealth:
-    """The service checks and the health server of one worker process; either may be off."""
+def serve(endpoints: HealthEndpoints, port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """Serve /healthz and /readyz on ``host:port`` from a daemon thread. Returns the server; ``shutdown()``
+    stops it."""
+    part = health_server(endpoints, port, host)
+    part.start()
+    assert isinstance(part.server, ThreadingHTTPServer)
+    return part.server
 
-    def __init__(self, services: ServiceChecks | None, server: ThreadingHTTPServer | None) -> None:
-        self.services = services
-        self.server = server
 
-    @classmethod
-    def start(
-        cls, settings: Settings, store: RunStore, *, index: int, listener_ready: threading.Event,
-        draining: threading.Event, consumers: Callable[[], tuple[bool, str]],
-    ) -> WorkerHealth:
-        """Start what the settings ask for: the checks when health or metrics are on (metrics carry the
-        queue-depth sample), the server when ``health_port`` is set (on ``health_port + index``)."""
-        if not settings.health_port and not settings.metrics_port:
-            return cls(None, None)
-        services = ServiceChecks(settings, store, sample_queue_depth=bool(settings.metrics_port))
-        services.start()
-        server = None
-        if settings.health_port:
-            port = settings.health_port + index
-            server = serve(HealthEndpoints(services, listener_ready, draining, consumers=consumers), port,
+def health_parts(
+    settings: Settings, store: RunStore, *, index: int, listener_ready: threading.Event,
+    draining: threading.Event, consumers: Callable[[], tuple[bool, str]],
+) -> list[Part]:
+    """The parts the settings ask for, in start order: the checks when health or metrics are on (metrics
+    carry the queue-depth sample), the server when ``health_port`` is set (on ``health_port + index``),
+    bound already."""
+    if not settings.health_port and not settings.metrics_port:
+        return []
+    services = ServiceChecks(settings, store, sample_queue_depth=bool(settings.metrics_port))
+    if not settings.health_port:
+        return [services]
+    port = settings.health_port + index
+    server = health_server(HealthEndpoints(services, listener_ready, draining, consumers=consumers), port,
                            settings.health_host)
-            log.info("health_serving", host=settings.health_host, port=port)
-        return cls(services, server)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-        if self.services is not None:
-            self.services.stop()
+    log.info("health_serving", host=settings.health_host, port=port)
+    return [services, server]

@@ -389,7 +389,7 @@ class Intake:
 
     def interrupt_all(self) -> int:
         """Cancel every segment in flight, and any submitted but not started yet; each records
-        ``worker_shutdown`` on its way out (the ladder's last arm, ``worker/runtime.py``). From any thread;
+        ``worker_shutdown`` on its way out (``worker/runtime.py``, ``ending_of``). From any thread;
         returns how many runs were in flight. The cancel happens on the loop: a task is not thread-safe."""
         self._interrupted = True
         with contextlib.suppress(RuntimeError):  # the loop is gone: nothing runs on it any more

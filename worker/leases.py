@@ -11,7 +11,6 @@ keeper that lost Redis reaps nothing until Redis has answered it for a lease aga
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -20,12 +19,13 @@ import structlog
 from runbrake.shared.errors import StoreError
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
+from runbrake.worker.parts import Periodic
 from runbrake.worker.registry import ActiveRuns
 
 log = structlog.get_logger(__name__)
 
 
-class LeaseKeeper(threading.Thread):
+class LeaseKeeper(Periodic):
     """Renews this process's leases and reaps expired ones, every third of a lease.
 
     After Redis failed it, the keeper renews as usual but does not reap until Redis has answered it for
@@ -36,22 +36,18 @@ class LeaseKeeper(threading.Thread):
 
     def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns,
                  *, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(name="runbrake-lease-keeper", daemon=True)
+        super().__init__("runbrake-lease-keeper", interval_s=settings.lease_s / 3, tick_first=True)
         self._lease_s = settings.lease_s
         self._store = store
         self._registry = registry
         self._clock = clock
-        self._stopping = threading.Event()
         self._outage = False
         """The last round trip failed: reaping waits for Redis to answer again."""
         self._reap_from: float | None = None
         """While set, no reaping before this ``clock`` time (a lease after Redis answered again)."""
 
-    def run(self) -> None:
-        while True:
-            self.tend()
-            if self._stopping.wait(self._lease_s / 3):
-                return
+    def tick(self) -> None:
+        self.tend()
 
     @property
     def reaping(self) -> bool:
@@ -98,6 +94,3 @@ class LeaseKeeper(threading.Thread):
             self._reap_from = self._clock() + self._lease_s
             log.warning("lease_reaping_paused", for_s=self._lease_s,
                         why="Redis answered again after an outage: nobody could renew during it")
-
-    def stop(self) -> None:
-        self._stopping.set()

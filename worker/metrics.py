@@ -1,11 +1,21 @@
-"""The worker's Prometheus metrics. Each worker process serves its own registry on its own port."""
+"""The worker's Prometheus metrics. Each worker process serves its own registry on its own port; the run
+metrics are counted by :class:`MetricsSubscriber`, one of the worker's subscribers (worker/subscribers.py)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sized
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.timeline import step_outcome
+from runbrake.worker.parts import Health, Part
+from runbrake.worker.subscribers import Subscriber
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -58,13 +68,61 @@ QUEUE_DEPTH = Gauge(
 )
 
 
+class MetricsSubscriber(Subscriber):
+    """The run metrics, counted from the worker's subscriber list (worker/subscribers.py)."""
+
+    def __init__(self, store: AsyncRunStore) -> None:
+        self._store = store
+        """Read for a cancelled call's cancel request: its latency runs from the request to the step."""
+
+    def after_skip(self, run_id: str, found: RunStatus | None) -> None:
+        MESSAGES_SKIPPED.inc()
+
+    def after_status(self, run_id: str, status: RunStatus) -> None:
+        if status is RunStatus.QUEUED:  # handed over (worker/runtime.py, Runtime._hand_over)
+            HANDOFFS.inc()
+
+    async def after_step(self, run_id: str, step: RunStep) -> None:
+        outcome = step_outcome(step)
+        if step.kind is StepKind.TOOL and step.tool_server is not None:
+            TOOL_CALLS.labels(server=step.tool_server, outcome=outcome).inc()
+        if outcome == ToolOutcome.CANCELLED.value:
+            request = await self._store.cancel_request(run_id)
+            if request is not None:
+                CANCEL_LATENCY.observe(max(0.0, step.recorded_at - request.requested_at))
+
+    def after_settle(self, run_id: str, status: RunStatus, reason: TerminationReason | None) -> None:
+        RUNS_FINISHED.labels(status=status.value).inc()
+
+
 def watch_process(active_runs: Sized, listener_ready: threading.Event) -> None:
     """Read the in-flight and listener gauges from the process's registry and listener at scrape time."""
     RUNS_IN_FLIGHT.set_function(lambda: len(active_runs))
     CANCEL_LISTENER_CONNECTED.set_function(lambda: 1.0 if listener_ready.is_set() else 0.0)
 
 
-def serve(port: int, host: str = "127.0.0.1") -> None:
-    """Serve /metrics on ``host:port`` from a daemon thread (loopback unless ``RUNBRAKE_HEALTH_HOST`` says
-    otherwise)."""
-    start_http_server(port, addr=host, registry=REGISTRY)
+class MetricsServer(Part):
+    """/metrics on ``host:port`` from a daemon thread (loopback unless ``RUNBRAKE_HEALTH_HOST`` says otherwise).
+    Binds when started: first in the process's parts, so a port already taken fails the process before any
+    other part starts."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        self._port = port
+        self._host = host
+        self._served: tuple[WSGIServer, threading.Thread] | None = None
+
+    def start(self) -> None:
+        self._served = start_http_server(self._port, addr=self._host, registry=REGISTRY)
+
+    def stop(self) -> None:
+        if self._served is not None and self._served[1].is_alive():
+            self._served[0].shutdown()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._served is not None:
+            self._served[1].join(timeout)
+            self._served[0].server_close()
+
+    def health(self) -> Health:
+        serving = self._served is not None and self._served[1].is_alive()
+        return Health(True, "serving") if serving else Health(False, "not serving")

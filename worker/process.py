@@ -3,7 +3,6 @@ event loop, worker/intake.py), the cancel listener, the backstop and the lease k
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
@@ -13,11 +12,12 @@ import pika
 import pika.exceptions
 import redis
 import structlog
+from dramatiq import Broker
 
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import StoreError
-from runbrake.shared.logging import configure_logging
+from runbrake.shared.logging import configure_logging, silenced
 from runbrake.shared.messaging._amqp_tables import harden_table_decoding
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
@@ -28,9 +28,10 @@ from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.cancel_requests import CancelRequestConsumer
-from runbrake.worker.health import WorkerHealth
+from runbrake.worker.health import health_parts
 from runbrake.worker.intake import Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
+from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.retention import Sweeper
@@ -85,25 +86,26 @@ def run_worker_process(
     if include_noop:
         declare_noop_actor(broker, settings)
         queues.add(topology.noop_queue)
-    if settings.metrics_port:
-        metrics.serve(settings.metrics_port + index, settings.health_host)
-        log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
-    listener = CancelListener(settings, store, registry)
-    metrics.watch_process(registry, listener.ready)
-    backstop = Backstop(settings, store, registry)
-    leases = LeaseKeeper(settings, store, registry)
-    sweeper = Sweeper(settings, store)
-    redriver = Redriver(settings, store, producer)
-    requests = CancelRequestConsumer(settings, store)  # docs/messages.md, "Cancel requests"
-    requests.start()
-    listener.start()
-    backstop.start()
-    leases.start()
-    sweeper.start()
-    redriver.start()
     stop = threading.Event()
     draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
     hurry = threading.Event()  # a second signal: hand the runs over now, without waiting out the drain
+    listener = CancelListener(settings, store, registry)
+    metrics.watch_process(registry, listener.ready)
+    # The parts, in start order (docs/architecture.md, "The worker's parts"); stopped in reverse once the
+    # intake has drained, so the listener still interrupts and the lease keeper still renews during the drain.
+    # Built first: a health port already taken fails the process before it starts a part or takes a run.
+    parts: list[Part] = [
+        *([metrics.MetricsServer(settings.metrics_port + index, settings.health_host)] if settings.metrics_port
+          else []),
+        CancelRequestConsumer(settings, store),  # docs/messages.md, "Cancel requests"
+        listener,
+        Backstop(settings, store, registry),
+        LeaseKeeper(settings, store, registry),
+        Sweeper(settings, store),
+        Redriver(settings, store, producer),
+        *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
+                      consumers=lambda: intake.consumer_status(topology.run_queue)),
+    ]
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if draining.is_set():
@@ -116,35 +118,43 @@ def run_worker_process(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # Before consuming: a health port already taken fails the process before it takes a run.
-    health = WorkerHealth.start(settings, store, index=index, listener_ready=listener.ready, draining=draining,
-                                consumers=lambda: intake.consumer_status(topology.run_queue))
+    start_all(parts)
+    if settings.metrics_port:
+        log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
     log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
              queues=sorted(queues), listener_ready=listener.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
-        if not listener.is_alive():
-            # Should never happen (the listener survives its own errors); if it does, say so loudly.
-            log.critical("cancel_listener_died", action="starting a new one")
-            listener = CancelListener(settings, store, registry, ready=listener.ready)
-            listener.start()
+        _replace_dead(parts)
     drain(intake, registry, drain_s=settings.drain_s, hurry=hurry)
     intake.stop(grace_s=SHUTDOWN_GRACE_S)  # what is left after the hand-over is failed worker_shutdown
-    listener.stop()
-    requests.stop()
-    backstop.stop()
-    leases.stop()
-    sweeper.stop()
-    redriver.stop()
-    health.stop()
-    listener.join(5)
-    requests.join(5)
-    broker.close()
+    stop_all(parts, join_s=PART_JOIN_S)
+    _close_quietly(broker)
     store.close()
     log.info("worker_stopped")
     return 0
+
+
+PART_JOIN_S = 5.0
+"""How long a stopping part is waited for."""
+
+
+def _replace_dead(parts: list[Part]) -> None:
+    """Start a fresh part in place of one whose thread died, where it has one (the cancel listener)."""
+    for position, part in enumerate(parts):
+        health = part.health()
+        if health.ok:
+            continue
+        replacement = part.replacement()
+        if replacement is None:
+            continue
+        # Should never happen (the listener survives its own errors); if it does, say so loudly.
+        log.critical(f"{getattr(part, 'role', type(part).__name__)}_died", detail=health.detail,
+                     action="starting a new one")
+        parts[position] = replacement
+        replacement.start()
 
 
 HANDOVER_WAIT_S = 10.0
@@ -194,10 +204,15 @@ def _check_rabbitmq(settings: Settings) -> None:
     parameters = pika.URLParameters(settings.rabbitmq_url)
     parameters.connection_attempts = 1
     # pika logs each failed step itself, several lines with tracebacks; the caller says it in one.
-    pika_log = logging.getLogger("pika")
-    level, pika_log.level = pika_log.level, logging.CRITICAL
-    try:
+    with silenced("pika"):
         connection = pika.BlockingConnection(parameters)
-    finally:
-        pika_log.setLevel(level)
     connection.close()
+
+
+def _close_quietly(broker: Broker) -> None:
+    """Close the broker's connections, once every thread that used them has stopped. Dramatiq's broker keeps
+    a connection per thread that declared a queue or sent a message (each consumer thread declares its queue
+    through one, then never touches it again): RabbitMQ has dropped the idle ones (shared/logging.py,
+    ``silenced``)."""
+    with silenced("pika"):
+        broker.close()

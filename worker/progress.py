@@ -9,7 +9,8 @@ inside the window is superseded by the next one after it. When the call ends, :m
 call_ended` forgets the report (one HDEL, only for calls that reported), before the call's step is
 recorded. A lock orders the writes: a report still being written when the call ends lands before the
 clear, and none is written after it. Progress is a courtesy: a failed write is logged, never a reason
-to fail the call.
+to fail the call. :class:`ProgressSubscriber` is how the worker's subscriber list (worker/subscribers.py)
+reaches a reporter per call.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mcp.shared.dispatcher import ProgressFnT
 
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.worker.conversation import ToolCall
+from runbrake.worker.subscribers import Subscriber
 
 log = structlog.get_logger(__name__)
 
@@ -85,3 +87,29 @@ class ProgressReporter:
             if self._written:
                 self._written = False
                 await self._store.clear_progress(self._run_id)
+
+
+class ProgressSubscriber(Subscriber):
+    """Keeps the progress of each run's call in flight (a :class:`ProgressReporter` per call), as a
+    subscriber of the worker's list (worker/subscribers.py)."""
+
+    def __init__(self, store: AsyncRunStore) -> None:
+        self._store = store
+        self._open: dict[str, tuple[ProgressReporter, ProgressFnT]] = {}
+        """Run id → the reporter of its call in flight and that call's callback (a run has one at a time)."""
+
+    def before_tool_call(self, run_id: str, call: ToolCall) -> None:
+        reporter = ProgressReporter(self._store, run_id)
+        self._open[run_id] = (reporter, reporter.for_call(call))
+
+    async def on_tool_progress(
+        self, run_id: str, call: ToolCall, progress: float, total: float | None, message: str | None
+    ) -> None:
+        opened = self._open.get(run_id)
+        if opened is not None:
+            await opened[1](progress, total, message)
+
+    async def after_tool_call(self, run_id: str, call: ToolCall) -> None:
+        opened = self._open.pop(run_id, None)
+        if opened is not None:
+            await opened[0].call_ended()

@@ -11,7 +11,6 @@ a duplicate message is harmless anyway because the claim is guarded.
 
 from __future__ import annotations
 
-import threading
 from typing import Protocol
 
 import structlog
@@ -20,6 +19,7 @@ from runbrake.shared.errors import PublishError, StoreError
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
+from runbrake.worker.parts import Periodic
 
 log = structlog.get_logger(__name__)
 
@@ -28,21 +28,18 @@ class Sender(Protocol):
     def send(self, run_id: str, *, resume: bool = False) -> None: ...
 
 
-class Redriver(threading.Thread):
+class Redriver(Periodic):
     """Every quarter of ``RUNBRAKE_REDRIVE_S`` (at least a second), re-sends the messages of runs nobody
     claimed within ``RUNBRAKE_REDRIVE_S``."""
 
     def __init__(self, settings: Settings, store: RunStore, sender: Sender) -> None:
-        super().__init__(name="runbrake-redriver", daemon=True)
+        super().__init__("runbrake-redriver", interval_s=max(1.0, settings.redrive_s / 4))
         self._after_s = settings.redrive_s
-        self._interval_s = max(1.0, settings.redrive_s / 4)
         self._store = store
         self._sender = sender
-        self._stopping = threading.Event()
 
-    def run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
-            self.redrive()
+    def tick(self) -> None:
+        self.redrive()
 
     def redrive(self) -> int:
         """Re-send what is due now; returns how many. A store or broker outage is logged, tried again later."""
@@ -62,6 +59,3 @@ class Redriver(threading.Thread):
             metrics.RUNS_REDRIVEN.inc()
             log.warning("run_redriven", run_id=run_id, resume=resume, unclaimed_for_s=self._after_s)
         return sent
-
-    def stop(self) -> None:
-        self._stopping.set()

@@ -10,32 +10,29 @@ processes may delete the same run: deleting is idempotent.
 
 from __future__ import annotations
 
-import threading
-
 import structlog
 
 from runbrake.shared.errors import StoreError
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
+from runbrake.worker.parts import Periodic
 
 log = structlog.get_logger(__name__)
 
 MAX_SWEEP_INTERVAL_S = 30.0
 
 
-class Sweeper(threading.Thread):
+class Sweeper(Periodic):
     """Deletes the finished runs whose retention ended, every few seconds (at most every half retention)."""
 
     def __init__(self, settings: Settings, store: RunStore) -> None:
-        super().__init__(name="runbrake-retention-sweeper", daemon=True)
-        self._interval_s = min(MAX_SWEEP_INTERVAL_S, max(0.5, settings.retention_s / 2))
-        self._enabled = settings.retention_s > 0
+        super().__init__("runbrake-retention-sweeper",
+                         interval_s=min(MAX_SWEEP_INTERVAL_S, max(0.5, settings.retention_s / 2)),
+                         enabled=settings.retention_s > 0)
         self._store = store
-        self._stopping = threading.Event()
 
-    def run(self) -> None:
-        while self._enabled and not self._stopping.wait(self._interval_s):
-            self.sweep()
+    def tick(self) -> None:
+        self.sweep()
 
     def sweep(self) -> int:
         """Delete what is due now; a store outage is logged and tried again next time. Returns the count."""
@@ -47,6 +44,3 @@ class Sweeper(threading.Thread):
         if deleted:
             log.info("runs_expired", count=len(deleted))
         return len(deleted)
-
-    def stop(self) -> None:
-        self._stopping.set()

@@ -17,8 +17,9 @@ import functools
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
@@ -30,25 +31,23 @@ from runbrake.shared.catalog import Admission, AdmittedRun
 from runbrake.shared.errors import (
     CancelRequested,
     OwnershipLost,
-    ProviderError,
     RunBoundReached,
     RunbrakeError,
     SpecError,
     StoreError,
 )
-from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import Claim
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
-from runbrake.shared.timeline import step_outcome
 from runbrake.worker import metrics
 from runbrake.worker.loop import HANDOFF_REASON, LoopEnd, LoopEndKind, LoopState, ToolLoop
 from runbrake.worker.models import provider_for
-from runbrake.worker.progress import ProgressReporter
+from runbrake.worker.progress import ProgressSubscriber
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
+from runbrake.worker.subscribers import Subscriber, Subscribers
 from runbrake.worker.toolbox import Toolbox
 
 log = structlog.get_logger(__name__)
@@ -80,9 +79,11 @@ class RunHooks:
     cancel the listener already verified needs no read at all.
     """
 
-    def __init__(self, store: AsyncRunStore, handle: RunHandle, *, max_steps: int, lease_s: float = 60.0) -> None:
+    def __init__(self, store: AsyncRunStore, handle: RunHandle, *, max_steps: int, lease_s: float = 60.0,
+                 subscribers: Subscribers | None = None) -> None:
         self._store = store
         self._handle = handle
+        self._subscribers = Subscribers() if subscribers is None else subscribers
         self._max_steps = max_steps
         self._lease_s = lease_s
         self._probed = False
@@ -94,11 +95,7 @@ class RunHooks:
             lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner),
             within_s=self._lease_s, what="append_step")
         self._probed = True
-        outcome = step_outcome(step)
-        if step.kind is StepKind.TOOL and step.tool_server is not None:
-            metrics.TOOL_CALLS.labels(server=step.tool_server, outcome=outcome).inc()
-        if outcome == ToolOutcome.CANCELLED.value:
-            await self._observe_cancel_latency(appended.step)
+        await self._subscribers.step(self._handle.run_id, appended.step)
         if appended.cancelled or self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
         if appended.step.sequence >= self._max_steps:
@@ -127,11 +124,6 @@ class RunHooks:
     @property
     def handing_over(self) -> bool:
         return self._handle.handing_over
-
-    async def _observe_cancel_latency(self, step: RunStep) -> None:
-        request = await self._store.cancel_request(self._handle.run_id)
-        if request is not None:
-            metrics.CANCEL_LATENCY.observe(max(0.0, step.recorded_at - request.requested_at))
 
 
 async def durably(write: Callable[[], Awaitable[T]], *, within_s: float, what: str) -> T:
@@ -162,19 +154,67 @@ def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How an exception out of a segment ends the run: its termination reason, what the record says, and
+    the event logged (the runtime logs the few that carry more, worker/runtime.py ``Runtime._ended_by``)."""
+
+    reason: TerminationReason
+    error: str
+    event: str = ""
+
+
+def ending_of(exc: BaseException) -> Ending:
+    """The one map from what ended a segment to the reason the run ends with (docs/labels.md,
+    "Termination reason (`termination_reason`)").
+
+    A runbrake error says its own (``RunbrakeError.reason``, ``CancelRequested.reason``: shared/errors.py);
+    ``OwnershipLost`` means another writer owns the run now (nothing is settled: the reaper says
+    ``lease_lost``); the runtime's own time limit is anyio's ``TimeoutError``; any other exception is a fault
+    of the tool loop; anything else (a ``BaseException``: the worker interrupted the segment on its way out,
+    worker/intake.py ``Intake.interrupt_all``) is recorded ``worker_shutdown``, rather than leave the run
+    "running" forever, and re-raised.
+    """
+    if isinstance(exc, OwnershipLost):
+        return Ending(TerminationReason.LEASE_LOST, "")
+    if isinstance(exc, CancelRequested):
+        return Ending(exc.reason, "")
+    if isinstance(exc, RunbrakeError) and exc.reason is not None:
+        if isinstance(exc, SpecError):
+            return Ending(exc.reason, f"spec refused: {exc}")
+        return Ending(exc.reason, str(exc), _EVENTS.get(exc.reason, "run_failed"))
+    if isinstance(exc, TimeoutError):
+        return Ending(TerminationReason.TIME_LIMIT, str(exc))
+    if isinstance(exc, Exception):
+        return Ending(TerminationReason.TOOL_LOOP_ERROR, f"{type(exc).__name__}: {exc}")
+    return Ending(TerminationReason.WORKER_SHUTDOWN, "the worker stopped while the run was executing")
+
+
+_EVENTS = {
+    TerminationReason.PROVIDER_FAILED: "run_provider_failed",
+    TerminationReason.MAX_STEPS: "run_bound_reached",
+    TerminationReason.TOO_MANY_TOOL_CALLS: "run_bound_reached",
+}
+"""The log event of a run ended by a runbrake error's own reason."""
+
+
 class Runtime:
     """Executes run segments in one worker process."""
 
     def __init__(
         self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission,
-        sender: Sender | None = None,
+        sender: Sender | None = None, *, subscribers: Sequence[Subscriber] | None = None,
     ) -> None:
+        """``subscribers`` hear the runs' events (worker/subscribers.py); by default the metrics and the
+        progress of the call in flight."""
         self._settings = settings
         self._store = store
         self.registry = registry
         self._admission = admission
         self._sender = sender
         """Sends a handed-over run's message (None: the re-drive sends it, RUNBRAKE_REDRIVE_S later)."""
+        self.subscribers = Subscribers(
+            [metrics.MetricsSubscriber(store), ProgressSubscriber(store)] if subscribers is None else subscribers)
 
     async def execute(
         self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None
@@ -194,7 +234,7 @@ class Runtime:
             if on_claim is not None:
                 on_claim(claim.won)
             if not claim.won:
-                metrics.MESSAGES_SKIPPED.inc()
+                self.subscribers.skip(run_id, claim.found if claim.exists else None)
                 if claim.exists:
                     log.info("run_message_skipped", found=claim.found.value)
                 else:
@@ -204,6 +244,7 @@ class Runtime:
                                 redis=self._store.where)
                 return RunOutcome.SKIPPED
             log.info("run_claimed", owner=owner)
+            self.subscribers.status(run_id, RunStatus.RUNNING)
             handle = self.registry.register(run_id, owner)
             try:
                 outcome = await self._ladder(run_id, owner, handle, claim, resume=resume)
@@ -217,47 +258,17 @@ class Runtime:
             # Checked again here: a producer can be bypassed by publishing to the queue directly.
             # A refused spec starts no process and opens no connection (docs/security.md).
             admitted = self._admission.admit(RunSpec.from_json(claim.request_json or ""))
-        except SpecError as exc:
-            log.warning("run_spec_refused", problems=[f"{p.field}: {p.msg}" for p in exc.problems])
-            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.SPEC_REFUSED,
-                                      f"spec refused: {exc}")
-        spec = admitted.spec
-        hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s)
-        try:
+            spec = admitted.spec
+            hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s,
+                             subscribers=self.subscribers)
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
                 # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
                 await hooks.checkpoint()
             with anyio.fail_after(self._settings.run_time_limit_s):
                 end = await self._run_loop(admitted, state, hooks)
-        except OwnershipLost:
-            # The run was reaped (this worker looked dead) or taken over: it is not ours to write any more.
-            log.warning("run_ownership_lost", owner=owner)
-            return RunOutcome.LOST
-        except CancelRequested:
-            log.info("run_cancelled_at_boundary")
-            metrics.RUNS_FINISHED.labels(status=RunStatus.CANCELLED.value).inc()
-            return RunOutcome.CANCELLED
-        except RunBoundReached as exc:
-            log.warning("run_bound_reached", reason=exc.reason.value, error=str(exc))
-            return await self._settle(run_id, owner, RunStatus.FAILED, exc.reason, str(exc))
-        except ProviderError as exc:
-            log.warning("run_provider_failed", error=str(exc))
-            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.PROVIDER_FAILED, str(exc))
-        except TimeoutError:
-            log.warning("run_time_limit", limit_s=self._settings.run_time_limit_s)
-            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TIME_LIMIT,
-                                f"segment exceeded {self._settings.run_time_limit_s} s")
-        except Exception as exc:
-            log.exception("run_tool_loop_error")
-            return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.TOOL_LOOP_ERROR,
-                                f"{type(exc).__name__}: {exc}")
-        except BaseException:
-            # The worker interrupted the segment on its way out (Intake.interrupt_all, worker/intake.py):
-            # say so in the record before going, rather than leave the run "running" forever.
-            await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.WORKER_SHUTDOWN,
-                         "the worker stopped while the run was executing")
-            raise
+        except BaseException as exc:  # noqa: BLE001 - every way a segment ends early, mapped in one place: ending_of
+            return await self._ended_by(run_id, owner, exc)
         if end.kind is LoopEndKind.SUSPENDED:
             return await self._suspend(run_id, owner, end)
         if end.kind is LoopEndKind.HANDOFF:
@@ -271,13 +282,43 @@ class Runtime:
             appended, transition = await durably(
                 lambda: self._store.complete(run_id, final, owner=owner, token=token),
                 within_s=self._settings.lease_s, what="complete")
-        except OwnershipLost:
-            log.warning("run_ownership_lost", owner=owner)
-            return RunOutcome.LOST
+        except OwnershipLost as exc:
+            return await self._ended_by(run_id, owner, exc)
+        await self.subscribers.step(run_id, appended.step)
         if not transition.won:
             log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
-            return self._lost(transition.found)
-        return self._settled(RunStatus.COMPLETED, TerminationReason.COMPLETED)
+            return self._lost(run_id, transition.found)
+        return self._settled(run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED)
+
+    async def _ended_by(self, run_id: str, owner: str, exc: BaseException) -> RunOutcome:
+        """End the segment as ``exc`` says (:func:`ending_of`): log it, settle the run unless the ending says
+        not to, and re-raise what stops the worker itself."""
+        ending = ending_of(exc)
+        if ending.reason is TerminationReason.LEASE_LOST:
+            # The run was reaped (this worker looked dead) or taken over: it is not ours to write any more.
+            log.warning("run_ownership_lost", owner=owner)
+            return RunOutcome.LOST
+        if ending.reason is TerminationReason.CANCELLED:
+            # The cancel already won the terminal transition: nothing to settle.
+            log.info("run_cancelled_at_boundary")
+            self.subscribers.settle(run_id, RunStatus.CANCELLED, TerminationReason.CANCELLED)
+            return RunOutcome.CANCELLED
+        error = ending.error
+        if ending.reason is TerminationReason.SPEC_REFUSED:
+            assert isinstance(exc, SpecError)
+            log.warning("run_spec_refused", problems=[f"{p.field}: {p.msg}" for p in exc.problems])
+        elif ending.reason is TerminationReason.TIME_LIMIT:
+            log.warning("run_time_limit", limit_s=self._settings.run_time_limit_s)
+            error = f"segment exceeded {self._settings.run_time_limit_s} s"
+        elif ending.reason is TerminationReason.TOOL_LOOP_ERROR:
+            log.error("run_tool_loop_error", exc_info=exc)
+        elif ending.event:
+            log.warning(ending.event, **({"reason": ending.reason.value} if isinstance(exc, RunBoundReached) else {}),
+                        error=str(exc))
+        outcome = await self._settle(run_id, owner, RunStatus.FAILED, ending.reason, error)
+        if ending.reason is TerminationReason.WORKER_SHUTDOWN:
+            raise exc
+        return outcome
 
     async def _run_loop(self, admitted: AdmittedRun, state: LoopState, hooks: RunHooks) -> LoopEnd:
         spec = admitted.spec
@@ -285,7 +326,7 @@ class Runtime:
         timeout_s = spec.tool_timeout_s if "tool_timeout_s" in spec.raw else None
         async with Toolbox.open(
             admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars,
-            progress=ProgressReporter(self._store, hooks.run_id),
+            calls=self.subscribers.tool_calls(hooks.run_id),
         ) as toolbox:
             loop = ToolLoop(
                 provider_for(admitted.model), toolbox, hooks,
@@ -315,9 +356,10 @@ class Runtime:
         assert end.state is not None
         transition = await self._store.suspend(run_id, owner, end.state.to_dict())
         if not transition.won:
-            return self._lost(transition.found)
+            return self._lost(run_id, transition.found)
         call = end.state.pending_calls[0]
         log.info("run_waiting_for_approval", tool=call.qualified_name)
+        self.subscribers.status(run_id, RunStatus.WAITING_FOR_APPROVAL)
         return RunOutcome.SUSPENDED
 
     async def _hand_over(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
@@ -332,13 +374,13 @@ class Runtime:
             appended, transition = await durably(
                 lambda: self._store.hand_over(run_id, step, owner=owner, pending=pending, token=token),
                 within_s=self._settings.lease_s, what="hand_over")
-        except OwnershipLost:
-            log.warning("run_ownership_lost", owner=owner)
-            return RunOutcome.LOST
+        except OwnershipLost as exc:
+            return await self._ended_by(run_id, owner, exc)
+        await self.subscribers.step(run_id, appended.step)
         if not transition.won:
-            return self._lost(transition.found)
+            return self._lost(run_id, transition.found)
         log.info("run_handed_over", sequence=appended.step.sequence, pending_calls=len(end.state.pending_calls))
-        metrics.HANDOFFS.inc()
+        self.subscribers.status(run_id, RunStatus.QUEUED)
         if self._sender is not None:
             try:
                 await anyio.to_thread.run_sync(functools.partial(self._sender.send, run_id))
@@ -354,20 +396,18 @@ class Runtime:
             lambda: self._store.settle(run_id, status, reason, owner=owner, error=error),
             within_s=self._settings.lease_s, what="settle")
         if not transition.won:
-            return self._lost(transition.found)
-        return self._settled(status, reason)
+            return self._lost(run_id, transition.found)
+        return self._settled(run_id, status, reason)
 
-    @staticmethod
-    def _settled(status: RunStatus, reason: TerminationReason) -> RunOutcome:
-        metrics.RUNS_FINISHED.labels(status=status.value).inc()
+    def _settled(self, run_id: str, status: RunStatus, reason: TerminationReason) -> RunOutcome:
+        self.subscribers.settle(run_id, status, reason)
         log.debug("run_settled", status=status.value, reason=reason.value)
         return RunOutcome.COMPLETED if status is RunStatus.COMPLETED else RunOutcome.FAILED
 
-    @staticmethod
-    def _lost(found: RunStatus) -> RunOutcome:
+    def _lost(self, run_id: str, found: RunStatus) -> RunOutcome:
         # Terminal is terminal: a cancel (or another writer) ended the run first; the store logged it.
         log.info("run_settle_lost", found=found.value)
         if found is RunStatus.CANCELLED:
-            metrics.RUNS_FINISHED.labels(status=RunStatus.CANCELLED.value).inc()
+            self.subscribers.settle(run_id, RunStatus.CANCELLED, None)
             return RunOutcome.CANCELLED
         return RunOutcome.LOST

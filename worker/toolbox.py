@@ -15,7 +15,7 @@ from runbrake.shared.tool_result import ToolResult
 from runbrake.worker import mcp_tool
 from runbrake.worker.conversation import ToolCall, ToolInfo
 from runbrake.worker.mcp_transport import McpConnection
-from runbrake.worker.progress import ProgressReporter
+from runbrake.worker.subscribers import ToolCallEvents
 
 log = structlog.get_logger(__name__)
 
@@ -46,7 +46,7 @@ class Toolbox:
 
     def __init__(
         self, servers: Mapping[str, McpServerSpec], *, timeout_s: float | None, max_chars: int,
-        progress: ProgressReporter | None = None,
+        calls: ToolCallEvents | None = None,
     ) -> None:
         self._servers = servers
         self._connections: dict[str, McpConnection] = {}
@@ -55,13 +55,13 @@ class Toolbox:
         self._offered: set[tuple[str, str]] = set()
         self._timeout_s = timeout_s
         self._max_chars = max_chars
-        self._progress = progress
+        self._calls = calls
 
     @classmethod
     @asynccontextmanager
     async def open(
         cls, servers: Mapping[str, McpServerSpec], *, timeout_s: float | None, max_chars: int,
-        progress: ProgressReporter | None = None,
+        calls: ToolCallEvents | None = None,
     ) -> AsyncIterator[Toolbox]:
         """Connect to every server and list its tools; closes them all on exit, in this task.
 
@@ -69,9 +69,10 @@ class Toolbox:
             servers: the servers by name.
             timeout_s: the run's own limit for one call, if it set one (capped by a server's timeout_s).
             max_chars: the bound on each content channel of a result.
-            progress: keeps each call's MCP progress notifications (worker/progress.py).
+            calls: told when each call starts and ends and what progress its server reports (the worker's
+                subscribers, worker/subscribers.py; the progress of the call in flight is one).
         """
-        toolbox = cls(servers, timeout_s=timeout_s, max_chars=max_chars, progress=progress)
+        toolbox = cls(servers, timeout_s=timeout_s, max_chars=max_chars, calls=calls)
         async with AsyncExitStack() as stack:
             for name, spec in servers.items():
                 try:
@@ -110,13 +111,13 @@ class Toolbox:
     ) -> ToolResult:
         limits = [t for t in (self._timeout_s, server.timeout_s) if t is not None]
         timeout_s = min(limits) if limits else DEFAULT_TIMEOUT_S
-        if self._progress is None:
+        if self._calls is None:
             return await mcp_tool.execute(
                 connection, call, timeout_s=timeout_s, interrupt=interrupt, max_chars=self._max_chars
             )
         try:
             return await mcp_tool.execute(connection, call, timeout_s=timeout_s, interrupt=interrupt,
-                                          max_chars=self._max_chars, progress=self._progress.for_call(call))
+                                          max_chars=self._max_chars, progress=self._calls.for_call(call))
         finally:
             with anyio.CancelScope(shield=True):
-                await self._progress.call_ended()
+                await self._calls.call_ended()
