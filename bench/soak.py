@@ -20,8 +20,8 @@ over, docs/architecture.md, "Drain and hand-over"), and ``runbrake serve`` with 
 Every ``--sample-s`` (30 s in the hour, 10 s below 30 minutes) it samples each process's RSS, open file
 descriptors and CPU time (/proc), Redis (``INFO memory`` used_memory: the whole server, which other users
 share; and the namespace's own key count and summed ``MEMORY USAGE``), the queue depths (passive
-``queue_declare``: RabbitMQ's management plugin is not assumed). The worker exposes no event-loop lag,
-so none is measured (the summary says so).
+``queue_declare``: RabbitMQ's management plugin is not assumed), and each worker's event-loop lag as its
+``/healthz`` reports it (how long a no-op scheduled on the loop took to run, worker/health.py).
 
 Pass when every criterion holds (the JSON summary names each, and the exit code is 1 when one fails):
 every run ended terminal (none stuck) with its shape's expected status; every restart handed over at
@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 import sys
 import threading
 import time
@@ -50,7 +52,18 @@ import httpx2
 import pika
 import pika.exceptions
 
-from bench._harness import RESULTS_DIR, SERVER_NAME, Bench, JsonLines, ManagedProcess, Worker, machine, print_machine
+from bench._harness import (
+    RESULTS_DIR,
+    SERVER_NAME,
+    Bench,
+    JsonLines,
+    ManagedProcess,
+    Worker,
+    free_port,
+    machine,
+    percentile,
+    print_machine,
+)
 from bench.api import start_api
 from runbrake.shared import operations
 from runbrake.shared.errors import RunbrakeError
@@ -70,6 +83,9 @@ LONG_S = 8.0
 CANCEL_CALL_S = 60.0
 WORKER_CONCURRENCY = 32
 DRAIN_S = 1
+WORKER_START_TIMEOUT_S = 120.0
+"""A worker's start (imports, connections, its first log line) took over 30 s on a 2-core machine shared by
+several test runs."""
 POLL_S = 1.0
 """How often the run statuses are read (well under the retention, so no finished run is swept unseen)."""
 SETTLE_TIMEOUT_S = 120.0
@@ -81,7 +97,9 @@ FD_GROWTH_MAX = 0.10
 REDIS_GROWTH_MAX = 0.10
 LIFELONG = ("toolbox", "serve", "worker_steady")
 """The processes that live the whole soak: the growth criteria are theirs (the rolling worker restarts)."""
-LOOP_LAG = "not measured: the worker exposes no event-loop lag"
+LOOP_ANSWER = re.compile(r"answered in ([0-9.]+) ms")
+"""The detail of /healthz's event_loop check (worker/health.py, ``event_loop_check``)."""
+WORKERS = ("worker_steady", "worker_rolling")
 
 
 @dataclass(frozen=True)
@@ -362,6 +380,34 @@ def queue_depths(bench: Bench) -> dict[str, int | None]:
     return depths
 
 
+def loop_lag_ms(port: int) -> float | None:
+    """The worker's event-loop lag as its ``/healthz`` reports it, in ms; ``None`` when it does not answer."""
+    try:
+        body = httpx2.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
+        match = LOOP_ANSWER.search(str(body["checks"]["event_loop"]["detail"]))
+    except (httpx2.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return float(match.group(1)) if match else None
+
+
+def free_port_pair() -> int:
+    """A loopback port that is free, as is the next one (the workers' health ports: port + ``--index``)."""
+    for _ in range(20):
+        port = free_port()
+        if port < 65535 and _port_free(port + 1):
+            return port
+    raise RuntimeError("no two free loopback ports in a row")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def growth(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """The rise of the least-squares line through ``points`` (t, value) over their span, and its value at
     the start of the span."""
@@ -395,8 +441,10 @@ class Soak:
         self.plan = plan
         self.server = bench.start_toolbox()
         self.url = start_api(bench)
-        self.steady = self._start_worker("worker steady")
-        self.rolling = self._start_worker("worker rolling")
+        self.health_port = free_port_pair()
+        bench.env["RUNBRAKE_HEALTH_PORT"] = str(self.health_port)  # the workers' /healthz, for the loop lag
+        self.steady = self._start_worker("worker steady", index=0)
+        self.rolling = self._start_worker("worker rolling", index=1)
         self.rolling_log_lines: list[dict[str, Any]] = []
         broker = build_broker(bench.settings)
         bench.on_close(broker.close)
@@ -410,9 +458,11 @@ class Soak:
         self._restarting: threading.Thread | None = None
         self._started = 0.0
 
-    def _start_worker(self, name: str) -> Worker:
+    def _start_worker(self, name: str, *, index: int) -> Worker:
+        """A worker process; its ``/healthz`` is on the health port + ``index``."""
         return self.bench.start_logging_process(
-            name, ["-m", "runbrake.worker", "--concurrency", str(WORKER_CONCURRENCY)])
+            name, ["-m", "runbrake.worker", "--concurrency", str(WORKER_CONCURRENCY), "--index", str(index)],
+            timeout=WORKER_START_TIMEOUT_S)
 
     def processes(self) -> dict[str, ManagedProcess]:
         api = next(p for p in self.bench._processes if p.name == "runbrake serve")
@@ -464,6 +514,7 @@ class Soak:
             "processes": {name: process_sample(p.pid) for name, p in self.processes().items()},
             "redis": redis_sample(self.bench),
             "queues": queue_depths(self.bench),
+            "loop_lag_ms": {name: loop_lag_ms(self.health_port + index) for index, name in enumerate(WORKERS)},
             "live_runs": len(self.tracker.live),
         })
 
@@ -481,7 +532,7 @@ class Soak:
         restart.exit_code = old.process.stop()
         old.log.read_new()
         restart.handed_over = sum(1 for e in old.log.entries if e.get("event") == "run_handed_over")
-        self.rolling = self._start_worker("worker rolling")
+        self.rolling = self._start_worker("worker rolling", index=1)
 
     def summary(self) -> dict[str, Any]:
         plan, tracker = self.plan, self.tracker
@@ -531,10 +582,20 @@ class Soak:
                               "terminal_runs_seen": sum(1 for r in tracker.runs if r in self.events.terminal),
                               "reconnects": self.events.reconnects, "errors": dict(self.events.errors)},
             "growth_after_warmup": trends,
-            "loop_lag": LOOP_LAG,
+            "loop_lag_ms": self._loop_lag(),
             "processes_alive_at_end": alive,
             "samples": self.samples,
         }
+
+    def _loop_lag(self) -> dict[str, dict[str, float | int]]:
+        """Each worker's loop lag over the samples: p50, p95, max, and how many samples had none."""
+        lags: dict[str, dict[str, float | int]] = {}
+        for name in WORKERS:
+            values = sorted(v for s in self.samples if (v := s["loop_lag_ms"][name]) is not None)
+            missing = sum(1 for s in self.samples if s["loop_lag_ms"][name] is None)
+            lags[name] = {"samples": len(values), "unanswered": missing} | (
+                {"p50": percentile(values, 50), "p95": percentile(values, 95), "max": values[-1]} if values else {})
+        return lags
 
     def _trends(self, window: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         trends: dict[str, dict[str, float]] = {}
