@@ -1,5 +1,6 @@
 """One worker process: the intake (a few Dramatiq consumer threads feeding ``--concurrency`` runs on the
-event loop, worker/intake.py), the cancel listener, the backstop and the lease keeper."""
+event loop, worker/intake.py), the cancel listener, the cancel- and run-request consumers, the backstop and the
+lease keeper."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.retention import Sweeper
+from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -77,8 +79,8 @@ def run_worker_process(
     broker = build_broker(settings)
     producer = Producer(store, broker)
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
-    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings),
-                      sender=producer)
+    admission = Admission.from_settings(settings)
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer)
     topology = Topology.of(settings)
     intake = Intake(runtime, concurrency=concurrency)
     declare_run_actor(broker, intake, settings)
@@ -98,6 +100,8 @@ def run_worker_process(
         *([metrics.MetricsServer(settings.metrics_port + index, settings.health_host)] if settings.metrics_port
           else []),
         CancelRequestConsumer(settings, store),  # docs/messages.md, "Cancel requests"
+        # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
+        RunRequestConsumer(settings, Producer(store, broker, admission)),
         listener,
         Backstop(settings, store, registry),
         LeaseKeeper(settings, store, registry),
