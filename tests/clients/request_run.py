@@ -3,7 +3,7 @@ runbrake.
 
     python request_run.py AMQP_URL NAMESPACE BODY [--no-reply] [--message-id ID] [--reply-to QUEUE]
 
-BODY (a run spec, or anything: the tests also send malformed ones) is published as it is, with publisher
+BODY (a run spec, or anything: the tests also send malformed ones; ``-`` reads it from stdin) is published as it is, with publisher
 confirms and ``mandatory``. By default the answer is awaited on an exclusive, server-named queue, matched by
 ``correlation_id``, and printed on stdout as one JSON line; ``--reply-to`` names another queue to answer (the
 answer is then not awaited), ``--no-reply`` asks for none. Exit 0 once the request was confirmed (and answered,
@@ -66,7 +66,8 @@ if __name__ == "__main__":
     parser.add_argument("--reply-to")
     args = parser.parse_args()
     try:
-        answer = request_run(args.url, args.namespace, args.body.encode("utf-8"), reply=not args.no_reply,
+        body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode("utf-8")
+        answer = request_run(args.url, args.namespace, body, reply=not args.no_reply,
                              message_id=args.message_id, reply_to=args.reply_to)
     except (pika.exceptions.AMQPError, TimeoutError) as exc:
         print(f"not answered: {exc!r}", file=sys.stderr)
