@@ -129,7 +129,7 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("body, loc", HOSTILE.values(), ids=HOSTILE.keys())
+@pytest.mark.parametrize(("body", "loc"), HOSTILE.values(), ids=HOSTILE.keys())
 def test_an_invalid_spec_is_answered_with_errors_naming_the_field_and_nothing_is_written(
     body: str, loc: list[str], worker: WorkerProcess, store: RunStore, rabbitmq: Settings
 ) -> None:

@@ -3,12 +3,13 @@ runbrake.
 
     python request_run.py AMQP_URL NAMESPACE BODY [--no-reply] [--message-id ID] [--reply-to QUEUE]
 
-BODY (a run spec, or anything: the tests also send malformed ones; ``-`` reads it from stdin) is published as it is, with publisher
-confirms and ``mandatory``. By default the answer is awaited on an exclusive, server-named queue, matched by
-``correlation_id``, and printed on stdout as one JSON line; ``--reply-to`` names another queue to answer (the
-answer is then not awaited), ``--no-reply`` asks for none. Exit 0 once the request was confirmed (and answered,
-when awaited); 1 when it was returned unroutable (no worker of the namespace ever started), not confirmed, or
-not answered within 60 s.
+BODY (a run spec, or anything: the tests also send malformed ones; ``-`` reads it from stdin) is published
+as it is, with publisher confirms and ``mandatory``. By default the answer is awaited on an exclusive,
+server-named queue, matched by ``correlation_id``, and printed on stdout as one JSON line; ``--reply-to``
+names another queue to answer (the answer is then not awaited), ``--no-reply`` asks for none.
+
+Exit 0 once the request was confirmed (and answered, when awaited); 1 when it was returned unroutable (no
+worker of the namespace ever started), not confirmed, or not answered within 60 s.
 """
 
 import argparse
