@@ -92,6 +92,8 @@ def run_worker_process(
     draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
     hurry = threading.Event()  # a second signal: hand the runs over now, without waiting out the drain
     listener = CancelListener(settings, store, registry)
+    # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
+    run_requests = RunRequestConsumer(settings, Producer(store, broker, admission))
     metrics.watch_process(registry, listener.ready)
     # The parts, in start order (docs/architecture.md, "The worker's parts"); stopped in reverse once the
     # intake has drained, so the listener still interrupts and the lease keeper still renews during the drain.
@@ -101,7 +103,7 @@ def run_worker_process(
           else []),
         CancelRequestConsumer(settings, store),  # docs/messages.md, "Cancel requests"
         # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
-        RunRequestConsumer(settings, Producer(store, broker, admission)),
+        run_requests,
         listener,
         Backstop(settings, store, registry),
         LeaseKeeper(settings, store, registry),
@@ -128,8 +130,10 @@ def run_worker_process(
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
+    run_requests.ready.wait(10)  # its queue declared: a request published from now on is routed
     log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
-             queues=sorted(queues), listener_ready=listener.ready.is_set())
+             queues=sorted(queues), listener_ready=listener.ready.is_set(),
+             run_requests_ready=run_requests.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         _replace_dead(parts)
     drain(intake, registry, drain_s=settings.drain_s, hurry=hurry)
