@@ -18,6 +18,7 @@ from typing import Any
 
 import pika
 import pytest
+from jsonschema import Draft202012Validator
 
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, DEAD_SIZE_HEADER, Topology
@@ -28,6 +29,18 @@ from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_
 pytestmark = pytest.mark.integration
 
 CLIENTS = Path(__file__).parent / "clients"
+MESSAGES_DOC = Path(__file__).resolve().parent.parent / "docs" / "messages.md"
+
+
+def answer_schema() -> Draft202012Validator:
+    """The JSON Schema of an answer, as docs/messages.md, "Run requests: JSON Schema", gives it."""
+    section = MESSAGES_DOC.read_text().split("## Run requests: JSON Schema", 1)[1]
+    schema = json.loads(section.split("```json", 1)[1].split("```", 1)[0])
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+ANSWER_SCHEMA = answer_schema()
 
 
 def request(settings: Settings, body: str | bytes, *options: str) -> subprocess.CompletedProcess[str]:
@@ -45,6 +58,7 @@ def answered(settings: Settings, body: str | bytes, *options: str) -> dict[str, 
     sent = request(settings, body, *options)
     assert sent.returncode == 0, sent.stderr
     answer: dict[str, Any] = json.loads(sent.stdout)
+    ANSWER_SCHEMA.validate(answer)  # every answer a test sees is one docs/messages.md describes
     return answer
 
 
@@ -219,6 +233,7 @@ def test_a_run_requested_from_node_with_amqplib_is_answered_and_completes(
 
     assert sent.returncode == 0, sent.stderr
     answer = json.loads(sent.stdout)
+    ANSWER_SCHEMA.validate(answer)
     assert (answer["status"], answer["created"]) == ("queued", True)
     completed_with_the_sum(store, answer["run_id"])
 
