@@ -9,7 +9,6 @@ answered with the errors; one with nobody to answer lands in ``<ns>.run-requests
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,13 +21,12 @@ from jsonschema import Draft202012Validator
 
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, DEAD_SIZE_HEADER, Topology
+from tests.amqp_clients import CLIENTS, node_client, queue_types
 from tests.mcp_helpers import Toolbox
-from tests.test_cancel_requests import _amqplib
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
 
-CLIENTS = Path(__file__).parent / "clients"
 MESSAGES_DOC = Path(__file__).resolve().parent.parent / "docs" / "messages.md"
 
 
@@ -224,9 +222,7 @@ def test_a_reply_to_naming_a_queue_of_its_own_is_refused_so_a_reply_cannot_becom
 def test_a_run_requested_from_node_with_amqplib_is_answered_and_completes(
     worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore, rabbitmq: Settings
 ) -> None:
-    modules = _amqplib()
-    script = modules / "request_run.mjs"  # beside node_modules, so that its import finds amqplib
-    shutil.copy(CLIENTS / "request_run.mjs", script)
+    script = node_client("request_run.mjs")
 
     sent = subprocess.run(["node", str(script), rabbitmq.rabbitmq_url, rabbitmq.namespace, summing_spec(toolbox_http)],
                           capture_output=True, text=True, timeout=90, check=False)
@@ -244,11 +240,7 @@ def test_the_queues_are_quorum_queues_when_asked(
     start_worker(RUNBRAKE_QUEUE_TYPE="quorum")
     topology = Topology.of(rabbitmq)
 
-    listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "type"], capture_output=True, text=True,
-                            timeout=60, check=False)
+    types = queue_types()
 
-    if listed.returncode != 0:
-        pytest.skip(f"rabbitmqctl cannot list queues here: {listed.stderr.strip()}")
-    types = dict(line.split("\t")[:2] for line in listed.stdout.splitlines() if "\t" in line)
     assert types[topology.run_requests_queue] == "quorum"
     assert types[topology.run_requests_dead_queue] == "quorum"

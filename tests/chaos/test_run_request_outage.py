@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 
 from runbrake.shared import RunStatus, Settings
+from tests.amqp_clients import CLIENTS
 from tests.chaos.conftest import Client, PrivateRedis
 from tests.mcp_helpers import Toolbox
-from tests.test_run_requests import CLIENTS
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
