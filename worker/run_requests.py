@@ -100,6 +100,13 @@ class RunRequestConsumer(ConsumerThread):
                 self._connection.sleep(_STORE_RETRY_S)
             channel.basic_nack(delivery_tag=method.delivery_tag, requeue=True)
             return
+        except pika.exceptions.AMQPError:
+            raise  # the reconnecting loop (worker/_consumer.py) starts over; the request is delivered again
+        except Exception as exc:
+            # A bug must not loop the consumer on one message (it would come back after every restart).
+            log.exception("run_request_failed")
+            self._dead_letter(channel, method, properties, body, f"could not be handled: {exc!r}"[:300])
+            return
         if reply_to is None:
             if answer.refused is not None:
                 self._dead_letter(channel, method, properties, body, answer.refused)
@@ -138,7 +145,7 @@ class RunRequestConsumer(ConsumerThread):
         except PublishError as exc:
             log.warning("run_request_publish_failed", by=who, error=str(exc))
             return _refusal("RabbitMQ did not take the run's message; the run is failed (enqueue_failed)",
-                            [FieldProblem(loc=("spec",), msg="not enqueued: send the request again")])
+                            [FieldProblem(loc=("spec",), msg="the run's message was not confirmed by RabbitMQ")])
         log.info("run_request_enqueued" if enqueued.created else "run_request_deduplicated", run_id=enqueued.run_id,
                  by=who, status=enqueued.status.value)
         return Answer(encode_run_request_answer(enqueued.run_id, enqueued.status.value, created=enqueued.created))
