@@ -17,12 +17,18 @@ from typing import Any
 
 import pika
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
-from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, DEAD_SIZE_HEADER, Topology
+from runbrake.shared.catalog import Admission
+from runbrake.shared.errors import SpecError
+from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, DEAD_SIZE_HEADER, Topology, decode_run_request
 from tests.amqp_clients import CLIENTS, node_client, queue_types
 from tests.mcp_helpers import Toolbox
+from tests.polling import poll_until
+from tests.test_fuzz_inputs import SHAPED, examples
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -244,3 +250,63 @@ def test_the_queues_are_quorum_queues_when_asked(
 
     assert types[topology.run_requests_queue] == "quorum"
     assert types[topology.run_requests_dead_queue] == "quorum"
+
+
+# -- generated requests --------------------------------------------------------------------------
+
+_BATCHES = examples(ci=3, fuzz=150)
+_GOOD: dict[str, Any] = {"input": "generated", "model": {"provider": "scripted", "turns": [{"content": "done"}]}}
+_REQUESTS = (
+    st.dictionaries(st.sampled_from(("input", "model", "max_steps", "tool_timeout_s", "mcp_servers", "x")),
+                    SHAPED, max_size=3).map(lambda change: json.dumps({**_GOOD, **change}).encode())
+    | st.binary(max_size=80)
+)
+"""Run-request bodies: mostly a good spec with fields changed or added (no idempotency_key: each accepted one
+is a run of its own), and bytes."""
+
+
+def _accepted(body: bytes, admission: Admission, settings: Settings) -> bool:
+    try:
+        admission.admit(decode_run_request(body, max_bytes=settings.max_spec_bytes))
+    except SpecError:
+        return False
+    return True
+
+
+def test_generated_requests_are_enqueued_or_dead_lettered_and_the_consumer_goes_on(
+    worker: WorkerProcess, store: RunStore, rabbitmq: Settings
+) -> None:
+    """Without reply_to, each generated body the parser and the catalog accept is one run, and each other lands
+    in the dead-letter queue with its reason; nothing makes the consumer fail or restart."""
+    topology = Topology.of(rabbitmq)
+    admission = Admission.from_settings(rabbitmq)
+    runs = 0
+
+    @settings(max_examples=_BATCHES, suppress_health_check=list(HealthCheck), deadline=None)
+    @given(bodies=st.lists(_REQUESTS, min_size=1, max_size=6))
+    def batch(bodies: list[bytes]) -> None:
+        nonlocal runs
+        connection = pika.BlockingConnection(pika.URLParameters(rabbitmq.rabbitmq_url))
+        try:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            for body in bodies:
+                channel.basic_publish(topology.run_requests_exchange, topology.run_requests_routing_key, body,
+                                      pika.BasicProperties(delivery_mode=2), mandatory=True)
+        finally:
+            connection.close()
+        refused = [body for body in bodies if not _accepted(body, admission, rabbitmq)]
+        runs += len(bodies) - len(refused)
+
+        dead = take_messages(rabbitmq, topology.run_requests_dead_queue, len(refused)) if refused else []
+
+        assert sorted(body for body, _ in dead) == sorted(refused)
+        assert all(headers.get(DEAD_REASON_HEADER) for _, headers in dead)
+        poll_until(lambda: len(store.recent(limit=1000)) == runs, timeout=30,
+                   failure=lambda: f"{len(store.recent(limit=1000))} runs, not {runs}")
+
+    batch()
+
+    assert worker.logged("run_request_failed") == []
+    assert worker.logged("run_requests_crashed") == []
+    assert worker.process.poll() is None
