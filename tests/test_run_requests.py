@@ -240,6 +240,22 @@ def test_a_run_requested_from_node_with_amqplib_is_answered_and_completes(
     completed_with_the_sum(store, answer["run_id"])
 
 
+def test_an_invalid_spec_from_node_is_answered_with_errors_naming_the_field_and_nothing_is_written(
+    worker: WorkerProcess, store: RunStore, rabbitmq: Settings
+) -> None:
+    script = node_client("request_run.mjs")
+    body = json.dumps({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "x"}]}, "max_steps": 0})
+
+    sent = subprocess.run(["node", str(script), rabbitmq.rabbitmq_url, rabbitmq.namespace, body],
+                          capture_output=True, text=True, timeout=90, check=False)
+
+    assert sent.returncode == 0, sent.stderr
+    answer = json.loads(sent.stdout)
+    ANSWER_SCHEMA.validate(answer)
+    assert [e["loc"] for e in answer["errors"]] == [["max_steps"]]
+    assert store.recent(limit=10) == []
+
+
 def test_the_queues_are_quorum_queues_when_asked(
     start_worker: Callable[..., WorkerProcess], rabbitmq: Settings
 ) -> None:
