@@ -58,6 +58,7 @@ from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.shared.messaging.wire import connection_parameters
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -620,9 +621,8 @@ async def _rabbitmq_problem(state: ApiState) -> str | None:
         return problem
 
     def check() -> str | None:
-        parameters = pika.URLParameters(state.settings.rabbitmq_url)
-        parameters.socket_timeout = parameters.blocked_connection_timeout = 2.0
-        parameters.connection_attempts = 1
+        parameters = connection_parameters(state.settings, socket_timeout=2.0, blocked_connection_timeout=2.0,
+                                           connection_attempts=1)
         try:
             pika.BlockingConnection(parameters).close()
         except pika.exceptions.AMQPError as exc:

@@ -25,6 +25,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,19 +52,68 @@ from runbrake.shared.settings import Settings
 
 log = structlog.get_logger(__name__)
 
+DRAMATIQ_CONSUMER_LOGGER = "dramatiq.worker.ConsumerThread"
+
+
+class BrokerOutage(logging.Filter):
+    """One log line when this process's run consumers lose RabbitMQ, one when they are back.
+
+    Dramatiq's consumer threads say CRITICAL "Consumer encountered a connection error" and INFO "Restarting
+    consumer in 3.00 seconds" on every attempt to reconnect, each thread (dramatiq/worker.py,
+    ``_ConsumerThread.run``): with pika's own errors, a 20 s outage logged some 190 lines per worker
+    (issue 21). Installed on Dramatiq's consumer logger, this filter drops those records and logs
+    ``broker_connection_lost`` for the first; :meth:`back`, called when a consumer connected, logs
+    ``broker_connection_restored`` once (docs/operating.md, "A RabbitMQ cluster").
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._lost_at: float | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Consumer encountered a connection error"):
+            with self._lock:
+                first, self._lost_at = self._lost_at is None, self._lost_at or record.created
+            if first:
+                log.warning("broker_connection_lost", error=message.partition(": ")[2][:300],
+                            retry_every_s=3.0)
+            return False
+        return not message.startswith("Restarting consumer in")
+
+    def back(self, queue: str) -> None:
+        with self._lock:
+            lost_at, self._lost_at = self._lost_at, None
+        if lost_at is not None:
+            log.info("broker_connection_restored", queue=queue)
+
+
+def broker_outage() -> BrokerOutage:
+    """This process's :class:`BrokerOutage` filter, installed on Dramatiq's consumer logger once."""
+    logger = logging.getLogger(DRAMATIQ_CONSUMER_LOGGER)
+    for existing in logger.filters:
+        if isinstance(existing, BrokerOutage):
+            return existing
+    installed = BrokerOutage()
+    logger.addFilter(installed)
+    return installed
+
 
 class RunbrakeBroker(RabbitmqBroker):
     """A RabbitMQ broker whose run queue tolerates long-held messages."""
 
     def __init__(self, settings: Settings, *, middleware: list[Middleware] | None = None) -> None:
         super().__init__(
-            url=settings.rabbitmq_url,
+            # Every node of a cluster, tried in order by each connection (docs/operating.md, "A RabbitMQ cluster").
+            url=list(settings.rabbitmq_urls),
             confirm_delivery=True,
             middleware=middleware if middleware is not None else default_middleware(),
         )
         self._consumer_timeout_ms = (settings.run_time_limit_s + 300) * 1000
         self._queue_type = settings.queue_type
         self._type_arguments = queue_type_arguments(settings.queue_type)
+        self.outage = broker_outage()
 
     @property
     def consumer_class(self) -> type[CheckedConsumer]:
@@ -109,6 +160,7 @@ class CheckedConsumer(_RabbitmqConsumer):
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call] # as Dramatiq's own constructor does: the consumer restarts
         self.iterator = self._checked(self.iterator)
+        broker.outage.back(queue_name)
 
     @property
     def consuming(self) -> bool:
