@@ -364,8 +364,6 @@ class Replication:
         """Raises :class:`NotReplicated` when fewer replicas than asked acknowledged ``op``."""
         if isinstance(acknowledged, int) and acknowledged >= self.replicas:
             return
-        log.warning("store_write_not_replicated", what=op.what, replicas=acknowledged, wanted=self.replicas,
-                    timeout_s=self.timeout_s, redis=where)
         raise NotReplicated(f"Redis at {where}: {op.what}: acknowledged by {acknowledged} of the "
                             f"{self.replicas} replicas asked for within {self.timeout_s:g} s "
                             "(RUNBRAKE_REDIS_MIN_REPLICAS_ACK): the primary has it, a failover now may lose it")

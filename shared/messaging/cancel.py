@@ -79,7 +79,9 @@ def cancel_run(
     within its poll interval. Pass ``publisher=None`` to write the fence alone.
 
     Raises:
-        StoreError: when Redis cannot be reached (nothing changed, nothing published).
+        StoreError: when Redis cannot be reached (nothing changed, nothing published); its subclass
+            NotReplicated when the primary has the fence but too few replicas acknowledged it
+            (``RUNBRAKE_REDIS_MIN_REPLICAS_ACK``): nothing published, and asking again is safe.
     """
     fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
     result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)

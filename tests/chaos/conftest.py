@@ -15,13 +15,16 @@ import shutil
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pika
 import pika.exceptions
 import pytest
+import redis
 
 from runbrake.shared import RunStore, Settings
 from runbrake.shared.catalog import Admission
@@ -246,3 +249,144 @@ def private_rabbitmq(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
         yield node
     finally:
         node.kill()
+
+
+SENTINEL_MASTER = "chaos"
+SENTINELS = 3
+FAILOVER_TIMEOUT_S = 30.0
+"""Sentinels declare the primary down after 1 s and elect a leader within a few: generous for a loaded runner."""
+
+
+@dataclass
+class RedisFailover:
+    """A Redis primary and its replica (AOF on, each in a folder of its own) watched by three Sentinels
+    (quorum 2, a primary is down after 1 s without an answer), all of this test's own. ``nodes`` by port:
+    which one is the primary changes with a failover (:meth:`primary_port`)."""
+
+    nodes: dict[int, PrivateRedis]
+    sentinels: list[subprocess.Popen[bytes]]
+    sentinel_ports: list[int]
+
+    def env(self) -> dict[str, str]:
+        """What a store (and a worker) needs to find the primary through the Sentinels; the URL says only the
+        database."""
+        return {"RUNBRAKE_REDIS_SENTINELS": ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports),
+                "RUNBRAKE_REDIS_SENTINEL_MASTER": SENTINEL_MASTER, "RUNBRAKE_REDIS_URL": "redis://127.0.0.1/0"}
+
+    def _ask(self, port: int, *command: str) -> Any:
+        client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=1, decode_responses=True)
+        try:
+            return client.execute_command(*command)  # type: ignore[no-untyped-call]
+        finally:
+            client.close()
+
+    def primary_port(self) -> int | None:
+        """The primary's port, as a majority of the Sentinels name it (None while they disagree)."""
+        named = []
+        for port in self.sentinel_ports:
+            try:
+                address = self._ask(port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER)
+            except redis.RedisError:
+                continue
+            if address:
+                named.append(int(address[1]))
+        counts = Counter(named)
+        port, votes = counts.most_common(1)[0] if counts else (None, 0)
+        return port if votes >= 2 else None
+
+    def replicating(self, port: int) -> bool:
+        """Is the node on ``port`` a replica with its link to the primary up?"""
+        try:
+            info = self._ask(port, "INFO", "replication")
+        except redis.RedisError:
+            return False
+        text = info if isinstance(info, str) else "\n".join(f"{k}:{v}" for k, v in info.items())
+        return "role:slave" in text and "master_link_status:up" in text
+
+    def watched(self) -> bool:
+        """Every Sentinel knows the primary, its replica and the other two Sentinels (ready for a failover)."""
+        for port in self.sentinel_ports:
+            try:
+                state = self._ask(port, "SENTINEL", "MASTER", SENTINEL_MASTER)
+            except redis.RedisError:
+                return False
+            fields = state if isinstance(state, dict) else dict(zip(state[::2], state[1::2], strict=True))
+            if int(fields.get("num-other-sentinels", 0)) < SENTINELS - 1 or int(fields.get("num-slaves", 0)) < 1:
+                return False
+        return True
+
+    def kill_primary(self) -> int:
+        """kill -9 of the primary; returns its port."""
+        port = self.primary_port()
+        assert port is not None, "the Sentinels name no primary"
+        process = self.nodes[port].process
+        process.kill()
+        process.wait(timeout=10)
+        return port
+
+    def wait_for_failover(self, old: int) -> tuple[int, float]:
+        """Block until the Sentinels name another primary; returns it and how long that took (s)."""
+        began = time.monotonic()
+        def promoted() -> int | None:
+            port = self.primary_port()
+            return port if port not in (None, old) else None
+
+        port = poll_until(promoted, timeout=FAILOVER_TIMEOUT_S, interval=0.1,
+                          failure=lambda: f"the Sentinels did not promote the replica within {FAILOVER_TIMEOUT_S:g} s")
+        return port, time.monotonic() - began
+
+    def rejoin(self, port: int) -> float:
+        """Start the node on ``port`` again (its folder and AOF); the Sentinels make it a replica of the new
+        primary. Returns once its link is up, and how long that took (s)."""
+        began = time.monotonic()
+        self.nodes[port].start()
+        poll_until(lambda: self.replicating(port), timeout=FAILOVER_TIMEOUT_S, interval=0.1,
+                   failure=lambda: f"redis-server on {port} did not become a replica of the new primary")
+        return time.monotonic() - began
+
+
+def _sentinel_command(config: Path) -> list[str]:
+    """Debian's ``redis-sentinel`` where installed; else ``redis-server --sentinel``, the same program."""
+    if shutil.which("redis-sentinel") is not None:
+        return ["redis-sentinel", str(config)]
+    return ["redis-server", str(config), "--sentinel"]
+
+
+@pytest.fixture
+def redis_failover(tmp_path: Path) -> Iterator[RedisFailover]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed here")
+    primary_port, replica_port = free_port(), free_port()
+    nodes: dict[int, PrivateRedis] = {}
+    sentinels: list[subprocess.Popen[bytes]] = []
+    sentinel_ports = [free_port() for _ in range(SENTINELS)]
+    try:
+        for port, extra in ((primary_port, []), (replica_port, ["--replicaof", "127.0.0.1", str(primary_port)])):
+            folder = tmp_path / f"redis-{port}"
+            folder.mkdir()
+            command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
+                       "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", *extra]
+            nodes[port] = PrivateRedis(_spawn_redis(command), port, command)
+            nodes[port].wait_until_answering()
+        for port in sentinel_ports:
+            config = tmp_path / f"sentinel-{port}.conf"  # a Sentinel rewrites its file: one each
+            config.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+                f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} 2\n"
+                f"sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n"
+                f"sentinel failover-timeout {SENTINEL_MASTER} 10000\n")
+            sentinels.append(subprocess.Popen(_sentinel_command(config), stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL))
+        failover = RedisFailover(nodes, sentinels, sentinel_ports)
+        poll_until(lambda: failover.replicating(replica_port), timeout=REDIS_START_TIMEOUT_S,
+                   failure=lambda: "the replica did not connect to the primary")
+        poll_until(failover.watched, timeout=FAILOVER_TIMEOUT_S, interval=0.2,
+                   failure=lambda: "the Sentinels did not find each other and the replica")
+        yield failover
+    finally:
+        for sentinel in sentinels:
+            sentinel.terminate()
+        for node in nodes.values():
+            node.stop()
+        for sentinel in sentinels:
+            sentinel.wait(timeout=10)
