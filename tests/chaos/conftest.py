@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections import Counter
@@ -148,6 +151,7 @@ def stoppable_redis(request: pytest.FixtureRequest) -> Outage:
 RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 """The server script itself: Debian's /usr/sbin wrapper would switch to the rabbitmq user (whose home holds
 the shared node's cookie) and send the output to /var/log/rabbitmq."""
+RABBITMQCTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
 
 
 @dataclass
@@ -185,9 +189,14 @@ class PrivateRabbitMQ:
             "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq.conf"),
         }
 
-    def prepare(self) -> None:
+    def prepare(self, cookie: str = "") -> None:
+        """Write the node's folders and files; ``cookie``: its Erlang cookie (nodes of one cluster share one)."""
         for folder in ("home", "mnesia", "log"):
             (self.base / folder).mkdir(parents=True, exist_ok=True)
+        if cookie:
+            path = self.base / "home" / ".erlang.cookie"
+            path.write_text(cookie)
+            path.chmod(0o400)
         (self.base / "rabbitmq-env.conf").write_text("")
         (self.base / "enabled_plugins").write_text("[].\n")
         # /etc/rabbitmq/rabbitmq.conf pins the listener to 5672: this node has a file of its own.
@@ -207,18 +216,33 @@ class PrivateRabbitMQ:
 
     def start(self) -> float:
         """Boot the node and return once it accepts an AMQP connection; returns how long that took (s)."""
+        began = time.monotonic()
+        self.spawn()
+        self.wait_until_answering()
+        return time.monotonic() - began
+
+    def spawn(self) -> None:
+        """Start booting the node (:meth:`wait_until_answering` waits for it): several boot at once."""
         assert self.process is None or self.process.poll() is not None, "the node is running"
         self.starts += 1
-        began = time.monotonic()
         with (self.base / f"server-{self.starts}.out").open("wb") as out:
             self.process = subprocess.Popen(
                 [RABBITMQ_SERVER], env=self.env(), cwd=self.base, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,  # its own process group, for kill()
             )
+
+    def wait_until_answering(self) -> None:
         process = self.process
+        assert process is not None, "the node was never started"
         poll_until(self.answers, timeout=RABBITMQ_START_TIMEOUT_S, interval=0.2,
                    give_up=lambda: process.poll() is not None, failure=self._failure)
-        return time.monotonic() - began
+
+    def ctl(self, *args: str, timeout: float = RABBITMQ_START_TIMEOUT_S) -> str:
+        """``rabbitmqctl -n <this node> ARGS`` (with this node's cookie); returns its output."""
+        done = subprocess.run([RABBITMQCTL, "-n", self.nodename, *args], env=self.env(), cwd=self.base,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+        assert done.returncode == 0, f"rabbitmqctl {' '.join(args)} on {self.nodename}: {done.stderr[-2000:]}"
+        return done.stdout
 
     def kill(self) -> None:
         """kill -9 of the node's process group; returns once the node no longer accepts connections."""
@@ -390,3 +414,70 @@ def redis_failover(tmp_path: Path) -> Iterator[RedisFailover]:
             node.stop()
         for sentinel in sentinels:
             sentinel.wait(timeout=10)
+
+
+CLUSTER_NODES = 3
+
+
+def _quiet_ports(count: int) -> list[int]:
+    """Free ports below Linux's ephemeral range (32768-60999): a node binds its distribution port seconds after
+    it starts, by when a port picked from that range may have become some client socket's (a node failed to
+    boot with ``dist_port_already_used … not_erlang``). Below 25000, so that the CLI's own distribution ports
+    (the node's + 10000…10010) stay below it too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randint(15_000, 24_990)  # not a secret: any free port will do
+        if port not in ports and _bindable(port):
+            ports.append(port)
+    return ports
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class RabbitMQCluster:
+    """Three RabbitMQ nodes of this test's own, joined into one cluster (``rabbitmqctl join_cluster``)."""
+
+    nodes: list[PrivateRabbitMQ]
+    boot_s: float
+    """From the first node's start to the cluster of three answering."""
+
+    @property
+    def url(self) -> str:
+        """``RUNBRAKE_RABBITMQ_URL`` naming every node, in order."""
+        return ",".join(node.url for node in self.nodes)
+
+
+@pytest.fixture
+def rabbitmq_cluster(tmp_path: Path) -> Iterator[RabbitMQCluster]:
+    if not os.access(RABBITMQ_SERVER, os.X_OK):
+        pytest.skip(f"{RABBITMQ_SERVER} is not installed here")
+    cookie = secrets.token_hex(16).upper()
+    ports = _quiet_ports(2 * CLUSTER_NODES)
+    nodes = [PrivateRabbitMQ(tmp_path / f"rabbitmq-{i}", ports[2 * i], ports[2 * i + 1]) for i in range(CLUSTER_NODES)]
+    began = time.monotonic()
+    try:
+        for node in nodes:
+            node.prepare(cookie)
+            node.spawn()  # the three boot at once: one after another would take three times as long
+        for node in nodes:
+            node.wait_until_answering()
+        first = nodes[0]
+        for node in nodes[1:]:
+            node.ctl("stop_app")
+            node.ctl("join_cluster", first.nodename)
+            node.ctl("start_app")
+            node.wait_until_answering()
+        running = first.ctl("cluster_status", "--formatter", "json")
+        assert all(node.nodename in running for node in nodes), running
+        yield RabbitMQCluster(nodes, time.monotonic() - began)
+    finally:
+        for node in nodes:
+            node.kill()
