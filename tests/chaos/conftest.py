@@ -15,7 +15,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -33,9 +32,10 @@ from runbrake.shared import RunStore, Settings
 from runbrake.shared.catalog import Admission
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
-from tests.cluster_helpers import RedisCluster, redis_answers
-from tests.mcp_helpers import free_port
+from tests.cluster_helpers import RedisCluster, port_is_free, redis_answers
+from tests.mcp_helpers import Toolbox, free_port, wait_for_event
 from tests.polling import poll_until
+from tests.worker_helpers import call, spec
 
 REDIS_START_TIMEOUT_S = 10.0
 RABBITMQ_START_TIMEOUT_S = 60.0
@@ -95,6 +95,25 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+def enqueue_call(producer: Producer, toolbox: Toolbox, seconds: float) -> str:
+    """Enqueue a run of one ``slow`` call of ``seconds`` on ``toolbox``: the call's length names the run in
+    the server's events."""
+    return producer.enqueue(spec({"toolbox": toolbox.spec}, [
+        {"tool_calls": [call("slow", seconds=seconds)]}, {"content": "done"}])).run_id
+
+
+def start_batch(producer: Producer, toolbox: Toolbox, *, runs: int, long: int,
+                finished: int) -> tuple[list[str], dict[str, float]]:
+    """``long`` runs in a call of 600 s or more (only a cancel ends them), each started; then the rest of
+    ``runs``, each a call of about 0.2 s, until ``finished`` of them are done. Returns the long runs and the
+    short ones with their call's length."""
+    long_runs = [enqueue_call(producer, toolbox, 600 + i) for i in range(long)]
+    wait_for_event(toolbox.events, "started", tool="slow", count=long, timeout=30)
+    short = {enqueue_call(producer, toolbox, 0.2 + i / 10_000): 0.2 + i / 10_000 for i in range(runs - long)}
+    wait_for_event(toolbox.events, "finished", tool="slow", count=finished, timeout=30)
+    return long_runs, short
 
 
 @dataclass
@@ -427,18 +446,9 @@ def _quiet_ports(count: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = random.randint(15_000, 24_990)  # not a secret: any free port will do
-        if port not in ports and _bindable(port):
+        if port not in ports and port_is_free(port):
             ports.append(port)
     return ports
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass

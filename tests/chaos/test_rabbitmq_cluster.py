@@ -24,9 +24,9 @@ from runbrake.shared.catalog import Admission
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
-from tests.chaos.conftest import RabbitMQCluster
-from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
-from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+from tests.chaos.conftest import RabbitMQCluster, start_batch
+from tests.mcp_helpers import Toolbox, matching_events
+from tests.worker_helpers import WorkerProcess, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -63,15 +63,7 @@ def test_killing_the_rabbitmq_node_workers_are_on_loses_no_run_and_cancels_still
             worker.wait_for_log("cancel_listener_connected", node=f"127.0.0.1:{first.port}")
         producer = Producer(store, broker, Admission.from_settings(settings))
 
-        def enqueue(seconds: float) -> str:
-            # The call's length names the run in the server's events.
-            return producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-                {"tool_calls": [call("slow", seconds=seconds)]}, {"content": "done"}])).run_id
-
-        long_runs = [enqueue(600 + i) for i in range(LONG_RUNS)]
-        wait_for_event(toolbox_http.events, "started", tool="slow", count=LONG_RUNS, timeout=30)
-        short = {enqueue(0.2 + i / 10_000): 0.2 + i / 10_000 for i in range(RUNS - LONG_RUNS)}
-        wait_for_event(toolbox_http.events, "finished", tool="slow", count=KILL_AFTER, timeout=30)
+        long_runs, short = start_batch(producer, toolbox_http, runs=RUNS, long=LONG_RUNS, finished=KILL_AFTER)
 
         killed_at = time.time()
         first.kill()

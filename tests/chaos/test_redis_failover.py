@@ -24,10 +24,10 @@ import pytest
 
 from runbrake.shared import RunNotFound, RunStatus, StoreError
 from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
-from tests.chaos.conftest import Client, RedisFailover
+from tests.chaos.conftest import Client, RedisFailover, enqueue_call
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
-from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+from tests.worker_helpers import WorkerProcess, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -63,13 +63,9 @@ def test_a_redis_failover_under_50_runs_keeps_every_acknowledged_cancel_when_wri
     workers = [start_worker(concurrency=RUNS // 2), start_worker(concurrency=RUNS // 2)]
     publisher = CancelPublisher(client.settings)
     try:
-        def enqueue(seconds: float) -> str:
-            # The call's length names the run in the server's events.
-            return client.producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-                {"tool_calls": [call("slow", seconds=seconds)]}, {"content": "done"}])).run_id
-
-        long_runs = [enqueue(600 + i) for i in range(CANCELLED)]
-        short = {enqueue(SHORT_CALL_S + i / 10_000): SHORT_CALL_S + i / 10_000 for i in range(RUNS - CANCELLED)}
+        long_runs = [enqueue_call(client.producer, toolbox_http, 600 + i) for i in range(CANCELLED)]
+        short = {enqueue_call(client.producer, toolbox_http, SHORT_CALL_S + i / 10_000): SHORT_CALL_S + i / 10_000
+                 for i in range(RUNS - CANCELLED)}
         wait_for_event(toolbox_http.events, "started", tool="slow", count=RUNS, timeout=60)
 
         # Five cancels acknowledged just before the kill, five while the Sentinels fail over.
