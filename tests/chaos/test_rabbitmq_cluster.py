@@ -45,6 +45,7 @@ def _at(entry: dict[str, object]) -> float:
     return datetime.fromisoformat(str(entry["timestamp"])).timestamp()
 
 
+@pytest.mark.timeout(360)  # booting three nodes takes 40-75 s on a loaded 2-core machine, the test about as long
 def test_killing_the_rabbitmq_node_workers_are_on_loses_no_run_and_cancels_still_land_in_a_few_log_lines(
     rabbitmq_cluster: RabbitMQCluster, toolbox_http: Toolbox, rabbitmq: Settings,
     start_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch,

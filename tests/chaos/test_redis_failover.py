@@ -53,6 +53,7 @@ def _acknowledged_cancel(client: Client, publisher: CancelPublisher, run_id: str
     return poll_until(attempt, timeout=60, interval=0.2, failure=lambda: f"the cancel of {run_id} never answered")
 
 
+@pytest.mark.timeout(300)  # a failover and the rejoin take 20 s, the 50 runs and both workers as long again
 @pytest.mark.parametrize("replicas_ack", [1, 0], ids=["wait-for-replica", "asynchronous"])
 def test_a_redis_failover_under_50_runs_keeps_every_acknowledged_cancel_when_writes_wait_for_the_replica(
     replicas_ack: int, redis_failover: RedisFailover, toolbox_http: Toolbox, point_at: Callable[..., Client],
