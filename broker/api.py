@@ -46,6 +46,7 @@ from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import (
     ApiError,
     IdempotencyConflict,
+    NotReplicated,
     PublishError,
     ResumeUnsent,
     RunbrakeError,
@@ -534,6 +535,10 @@ def _answer_for(exc: RunbrakeError) -> JSONResponse | None:
         case SpecError():  # the admission policy at enqueue: the catalog, inline definitions, the bounds
             errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
             return JSONResponse({"error": "run spec refused", "errors": errors}, status_code=422)
+        case NotReplicated():
+            log.warning("api_store_not_replicated", error=str(exc))
+            return JSONResponse({"error": "the run store (Redis) did not get the change onto enough replicas in "
+                                          "time; asking again is safe"}, status_code=503)
         case StoreError():
             log.warning("api_store_unavailable", error=str(exc))
             return JSONResponse({"error": "the run store (Redis) could not be reached"}, status_code=503)
