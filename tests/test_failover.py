@@ -16,6 +16,7 @@ from runbrake.shared.errors import NotReplicated, StoreError
 from runbrake.shared.messaging.rabbitmq import BrokerOutage
 from runbrake.shared.messaging.wire import connection_parameters
 from runbrake.shared.steps import RunStep, StepKind
+from tests.test_cli import runbrake
 
 
 def test_rabbitmq_url_takes_the_nodes_of_a_cluster_in_order_and_every_connection_gets_one_parameter_set_each() -> None:
@@ -127,3 +128,16 @@ def test_a_broker_outage_is_one_line_when_lost_and_one_when_back_whatever_dramat
     assert [(e["event"], e["log_level"]) for e in logs] == [("broker_connection_lost", "warning"),
                                                             ("broker_connection_restored", "info")]
     assert logs[1]["acks_lost_so_far"] == 1
+
+
+def test_runbrake_cancel_whose_fence_too_few_replicas_acknowledged_exits_3_and_says_asking_again_is_safe(
+    store: RunStore,
+) -> None:
+    run_id = store.create({"input": "x"}).run_id
+    asked = _replicas(store.redis) + 1
+    done = runbrake("cancel", run_id, env={"RUNBRAKE_REDIS_MIN_REPLICAS_ACK": str(asked),
+                                           "RUNBRAKE_REDIS_REPLICA_ACK_TIMEOUT_S": "0.05"})
+    assert done.returncode == 3, done.stderr
+    assert "asking again is safe" in done.stderr
+    assert "is the service running" not in done.stderr
+    assert store.status(run_id) is RunStatus.CANCELLED  # the primary has the fence
