@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
 from tests.cluster_helpers import RedisCluster, port_is_free, redis_answers
 from tests.mcp_helpers import Toolbox, free_port, wait_for_event
 from tests.polling import poll_until
-from tests.worker_helpers import call, spec
+from tests.worker_helpers import WorkerProcess, call, spec
 
 REDIS_START_TIMEOUT_S = 10.0
 RABBITMQ_START_TIMEOUT_S = 60.0
@@ -95,6 +96,26 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+LOUD = frozenset({"warning", "error", "critical", "exception"})
+MAX_LINES_PER_OUTAGE = 6
+"""Lines at warning level or above one worker may log for a RabbitMQ outage: one when each of its connections
+(the run consumers, the cancel listener, the cancel-request consumer) is lost, a few to spare, and nothing
+per reconnect attempt (issue 21: a 20 s outage used to log about 190)."""
+
+
+def logged_since(entry: Mapping[str, object], since: float) -> bool:
+    """Was this JSON log line written at or after ``since`` (epoch seconds)?"""
+    return datetime.fromisoformat(str(entry["timestamp"])).timestamp() >= since
+
+
+def loud_lines(worker: WorkerProcess, since: float) -> list[str]:
+    """The events a worker logged at warning level or above since ``since`` (epoch seconds), and every line
+    of its log that is not JSON (a traceback, a library's own output)."""
+    lines = worker.log_path.read_text(errors="replace").splitlines()
+    return [*(str(e["event"]) for e in worker.events() if e.get("level") in LOUD and logged_since(e, since)),
+            *(line[:200] for line in lines if not line.startswith("{"))]
 
 
 def enqueue_call(producer: Producer, toolbox: Toolbox, seconds: float) -> str:

@@ -22,7 +22,7 @@ from runbrake.shared.catalog import Admission
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
-from tests.chaos.conftest import PrivateRabbitMQ, PrivateRedis, start_batch
+from tests.chaos.conftest import MAX_LINES_PER_OUTAGE, PrivateRabbitMQ, PrivateRedis, loud_lines, start_batch
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, wait_for_run
@@ -101,12 +101,13 @@ def test_a_20_s_rabbitmq_outage_under_100_queued_runs_loses_no_run_and_cancels_s
         store.delete_namespace()
         store.close()
 
+    loud = [loud_lines(worker, killed_at) for worker in workers]
     reconnect_s = [_at(entry) - back_at for entry in reconnected]
     backstop_s = [_at(e) - cancelled_at[e["run_id"]] for e in found]
     print(f"node down {down_s:.1f} s, booted in {boot_s:.1f} s; listeners reconnected "
           f"{min(reconnect_s):.1f}-{max(reconnect_s):.1f} s after it accepted connections; the backstop found the "
           f"{len(found)} cancels {min(backstop_s):.2f}-{max(backstop_s):.2f} s after they were written; all runs "
-          f"ended {drained_s:.1f} s after the node was back")
+          f"ended {drained_s:.1f} s after the node was back; warning-or-louder lines per worker since the kill: {loud}")
 
     assert {e["run_id"] for e in found} == set(long_runs[:-1])
     assert Counter(r.status for r in records.values()) == {RunStatus.COMPLETED: RUNS - LONG_RUNS,
@@ -117,3 +118,4 @@ def test_a_20_s_rabbitmq_outage_under_100_queued_runs_loses_no_run_and_cancels_s
     started = Counter(e["args"]["seconds"] for e in matching_events(toolbox_http.events, "started", tool="slow"))
     assert started == Counter([600 + i for i in range(LONG_RUNS)] + list(short.values()))
     assert [e for w in workers for e in w.logged("run_redriven")] == []  # no message was lost with the node
+    assert all(len(lines) <= MAX_LINES_PER_OUTAGE for lines in loud)  # not one per reconnect attempt
