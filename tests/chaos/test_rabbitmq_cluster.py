@@ -6,8 +6,8 @@ keeps every confirmed message on the surviving majority), every run ends termina
 the outage still land (by message once the listener is back, or by the backstop), and each worker says so
 in a handful of log lines, not the ~190 a 20 s outage of one node used to log (issue 21).
 
-Booting three nodes and joining them takes most of the test's time (printed: about 30-60 s on a loaded
-2-core machine); the fault itself is over within seconds.
+Booting three nodes and joining them takes most of the test's time (printed: 37-123 s on a loaded 2-core
+machine, the rest of the test 26-62 s); the fault itself is over within seconds.
 """
 
 from __future__ import annotations
