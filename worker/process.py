@@ -22,7 +22,7 @@ from runbrake.shared.logging import configure_logging, silenced
 from runbrake.shared.messaging._amqp_tables import harden_table_decoding
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
-from runbrake.shared.messaging.wire import Topology
+from runbrake.shared.messaging.wire import Topology, connection_parameters
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
@@ -209,8 +209,7 @@ def _warn_unless_persistent(store: RunStore) -> None:
 
 def _check_rabbitmq(settings: Settings) -> None:
     """Connect once and go: a wrong password fails here, not in an endless reconnect loop."""
-    parameters = pika.URLParameters(settings.rabbitmq_url)
-    parameters.connection_attempts = 1
+    parameters = connection_parameters(settings, connection_attempts=1)
     # pika logs each failed step itself, several lines with tracebacks; the caller says it in one.
     with silenced("pika"):
         connection = pika.BlockingConnection(parameters)

@@ -503,6 +503,23 @@ def encode_run_request_refusal(error: str, problems: Sequence[FieldProblem], *, 
 # -- the whole topology --------------------------------------------------------------------------
 
 
+def connection_parameters(settings: Settings, *, name: str = "", **options: Any) -> list[pika.URLParameters]:
+    """How a connection reaches RabbitMQ: one set of parameters per node of ``RUNBRAKE_RABBITMQ_URL``, in
+    its order; ``pika.BlockingConnection`` tries them in turn and connects to the first that answers (a
+    reconnect starts from the first again: docs/operating.md, "A RabbitMQ cluster"). ``name`` is the
+    connection's name in ``rabbitmqctl list_connections client_properties``; ``options`` set parameters
+    (``socket_timeout``, ``connection_attempts``…) on every node's."""
+    nodes = []
+    for url in settings.rabbitmq_urls:
+        parameters = pika.URLParameters(url)
+        if name:
+            parameters.client_properties = {"connection_name": name}
+        for option, value in options.items():
+            setattr(parameters, option, value)
+        nodes.append(parameters)
+    return nodes
+
+
 def delete_topology(settings: Settings) -> None:
     """Delete every queue and exchange of ``settings.namespace`` (tests, the demo and the benchmarks
     clean up with this). Missing ones are fine.
@@ -511,7 +528,7 @@ def delete_topology(settings: Settings) -> None:
         pika.exceptions.AMQPError: when RabbitMQ cannot be reached.
     """
     topology = Topology.of(settings)
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    connection = pika.BlockingConnection(connection_parameters(settings))
     try:
         channel = connection.channel()
         for queue in (*topology.queues(), topology.cancel_requests_queue, topology.cancel_requests_dead_queue,
