@@ -231,6 +231,11 @@ class Settings(BaseSettings):
     """`RUNBRAKE_REDIS_URL` names seed nodes of a Redis Cluster; each namespace is spread over 16
     hash-tagged shards, every script touching one slot (docs/architecture.md, "The run store on a Redis
     Cluster"). Single-node key names are unchanged when off."""
+    otel: Annotated[bool, _BOOL] = False
+    """Traces (OpenTelemetry): spans for the enqueue, each run segment, model call, tool call and cancel,
+    exported over OTLP/HTTP as the standard `OTEL_EXPORTER_OTLP_*` variables say, and the W3C `traceparent`
+    carried in the run and cancel messages and every MCP HTTP request (docs/operating.md, "Traces"). Needs
+    the `otel` extra (`pip install "runbrake[otel]"`); off, nothing of OpenTelemetry's SDK is imported."""
     queue_type: Annotated[str, _choice("classic", "quorum")] = "classic"
     """How the run and cancel-request queues are declared: `quorum` declares `<ns>.runs` and its
     `.DQ`/`.XQ` twins, and `<ns>.cancel-requests` and its dead-letter queue, as quorum queues."""
