@@ -59,10 +59,11 @@ def _ns(seconds: float) -> int:
 class TracingSubscriber(Subscriber):
     """Spans for a run's model calls and tool calls (module docstring)."""
 
-    def __init__(self, store: AsyncRunStore) -> None:
+    def __init__(self, store: AsyncRunStore, tracer: trace.Tracer | None = None) -> None:
+        """``tracer``: the global provider's (shared/_otel.py installs it) unless given."""
         self._store = store
         """Read for a cancelled call's cancel request: its latency runs from the request to the step."""
-        self._tracer = trace.get_tracer(TRACER_NAME)
+        self._tracer = trace.get_tracer(TRACER_NAME) if tracer is None else tracer
 
     def after_admit(self, run_id: str, admitted: AdmittedRun) -> None:
         attributes = model_attributes(admitted)
