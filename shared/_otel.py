@@ -4,7 +4,7 @@ Imported only by :func:`runbrake.shared.tracing.configure` when ``RUNBRAKE_OTEL=
 installs the SDK and the exporter). The exporter is OTLP/HTTP (protobuf), configured by the standard
 variables (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``…_HEADERS``,
 ``…_TIMEOUT``; ``OTEL_BSP_*`` for the batch processor; ``OTEL_SERVICE_NAME``,
-``OTEL_RESOURCE_ATTRIBUTES``), read by the SDK itself. A process that already set its own tracer provider
+``OTEL_RESOURCE_ATTRIBUTES``), read by the SDK itself. A process that set a global tracer provider of its own
 (an application embedding runbrake's library calls) keeps it: runbrake's spans go where that one sends them.
 """
 
@@ -52,28 +52,38 @@ class OtelTracing(tracing.Tracing):
 
     enabled = True
 
-    def __init__(self, tracer: trace.Tracer) -> None:
-        self.tracer = tracer
+    def __init__(self, provider: trace.TracerProvider) -> None:
+        self.provider = provider
+        self._tracer = provider.get_tracer(TRACER_NAME)
 
     @classmethod
     def install(cls, service: str) -> OtelTracing:
-        """The global tracer provider, set up here unless the process set its own: a batch processor in
-        front of the OTLP/HTTP exporter (flushed at exit), the resource named ``service`` unless the
-        environment names it."""
-        if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        """runbrake's spans on a tracer provider of its own: a batch processor in front of the OTLP/HTTP
+        exporter (flushed at exit), the resource named ``service`` unless the environment names it; or on the
+        process's global provider, where the process set one itself.
+
+        Not made the global provider: the libraries runbrake uses that are instrumented (the MCP SDK makes a
+        client span per JSON-RPC message) would then record about as many spans again as runbrake's own,
+        for what the tool call's span already says (bench/tracing.py). Their context still follows runbrake's:
+        the MCP SDK's ``params._meta`` carries the tool call's ``traceparent``."""
+        provider = trace.get_tracer_provider()
+        if isinstance(provider, trace.ProxyTracerProvider):
             resource = Resource.create()
             if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
                 resource = resource.merge(Resource({SERVICE_NAME: service}))
-            provider = TracerProvider(resource=resource)
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-            trace.set_tracer_provider(provider)
-        return cls(trace.get_tracer(TRACER_NAME))
+            own = TracerProvider(resource=resource)
+            own.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            provider = own
+        return cls(provider)
+
+    def tracer(self, name: str) -> trace.Tracer:
+        return self.provider.get_tracer(name)
 
     @contextmanager
     def span(self, name: str, attributes: Mapping[str, Attribute] | None = None, *, parent: str | None = None,
              kind: str = "internal") -> Iterator[tracing.Span]:
         context = extract(parent) if parent is not None else None
-        with self.tracer.start_as_current_span(name, context=context, kind=_KINDS[kind],
+        with self._tracer.start_as_current_span(name, context=context, kind=_KINDS[kind],
                                                attributes=dict(attributes or {})) as span:
             yield OtelSpan(span)
 

@@ -235,7 +235,8 @@ class Settings(BaseSettings):
     """Traces (OpenTelemetry): spans for the enqueue, each run segment, model call, tool call and cancel,
     exported over OTLP/HTTP as the standard `OTEL_EXPORTER_OTLP_*` variables say, and the W3C `traceparent`
     carried in the run and cancel messages and every MCP HTTP request (docs/operating.md, "Traces"). Needs
-    the `otel` extra (`pip install "runbrake[otel]"`); off, nothing of OpenTelemetry's SDK is imported."""
+    the `otel` extra (`pip install "runbrake[otel]"`); off, runbrake imports neither OpenTelemetry's tracing SDK
+    nor its exporter."""
     queue_type: Annotated[str, _choice("classic", "quorum")] = "classic"
     """How the run and cancel-request queues are declared: `quorum` declares `<ns>.runs` and its
     `.DQ`/`.XQ` twins, and `<ns>.cancel-requests` and its dead-letter queue, as quorum queues."""

@@ -16,8 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Final
+from typing import Any, Final
 
+from runbrake.shared.errors import ConfigError
 from runbrake.shared.settings import Settings
 
 TRACEPARENT: Final = "traceparent"
@@ -68,6 +69,10 @@ class Tracing:
         """The current span's ``traceparent``, to carry in a message or a request (None: no span)."""
         return None
 
+    def tracer(self, name: str) -> Any:
+        """An OpenTelemetry tracer named ``name`` on this process's provider (None: tracing off)."""
+        return None
+
 
 _OFF: Final = Tracing()
 _current: Tracing = _OFF
@@ -80,10 +85,17 @@ def current() -> Tracing:
 
 def configure(settings: Settings, *, service: str) -> Tracing:
     """Turn tracing on when ``settings.otel`` says so (once per process; later calls answer the same), naming
-    the process ``service`` unless ``OTEL_SERVICE_NAME`` names it. Off, nothing of opentelemetry is imported."""
+    the process ``service`` unless ``OTEL_SERVICE_NAME`` names it. Off, nothing of opentelemetry is imported.
+
+    Raises:
+        ConfigError: tracing is on but the ``otel`` extra (OpenTelemetry's SDK and exporter) is not installed.
+    """
     global _current  # noqa: PLW0603 - one tracing per process, like OpenTelemetry's own global provider
     if settings.otel and not _current.enabled:
-        from runbrake.shared import _otel  # noqa: PLC0415 - imported only when tracing is on
-
+        try:
+            from runbrake.shared import _otel  # noqa: PLC0415 - imported only when tracing is on
+        except ImportError as exc:
+            raise ConfigError("RUNBRAKE_OTEL", f"tracing needs the otel extra (pip install 'runbrake[otel]'): "
+                                               f"{exc}") from exc
         _current = _otel.OtelTracing.install(service)
     return _current

@@ -41,10 +41,14 @@ from runbrake.shared.messaging.wire import (
 from runbrake.shared.status import RunStatus
 from runbrake.worker.cancel_listener import CancelListener
 from runbrake.worker.registry import ActiveRuns
-from runbrake.worker.runtime import Runtime, RunOutcome
+from runbrake.worker.runtime import RunOutcome, Runtime
 from runbrake.worker.tracing import TracingSubscriber
-from tests.mcp_helpers import Toolbox, matching_events, wait_for_event_async
-from tests.mcp_helpers import toolbox_http_fixture  # noqa: F401 - registers the `toolbox_http` fixture
+from tests.mcp_helpers import (
+    Toolbox,
+    matching_events,
+    toolbox_http_fixture,  # noqa: F401 - registers the `toolbox_http` fixture
+    wait_for_event_async,
+)
 from tests.worker_helpers import call, producer_fixture, spec, take_messages  # noqa: F401 - `producer`
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -115,7 +119,7 @@ def test_a_run_message_whose_traceparent_is_not_a_w3c_value_is_refused_naming_th
     envelope = json.loads(run_message(topology, "a" * 32).encode())
     envelope["options"] = {"traceparent": value}
 
-    with pytest.raises(MalformedRunMessage, match="options.traceparent"):
+    with pytest.raises(MalformedRunMessage, match=r"options\.traceparent"):
         check_run_message(json.dumps(envelope).encode(), queue=topology.run_queue, actors={RUN_ACTOR})
 
 
@@ -132,13 +136,13 @@ def test_a_cancel_message_carries_the_traceparent_header_and_only_a_w3c_value_is
 
 
 @pytest.fixture
-def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[InMemorySpanExporter, TracerProvider]]:
+def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
     """Tracing on in this process, for this test only, into the SDK's in-memory exporter."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_current", OtelTracing(provider.get_tracer("runbrake")))
-    yield exporter, provider
+    monkeypatch.setattr(tracing, "_current", OtelTracing(provider))
+    yield exporter
     provider.shutdown()
 
 
@@ -172,10 +176,10 @@ def _traceparents(toolbox: Toolbox) -> list[str]:
 @pytest.mark.integration
 @pytest.mark.anyio
 async def test_one_trace_runs_from_the_enqueue_through_the_message_and_the_segment_to_the_mcp_servers_requests(
-    spans: tuple[InMemorySpanExporter, TracerProvider], settings: Settings, store: RunStore,
+    spans: InMemorySpanExporter, settings: Settings, store: RunStore,
     async_store: AsyncRunStore, producer: Producer, toolbox_http: Toolbox,
 ) -> None:
-    exporter, provider = spans
+    exporter = spans
     run_spec = spec({"toolbox": toolbox_http.spec}, [
         {"tool_calls": [call("get-sum", a=2, b=3)]},
         {"tool_calls": [call("fail", message="no")]},
@@ -186,7 +190,7 @@ async def test_one_trace_runs_from_the_enqueue_through_the_message_and_the_segme
     traceparent = json.loads(body)["options"]["traceparent"]
     check_run_message(body, queue=Topology.of(settings).run_queue, actors={RUN_ACTOR})
     runtime = Runtime(settings, async_store, ActiveRuns(), Admission.from_settings(settings),
-                      subscribers=[TracingSubscriber(async_store, provider.get_tracer("runbrake.worker"))])
+                      subscribers=[TracingSubscriber(async_store)])
 
     outcome = await runtime.execute(enqueued.run_id, traceparent=traceparent)
 
@@ -206,7 +210,9 @@ async def test_one_trace_runs_from_the_enqueue_through_the_message_and_the_segme
         assert model.attributes["gen_ai.operation.name"] == "chat"
         assert model.attributes["gen_ai.system"] == "scripted"
         assert model.attributes["gen_ai.request.model"] == "scripted"
-        assert model.start_time is not None and model.end_time is not None and model.start_time <= model.end_time
+        assert model.start_time is not None
+        assert model.end_time is not None
+        assert model.start_time <= model.end_time
     ok, failed = _named(recorded, "execute_tool get-sum"), _named(recorded, "execute_tool fail")
     for tool in (ok, failed):
         assert (_ids(tool)[0], _parent(tool)) == (trace_id, _ids(segment)[1])
@@ -225,10 +231,10 @@ async def test_one_trace_runs_from_the_enqueue_through_the_message_and_the_segme
 @pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_cancel_continues_its_trace_through_the_cancel_message_to_the_interrupt_and_records_its_latency(
-    spans: tuple[InMemorySpanExporter, TracerProvider], settings: Settings, store: RunStore,
+    spans: InMemorySpanExporter, settings: Settings, store: RunStore,
     async_store: AsyncRunStore, rabbitmq: Settings, toolbox_http: Toolbox,
 ) -> None:
-    exporter, provider = spans
+    exporter = spans
     run_spec = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=60)]}, {"content": "x"}])
     run_id = store.create(run_spec.raw).run_id
     registry = ActiveRuns()
@@ -238,7 +244,7 @@ async def test_a_cancel_continues_its_trace_through_the_cancel_message_to_the_in
     try:
         assert await anyio.to_thread.run_sync(listener.ready.wait, 20)
         runtime = Runtime(settings, async_store, registry, Admission.from_settings(settings),
-                          subscribers=[TracingSubscriber(async_store, provider.get_tracer("runbrake.worker"))])
+                          subscribers=[TracingSubscriber(async_store)])
         outcome: list[RunOutcome] = []
 
         async def execute() -> None:

@@ -11,8 +11,8 @@ variables of that task, never in a map keyed by run that a segment ending early 
   ``gen_ai.system``, ``gen_ai.request.model``, ``gen_ai.usage.input_tokens`` and ``…output_tokens`` when the
   step's ``detail.usage`` has them).
 - A tool call's span (``execute_tool <tool>``) starts with the call and is current while it is on its MCP
-  server, so the MCP SDK's own client span and the HTTP request's ``traceparent`` (worker/mcp_transport.py)
-  are its children; it ends when its step is recorded, with the outcome.
+  server, so the HTTP request's ``traceparent`` (worker/mcp_transport.py) and the MCP SDK's ``params._meta``
+  name it; it ends when its step is recorded, with the outcome.
 - A cancelled call's span gets the event ``runbrake.cancel`` with the latency from the cancel request to the
   step (the same figure as ``runbrake_cancel_latency_seconds``).
 """
@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from opentelemetry import context, trace
 
+from runbrake.shared import tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import AdmittedRun
 from runbrake.shared.outcome import ToolOutcome
@@ -60,10 +61,10 @@ class TracingSubscriber(Subscriber):
     """Spans for a run's model calls and tool calls (module docstring)."""
 
     def __init__(self, store: AsyncRunStore, tracer: trace.Tracer | None = None) -> None:
-        """``tracer``: the global provider's (shared/_otel.py installs it) unless given."""
+        """``tracer``: on the process's provider (shared/tracing.py, ``current``) unless given."""
         self._store = store
         """Read for a cancelled call's cancel request: its latency runs from the request to the step."""
-        self._tracer = trace.get_tracer(TRACER_NAME) if tracer is None else tracer
+        self._tracer: trace.Tracer = tracing.current().tracer(TRACER_NAME) if tracer is None else tracer
 
     def after_admit(self, run_id: str, admitted: AdmittedRun) -> None:
         attributes = model_attributes(admitted)

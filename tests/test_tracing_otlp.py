@@ -1,0 +1,170 @@
+"""Traces exported over OTLP/HTTP by real processes (docs/operating.md, "Traces"): ``runbrake enqueue`` and a
+worker, both with ``RUNBRAKE_OTEL=true`` and the standard ``OTEL_EXPORTER_OTLP_ENDPOINT``, export to a receiver
+this test starts, which decodes each export request with ``opentelemetry-proto``; the MCP server the run calls
+records the ``traceparent`` of each HTTP request it gets. One trace id runs through all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from runbrake.shared import RunStore, Settings
+from runbrake.shared.status import RunStatus
+from tests.mcp_helpers import (
+    Toolbox,
+    matching_events,
+    toolbox_http_fixture,  # noqa: F401 - registers the `toolbox_http` fixture
+)
+from tests.polling import poll_until
+from tests.worker_helpers import WorkerProcess, call, spec, start_worker_fixture, wait_for_run  # noqa: F401
+
+MAX_EXPORT_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict[str, Any]
+
+
+def _value(any_value: Any) -> Any:
+    kind = any_value.WhichOneof("value")
+    return getattr(any_value, kind) if kind is not None else None
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver on a free loopback port: ``POST /v1/traces`` with a protobuf body."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self.requests = 0
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                if self.path != "/v1/traces" or not 0 < length <= MAX_EXPORT_BYTES:
+                    self.send_error(400)
+                    return
+                request = ExportTraceServiceRequest.FromString(self.rfile.read(length))
+                receiver.add(request)
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *_args: object) -> None:
+                return
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, name="otlp-receiver", daemon=True)
+        self._thread.start()
+
+    def add(self, request: ExportTraceServiceRequest) -> None:
+        received = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    received.append(ReceivedSpan(
+                        service=str(resource.get("service.name", "")), name=span.name,
+                        trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
+                        parent_id=span.parent_span_id.hex(),
+                        attributes={a.key: _value(a.value) for a in span.attributes},
+                    ))
+        with self._lock:
+            self.requests += 1
+            self.spans.extend(received)
+
+    def named(self, name: str) -> list[ReceivedSpan]:
+        with self._lock:
+            return [s for s in self.spans if s.name == name]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(5)
+
+
+@pytest.fixture(name="receiver")
+def receiver_fixture() -> Iterator[Receiver]:
+    receiver = Receiver()
+    yield receiver
+    receiver.close()
+
+
+def _traced(receiver: Receiver) -> dict[str, str]:
+    """The environment of a traced process exporting to ``receiver``, its batches sent every 100 ms."""
+    return {"RUNBRAKE_OTEL": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100"}
+
+
+def _enqueue(spec_path: Path, env: dict[str, str]) -> str:
+    done = subprocess.run([str(Path(sys.executable).parent / "runbrake"), "enqueue", str(spec_path), "--json"],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    run_id: str = json.loads(done.stdout)["run_id"]
+    return run_id
+
+
+@pytest.mark.integration
+def test_a_trace_from_runbrake_enqueue_to_the_mcp_servers_http_request_carries_one_trace_id(
+    receiver: Receiver, store: RunStore, rabbitmq: Settings, toolbox_http: Toolbox,
+    start_worker: Callable[..., WorkerProcess], tmp_path: Path,
+) -> None:
+    start_worker(**_traced(receiver))
+    run_spec = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("get-sum", a=2, b=3)]},
+                                                      {"content": "It is 5."}])
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(run_spec.raw))
+
+    run_id = _enqueue(spec_path, _traced(receiver))
+
+    assert wait_for_run(store, run_id, timeout=60).status is RunStatus.COMPLETED
+
+    def exported() -> list[ReceivedSpan] | None:
+        wanted = [receiver.named(n) for n in ("runbrake.enqueue", "runbrake.run.segment", "execute_tool get-sum")]
+        return [found[0] for found in wanted] if all(wanted) and len(receiver.named("chat scripted")) == 2 else None
+
+    enqueue, segment, tool = poll_until(
+        exported, timeout=30, failure=lambda: f"spans received: {[(s.service, s.name) for s in receiver.spans]}")
+    trace_id = enqueue.trace_id
+    assert (enqueue.service, segment.service) == ("runbrake", "runbrake-worker")
+    assert enqueue.attributes["runbrake.run_id"] == run_id
+    assert (segment.trace_id, segment.parent_id) == (trace_id, enqueue.span_id)
+    assert (tool.trace_id, tool.parent_id) == (trace_id, segment.span_id)
+    assert (tool.attributes["runbrake.tool.server"], tool.attributes["runbrake.tool.outcome"]) == ("toolbox", "ok")
+    for model in receiver.named("chat scripted"):
+        assert (model.trace_id, model.parent_id, model.attributes["gen_ai.system"]) == (
+            trace_id, segment.span_id, "scripted")
+    received = [e["args"]["traceparent"] for e in matching_events(toolbox_http.events, "traceparent")]
+    assert received
+    assert {value.split("-")[1] for value in received} == {trace_id}
+    # The call's request was sent under the tool call's span: directly, or under the MCP SDK's own client span
+    # for the request (mcp/shared/_otel.py), which the worker's provider records as the tool span's child.
+    under_tool = {tool.span_id} | {s.span_id for s in receiver.spans if s.parent_id == tool.span_id}
+    assert under_tool & {value.split("-")[2] for value in received}
