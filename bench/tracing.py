@@ -20,6 +20,10 @@ What it does, in its own namespace (``bench-<hex>``), on loopback only:
 4. prints a table, the medians per side and the ratio on/off of the worker's CPU per run, with the machine's
    load average, writes ``bench/results/tracing.json``, and cleans up.
 
+Before the rounds, it measures tracing's own CPU per run alone (:func:`isolated_cost`: the same spans through
+the same code, without the services), which a busy machine does not blur the way it blurs two rounds' totals;
+it prints that as a share of a run's CPU (worker + enqueue) with tracing off.
+
 The worker's own periodic parts (the cancel backstop, the lease keeper) run in both sides alike and are counted
 in both: the figure is what a run costs a worker that does nothing else.
 """
@@ -27,23 +31,26 @@ in both: the figure is what a run costs a worker that does nothing else.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from bench._harness import (
     Bench,
@@ -55,9 +62,15 @@ from bench._harness import (
 )
 from runbrake.shared import tracing
 from runbrake.shared._otel import OtelTracing
+from runbrake.shared.catalog import AdmittedRun
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
-from runbrake.shared.status import RunStatus
+from runbrake.shared.spec import ScriptedModel, ScriptedTurn
+from runbrake.shared.status import RunStatus, TerminationReason
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.tool_result import ToolResult
+from runbrake.worker.conversation import ToolCall
+from runbrake.worker.tracing import TracingSubscriber
 
 
 class Receiver:
@@ -166,6 +179,69 @@ def one_round(bench: Bench, server: Any, receiver: Receiver, *, on: bool, runs: 
             worker.process.stop()
 
 
+class _Encoding(SpanExporter):
+    """What the OTLP/HTTP exporter does to a batch but the POST: encode it to protobuf bytes."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        encode_spans(spans).SerializeToString()
+        return SpanExportResult.SUCCESS
+
+
+def isolated_cost(runs: int) -> float:
+    """What tracing adds to one run, measured alone (no I/O, so no noise from the services): CPU ms per run of
+    the spans a traced run makes, through the code the worker and the producer run: the enqueue span and its
+    ``traceparent``, the segment span continuing it, the subscriber's hooks for 3 model steps and 2 tool calls,
+    a ``traceparent`` for each of the run's 8 MCP HTTP requests, and the batch processor encoding it all."""
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(_Encoding()))
+    traced = OtelTracing(provider)
+    subscriber = TracingSubscriber(cast(Any, None), traced.tracer("runbrake.worker"))
+    admitted = AdmittedRun(spec=quick_run_spec("http://127.0.0.1:1/mcp", 0), servers={},
+                           model=ScriptedModel(turns=(ScriptedTurn(content="done"),)))
+    calls = [ToolCall(id="c1", server="toolbox", tool="get-sum"), ToolCall(id="c2", server="toolbox", tool="echo")]
+
+    async def one_run() -> None:
+        with traced.span("runbrake.enqueue", kind="producer") as span:
+            span.set({"runbrake.run_id": "a" * 32, "runbrake.run.created": True})
+            parent = traced.traceparent()
+        with traced.span("runbrake.run.segment", {"runbrake.run_id": "a" * 32, "runbrake.segment": "start"},
+                         parent=parent, kind="consumer") as segment:
+            subscriber.after_admit("a" * 32, admitted)
+            for _ in range(3):  # connect: initialize, initialized, tools/list
+                traced.traceparent()
+            now = time.time()
+            for index, call in enumerate(calls):
+                model = RunStep(kind=StepKind.MODEL, round=index + 1, sequence=2 * index + 1, duration_ms=1,
+                                recorded_at=now)
+                await subscriber.after_step("a" * 32, model)
+                subscriber.before_tool_call("a" * 32, call)
+                for _ in range(2):  # the call's POST and its answer's stream
+                    traced.traceparent()
+                await subscriber.after_tool_call("a" * 32, call)
+                step = RunStep.tool(round=index + 1, server=call.server, name=call.tool, result=ToolResult.ok("3"),
+                                    call_id=call.id, recorded_at=now)
+                await subscriber.after_step("a" * 32, replace(step, sequence=2 * index + 2))
+            await subscriber.after_step("a" * 32, RunStep(kind=StepKind.MODEL, round=3, sequence=5, duration_ms=1,
+                                                          recorded_at=now))
+            subscriber.after_settle("a" * 32, RunStatus.COMPLETED, TerminationReason.COMPLETED)
+            segment.set({"runbrake.segment.outcome": "completed"})
+
+    async def all_runs() -> float:
+        for _ in range(50):
+            await one_run()
+        provider.force_flush()
+        started = time.process_time()  # the processor's thread included: it encodes in this process
+        for _ in range(runs):
+            await one_run()
+        provider.force_flush()
+        return (time.process_time() - started) / runs * 1000
+
+    try:
+        return asyncio.run(all_runs())
+    finally:
+        provider.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100, help="counted runs per round (default 100)")
@@ -174,6 +250,8 @@ def main() -> None:
     args = parser.parse_args()
     load = background_load()
     print(f"machine before: {load}, {os.cpu_count()} CPUs")
+    isolated = [isolated_cost(2000) for _ in range(3)]
+    print(f"tracing's own CPU per run, alone: {', '.join(f'{v:.3f}' for v in isolated)} ms", flush=True)
     receiver = Receiver()
     rounds: list[dict[str, Any]] = []
     try:
@@ -192,6 +270,10 @@ def main() -> None:
             ratio = median["on"]["worker_cpu_ms_per_run"] / median["off"]["worker_cpu_ms_per_run"]
             enqueue_ratio = median["on"]["enqueue_cpu_ms_per_run"] / median["off"]["enqueue_cpu_ms_per_run"]
             after = os.getloadavg()
+            alone = statistics.median(isolated)
+            off_total = median["off"]["worker_cpu_ms_per_run"] + median["off"]["enqueue_cpu_ms_per_run"]
+            print(f"tracing alone: {alone:.3f} ms CPU per run = {100 * alone / off_total:.1f} % of a run's "
+                  f"{off_total:.3f} ms (worker + enqueue, off)")
             print(f"median worker CPU per run: off {median['off']['worker_cpu_ms_per_run']:.3f} ms, "
                   f"on {median['on']['worker_cpu_ms_per_run']:.3f} ms: on/off {ratio:.3f} "
                   f"({100 * (ratio - 1):+.1f} %)")
@@ -202,6 +284,8 @@ def main() -> None:
                 "machine_before": load, "loadavg_after": [round(v, 2) for v in after], "cpus": os.cpu_count(),
                 "runs_per_round": args.runs, "rounds_per_side": args.rounds, "rounds": rounds, "median": median,
                 "worker_cpu_on_over_off": round(ratio, 4), "enqueue_cpu_on_over_off": round(enqueue_ratio, 4),
+                "tracing_alone_cpu_ms_per_run": [round(v, 4) for v in isolated],
+                "tracing_alone_share_of_run": round(alone / off_total, 4),
             })
             print(f"wrote {path}")
     finally:
