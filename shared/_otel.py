@@ -10,10 +10,11 @@ variables (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Final
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -23,7 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from runbrake.shared import tracing
-from runbrake.shared.tracing import TRACEPARENT, Attribute, is_traceparent
+from runbrake.shared.tracing import TRACEPARENT, Attribute, T, is_traceparent
 
 TRACER_NAME: Final = "runbrake"
 
@@ -89,6 +90,16 @@ class OtelTracing(tracing.Tracing):
 
     def traceparent(self) -> str | None:
         return current_traceparent()
+
+    def within(self, parent: str | None, call: Callable[[], T]) -> T:
+        context = extract(parent) if parent is not None else None
+        if context is None:
+            return call()
+        token = otel_context.attach(context)
+        try:
+            return call()
+        finally:
+            otel_context.detach(token)
 
 
 def current_traceparent() -> str | None:

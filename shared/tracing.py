@@ -14,9 +14,9 @@ cancel message's AMQP headers, every MCP HTTP request's headers.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from runbrake.shared.errors import ConfigError
 from runbrake.shared.settings import Settings
@@ -26,6 +26,8 @@ TRACEPARENT: Final = "traceparent"
 
 _TRACEPARENT: Final = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 """Version 00, lowercase hex, neither id all zeros (W3C Trace Context, "traceparent Header Field Values")."""
+
+T = TypeVar("T")
 
 Attribute = str | bool | int | float
 """A span attribute's value, as OpenTelemetry takes it."""
@@ -68,6 +70,11 @@ class Tracing:
     def traceparent(self) -> str | None:
         """The current span's ``traceparent``, to carry in a message or a request (None: no span)."""
         return None
+
+    def within(self, parent: str | None, call: Callable[[], T]) -> T:
+        """``call()`` in the trace ``parent`` names (a caller's ``traceparent`` header; anything but a W3C
+        version-00 value is ignored): its spans are that trace's. Off, or without a parent, just ``call()``."""
+        return call()
 
     def tracer(self, name: str) -> Any:
         """An OpenTelemetry tracer named ``name`` on this process's provider (None: tracing off)."""

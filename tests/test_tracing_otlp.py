@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -24,14 +25,23 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from runbrake.shared import RunStore, Settings
+from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.status import RunStatus
+from tests.api_helpers import ApiProcess, start_api_fixture  # noqa: F401 - registers the `start_api` fixture
 from tests.mcp_helpers import (
     Toolbox,
     matching_events,
     toolbox_http_fixture,  # noqa: F401 - registers the `toolbox_http` fixture
 )
 from tests.polling import poll_until
-from tests.worker_helpers import WorkerProcess, call, spec, start_worker_fixture, wait_for_run  # noqa: F401
+from tests.worker_helpers import (  # noqa: F401 - registers the `start_worker` fixture
+    WorkerProcess,
+    call,
+    spec,
+    start_worker_fixture,
+    take_messages,
+    wait_for_run,
+)
 
 MAX_EXPORT_BYTES = 8 * 1024 * 1024
 
@@ -168,3 +178,27 @@ def test_a_trace_from_runbrake_enqueue_to_the_mcp_servers_http_request_carries_o
     # for the request (mcp/shared/_otel.py), which the worker's provider records as the tool span's child.
     under_tool = {tool.span_id} | {s.span_id for s in receiver.spans if s.parent_id == tool.span_id}
     assert under_tool & {value.split("-")[2] for value in received}
+
+
+CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+"""A backend's span, as its ``traceparent`` header names it (W3C Trace Context's own example ids)."""
+
+
+@pytest.mark.integration
+def test_a_run_posted_with_a_traceparent_header_continues_the_callers_trace_into_the_run_message(
+    receiver: Receiver, store: RunStore, rabbitmq: Settings, toolbox_http: Toolbox,
+    start_api: Callable[..., ApiProcess],
+) -> None:
+    api = start_api(**_traced(receiver))
+    run_spec = spec({"toolbox": toolbox_http.spec}, [{"content": "It is 5."}])
+
+    answer = httpx2.post(f"{api.url}/v1/runs", json=run_spec.raw, headers={"traceparent": CALLER}, timeout=30)
+
+    assert answer.status_code == 201, answer.text
+    run_id = answer.json()["run_id"]
+    enqueue = poll_until(lambda: receiver.named("runbrake.enqueue"), timeout=30,
+                         failure=lambda: f"spans received: {[(s.service, s.name) for s in receiver.spans]}")[0]
+    assert (enqueue.trace_id, enqueue.parent_id) == (CALLER.split("-")[1], CALLER.split("-")[2])
+    assert enqueue.attributes["runbrake.run_id"] == run_id
+    [(body, _headers)] = take_messages(rabbitmq, Topology.of(rabbitmq).run_queue, 1)
+    assert json.loads(body)["options"]["traceparent"].split("-")[1:3] == [enqueue.trace_id, enqueue.span_id]
