@@ -345,7 +345,7 @@ CANCEL_PROPERTIES: Final = pika.BasicProperties(content_type="application/json",
 
 def cancel_properties(traceparent: str | None) -> pika.BasicProperties:
     """The cancel wake-up's properties: :data:`CANCEL_PROPERTIES`, plus the canceller's ``traceparent`` as an
-    AMQP header when it is traced (docs/messages.md, "Cancel messages")."""
+    AMQP header when it is traced (docs/messages.md, "Cancel exchange: `<ns>.cancel`")."""
     if traceparent is None:
         return CANCEL_PROPERTIES
     return pika.BasicProperties(content_type="application/json", delivery_mode=1, headers={TRACEPARENT: traceparent})
