@@ -34,20 +34,14 @@ import argparse
 import asyncio
 import os
 import statistics
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -71,47 +65,7 @@ from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.tool_result import ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.tracing import TracingSubscriber
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver on a free loopback port that counts what it gets."""
-
-    def __init__(self) -> None:
-        self.spans = 0
-        self.requests = 0
-        self._lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length", "0"))
-                request = ExportTraceServiceRequest.FromString(self.rfile.read(min(length, 64 * 1024 * 1024)))
-                count = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
-                with receiver._lock:
-                    receiver.spans += count
-                    receiver.requests += 1
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *_args: object) -> None:
-                return
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, name="otlp-receiver", daemon=True)
-        self._thread.start()
-
-    def received(self) -> int:
-        with self._lock:
-            return self.spans
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+from tests.otlp_receiver import Receiver
 
 
 @contextmanager
@@ -152,7 +106,7 @@ def one_round(bench: Bench, server: Any, receiver: Receiver, *, on: bool, runs: 
 
             for i in range(warmup):
                 run(index * 100_000 + i)
-            spans_before = receiver.received()
+            spans_before = receiver.count()
             cpu_before = cpu_seconds(worker.pid) or 0.0
             wall_before = time.monotonic()
             done = [run(index * 100_000 + warmup + i) for i in range(runs)]
@@ -164,7 +118,7 @@ def one_round(bench: Bench, server: Any, receiver: Receiver, *, on: bool, runs: 
         if any(status is not RunStatus.COMPLETED for status in statuses):
             raise BenchError(f"not every run completed: {sorted({s.value for s in statuses})}")
         worker.process.stop()  # flushes the worker's spans at exit
-        spans = receiver.received() - spans_before
+        spans = receiver.count() - spans_before
         if on and spans < runs * 6:
             raise BenchError(f"tracing on, but only {spans} spans arrived for {runs} runs")
         return {

@@ -153,6 +153,11 @@ async def async_store(settings: Settings, store: RunStore) -> AsyncIterator[Asyn
     await connected.aclose()
 
 
+def _traced_runtime(settings: Settings, store: AsyncRunStore, registry: ActiveRuns) -> Runtime:
+    """A worker's runtime in this process whose only subscriber is the tracing one."""
+    return Runtime(settings, store, registry, Admission.from_settings(settings), subscribers=[TracingSubscriber(store)])
+
+
 def _named(spans: tuple[ReadableSpan, ...], name: str) -> ReadableSpan:
     found = [s for s in spans if s.name == name]
     assert len(found) == 1, f"{name}: {[s.name for s in spans]}"
@@ -189,8 +194,7 @@ async def test_one_trace_runs_from_the_enqueue_through_the_message_and_the_segme
     [(body, _headers)] = take_messages(settings, Topology.of(settings).run_queue, 1)
     traceparent = json.loads(body)["options"]["traceparent"]
     check_run_message(body, queue=Topology.of(settings).run_queue, actors={RUN_ACTOR})
-    runtime = Runtime(settings, async_store, ActiveRuns(), Admission.from_settings(settings),
-                      subscribers=[TracingSubscriber(async_store)])
+    runtime = _traced_runtime(settings, async_store, ActiveRuns())
 
     outcome = await runtime.execute(enqueued.run_id, traceparent=traceparent)
 
@@ -243,8 +247,7 @@ async def test_a_cancel_continues_its_trace_through_the_cancel_message_to_the_in
     publisher = CancelPublisher(settings)
     try:
         assert await anyio.to_thread.run_sync(listener.ready.wait, 20)
-        runtime = Runtime(settings, async_store, registry, Admission.from_settings(settings),
-                          subscribers=[TracingSubscriber(async_store)])
+        runtime = _traced_runtime(settings, async_store, registry)
         outcome: list[RunOutcome] = []
 
         async def execute() -> None:
