@@ -38,11 +38,14 @@ from runbrake.shared.messaging.wire import (
     check_run_message,
     run_message,
 )
+from runbrake.shared.spec import OpenAIModel
 from runbrake.shared.status import RunStatus
 from runbrake.worker.cancel_listener import CancelListener
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import RunOutcome, Runtime
 from runbrake.worker.tracing import TracingSubscriber
+from tests.catalog_helpers import add_to_catalog
+from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import (
     Toolbox,
     matching_events,
@@ -278,3 +281,29 @@ async def test_a_cancel_continues_its_trace_through_the_cancel_message_to_the_in
     assert attributes["runbrake.cancel.requested_by"] == "tracing-test"
     assert 0 <= attributes["runbrake.cancel.latency_ms"] < 60_000
     assert _named(recorded, "runbrake.run.segment").attributes["runbrake.segment.outcome"] == "cancelled"
+
+
+@pytest.mark.integration
+@pytest.mark.anyio
+async def test_a_model_calls_span_says_its_provider_model_and_the_usage_the_endpoint_reported(
+    spans: InMemorySpanExporter, settings: Settings, store: RunStore, async_store: AsyncRunStore,
+    llm_mock: LlmMock,
+) -> None:
+    """The GenAI semantic conventions' attributes, from a real OpenAI-compatible endpoint (``llm-mock-api``)."""
+    llm_mock.server.when("2 + 3").reply(reply("It is 5.", usage=(21, 3)))
+    add_to_catalog(models={"mock": OpenAIModel(base_url=llm_mock.openai_url, model="gpt-mock")})
+    run_id = store.create({"input": "What is 2 + 3?", "model": "mock", "mcp_servers": []}).run_id
+
+    outcome = await _traced_runtime(settings, async_store, ActiveRuns()).execute(run_id)
+
+    assert outcome is RunOutcome.COMPLETED
+    model = _named(spans.get_finished_spans(), "chat gpt-mock")
+    assert model.kind is SpanKind.CLIENT
+    assert {key: model.attributes[key] for key in (
+        "gen_ai.operation.name", "gen_ai.system", "gen_ai.request.model", "gen_ai.usage.input_tokens",
+        "gen_ai.usage.output_tokens")} == {
+        "gen_ai.operation.name": "chat", "gen_ai.system": "openai", "gen_ai.request.model": "gpt-mock",
+        "gen_ai.usage.input_tokens": 21, "gen_ai.usage.output_tokens": 3}
+    segment = _named(spans.get_finished_spans(), "runbrake.run.segment")
+    assert _parent(model) == _ids(segment)[1]
+    assert segment.attributes["gen_ai.request.model"] == "gpt-mock"
