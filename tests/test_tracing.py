@@ -18,6 +18,8 @@ from typing import Any
 import anyio
 import pika
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -133,6 +135,29 @@ def test_a_cancel_message_carries_the_traceparent_header_and_only_a_w3c_value_is
     assert cancel_traceparent(pika.BasicProperties(headers={"traceparent": TRACEPARENT.encode()})) == TRACEPARENT
     for hostile in ("00-zz", b"\xff" * 55, 7, {"a": 1}, TRACEPARENT + "0"):
         assert cancel_traceparent(pika.BasicProperties(headers={"traceparent": hostile})) is None
+
+
+_HEADER_VALUES = (st.text(max_size=80) | st.binary(max_size=80) | st.integers() | st.none()
+                  | st.from_regex(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}", fullmatch=True))
+
+
+@given(_HEADER_VALUES)
+def test_any_traceparent_header_on_a_cancel_message_is_read_as_a_w3c_value_or_ignored(value: object) -> None:
+    read = cancel_traceparent(pika.BasicProperties(headers={"traceparent": value}))
+    assert read is None or tracing.is_traceparent(read)
+
+
+@given(_HEADER_VALUES)
+def test_any_traceparent_option_is_accepted_only_as_a_w3c_value(value: object) -> None:
+    topology = Topology("test-ns")
+    envelope = json.loads(run_message(topology, "a" * 32).encode())
+    envelope["options"] = {"traceparent": value.decode(errors="replace") if isinstance(value, bytes) else value}
+    body = json.dumps(envelope).encode()
+    if tracing.is_traceparent(envelope["options"]["traceparent"]):
+        check_run_message(body, queue=topology.run_queue, actors={RUN_ACTOR})
+    else:
+        with pytest.raises(MalformedRunMessage, match=r"options\.traceparent"):
+            check_run_message(body, queue=topology.run_queue, actors={RUN_ACTOR})
 
 
 # -- on: one trace, recorded in memory ------------------------------------------------------------
