@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -390,24 +389,6 @@ def loop_lag_ms(port: int) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def free_port_pair() -> int:
-    """A loopback port that is free, as is the next one (the workers' health ports: port + ``--index``)."""
-    for _ in range(20):
-        port = free_port()
-        if port < 65535 and _port_free(port + 1):
-            return port
-    raise RuntimeError("no two free loopback ports in a row")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def growth(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """The rise of the least-squares line through ``points`` (t, value) over their span, and its value at
     the start of the span."""
@@ -441,10 +422,10 @@ class Soak:
         self.plan = plan
         self.server = bench.start_toolbox()
         self.url = start_api(bench)
-        self.health_port = free_port_pair()
-        bench.env["RUNBRAKE_HEALTH_PORT"] = str(self.health_port)  # the workers' /healthz, for the loop lag
-        self.steady = self._start_worker("worker steady", index=0)
-        self.rolling = self._start_worker("worker rolling", index=1)
+        self.health_ports: dict[str, int] = {}
+        """Where each worker's /healthz (and so its loop lag) is read."""
+        self.steady = self._start_worker("worker_steady")
+        self.rolling = self._start_worker("worker_rolling")
         self.rolling_log_lines: list[dict[str, Any]] = []
         broker = build_broker(bench.settings)
         bench.on_close(broker.close)
@@ -458,10 +439,12 @@ class Soak:
         self._restarting: threading.Thread | None = None
         self._started = 0.0
 
-    def _start_worker(self, name: str, *, index: int) -> Worker:
-        """A worker process; its ``/healthz`` is on the health port + ``index``."""
+    def _start_worker(self, name: str) -> Worker:
+        """A worker process with its ``/healthz`` on a free port of its own."""
+        self.health_ports[name] = free_port()
+        self.bench.env["RUNBRAKE_HEALTH_PORT"] = str(self.health_ports[name])
         return self.bench.start_logging_process(
-            name, ["-m", "runbrake.worker", "--concurrency", str(WORKER_CONCURRENCY), "--index", str(index)],
+            name.replace("_", " "), ["-m", "runbrake.worker", "--concurrency", str(WORKER_CONCURRENCY)],
             timeout=WORKER_START_TIMEOUT_S)
 
     def processes(self) -> dict[str, ManagedProcess]:
@@ -514,7 +497,7 @@ class Soak:
             "processes": {name: process_sample(p.pid) for name, p in self.processes().items()},
             "redis": redis_sample(self.bench),
             "queues": queue_depths(self.bench),
-            "loop_lag_ms": {name: loop_lag_ms(self.health_port + index) for index, name in enumerate(WORKERS)},
+            "loop_lag_ms": {name: loop_lag_ms(self.health_ports[name]) for name in WORKERS},
             "live_runs": len(self.tracker.live),
         })
 
@@ -532,7 +515,7 @@ class Soak:
         restart.exit_code = old.process.stop()
         old.log.read_new()
         restart.handed_over = sum(1 for e in old.log.entries if e.get("event") == "run_handed_over")
-        self.rolling = self._start_worker("worker rolling", index=1)
+        self.rolling = self._start_worker("worker_rolling")
 
     def summary(self) -> dict[str, Any]:
         plan, tracker = self.plan, self.tracker
