@@ -8,9 +8,10 @@ Run from the repository root::
 In a namespace of its own on the machine's Redis and RabbitMQ (deleted afterwards), with a short
 ``RUNBRAKE_RETENTION_S`` and a 1 s ``RUNBRAKE_DRAIN_S``, it starts the example toolbox MCP server, two
 worker processes (``python -m runbrake.worker``: a *steady* one that lives the whole soak and a *rolling*
-one restarted by SIGTERM every sixth of the soak, 10 minutes in the hour, so its runs in flight are handed
-over, docs/architecture.md, "Drain and hand-over"), and ``runbrake serve`` with one events client reading
-``GET /v1/events``. It enqueues ``--rate`` runs a second (5) in a fixed cycle of ten shapes:
+one restarted by SIGTERM every sixth of the soak by default, 10 minutes in the hour (``--restarts``), so
+its runs in flight are handed over, docs/architecture.md, "Drain and hand-over"), and ``runbrake serve``
+with one events client reading ``GET /v1/events``. It enqueues ``--rate`` runs a second (5) in a fixed
+cycle of ten shapes:
 
 - ``quick`` ×4: get-sum, echo, answer (completed);
 - ``long`` ×2: an 8 s ``slow`` call (completed; handed over when its worker restarts);
@@ -109,13 +110,14 @@ class Plan:
     rate: float
     sample_s: float
     retention_s: int
+    restarts: int = 5
 
     @classmethod
-    def of(cls, minutes: float, rate: float, sample_s: float | None) -> Plan:
+    def of(cls, minutes: float, rate: float, sample_s: float | None, restarts: int = 5) -> Plan:
         # The retention must end well inside the first sixth, so the namespace's memory has levelled off
-        # by the time the growth is measured: a sixth of the sixth, from 5 s to 60 s.
+        # by the time the growth is measured: a third of the sixth, from 5 s to 60 s.
         retention = int(min(60.0, max(5.0, minutes * 60 / 18)))
-        return cls(minutes, rate, sample_s or (30.0 if minutes >= 30 else 10.0), retention)
+        return cls(minutes, rate, sample_s or (30.0 if minutes >= 30 else 10.0), retention, restarts)
 
     @property
     def duration_s(self) -> float:
@@ -139,9 +141,14 @@ class Plan:
         return int(self.duration_s * self.rate)
 
     @property
+    def restart_every_s(self) -> float:
+        return self.duration_s / (self.restarts + 1)
+
+    @property
     def restarts_at(self) -> list[float]:
-        """Seconds into the soak of each restart of the rolling worker: every sixth, the last before the end."""
-        return [self.sixth_s * k for k in range(1, 6)]
+        """Seconds into the soak of each restart of the rolling worker: evenly spaced (by default every
+        sixth), the last before the end. One that comes due while the previous is still going waits for it."""
+        return [self.restart_every_s * k for k in range(1, self.restarts + 1)]
 
 
 # -- the runs ------------------------------------------------------------------------------------
@@ -551,7 +558,8 @@ class Soak:
             "failed": failed,
             "criteria": criteria,
             "plan": {"minutes": plan.minutes, "rate_per_s": plan.rate, "sample_s": plan.sample_s,
-                     "retention_s": plan.retention_s, "drain_s": DRAIN_S, "restart_every_s": plan.sixth_s,
+                     "retention_s": plan.retention_s, "drain_s": DRAIN_S, "restarts_planned": plan.restarts,
+                     "restart_every_s": round(plan.restart_every_s, 1),
                      "growth_measured_from_s": plan.warmup_s,
                      "long_call_s": LONG_S, "worker_concurrency": WORKER_CONCURRENCY},
             "runs": {"sent": len(tracker.runs), "terminal": sum(r.status.is_terminal for r in tracker.runs.values()),
@@ -663,6 +671,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=_positive, default=5.0, help="runs sent per second (5)")
     parser.add_argument("--sample-s", type=_positive, default=None,
                         help="seconds between samples (30 from 30 minutes on, else 10)")
+    parser.add_argument("--restarts", type=int, choices=range(1, 61), default=5, metavar="1..60",
+                        help="restarts of the rolling worker, evenly spaced (5: every sixth of the soak)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json", help="the JSON results file")
     parser.add_argument("--plot", type=Path, default=None, help="also draw RSS and Redis memory to this PNG")
     parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
@@ -673,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--replot needs --plot FILE")
         plot(json.loads(args.replot.read_text(encoding="utf-8")), args.plot)
         return 0
-    plan = Plan.of(args.minutes, args.rate, args.sample_s)
+    plan = Plan.of(args.minutes, args.rate, args.sample_s, args.restarts)
     configure_logging("WARNING")  # the producer's, the cancels' and the decisions' info lines would drown the result
     info = machine()
     print_machine(info)
