@@ -57,6 +57,7 @@ from bench._harness import (
     RESULTS_DIR,
     SERVER_NAME,
     Bench,
+    BenchError,
     JsonLines,
     ManagedProcess,
     Worker,
@@ -352,7 +353,8 @@ def process_sample(pid: int) -> dict[str, Any]:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return {"pid": pid, "rss_kib": None, "fds": None, "cpu_s": None}
-    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    # An exited process not yet reaped (a worker being restarted) has no VmRSS line.
+    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
     return {"pid": pid, "rss_kib": rss, "fds": fds, "cpu_s": round(cpu, 2)}
 
@@ -432,6 +434,8 @@ class Soak:
         self.plan = plan
         self.server = bench.start_toolbox()
         self.url = start_api(bench)
+        self.start_failures = 0
+        """Worker starts that failed and were tried again."""
         self.health_ports: dict[str, int] = {}
         """Where each worker's /healthz (and so its loop lag) is read."""
         self.steady = self._start_worker("worker_steady")
@@ -450,12 +454,20 @@ class Soak:
         self._started = 0.0
 
     def _start_worker(self, name: str) -> Worker:
-        """A worker process with its ``/healthz`` on a free port of its own."""
-        self.health_ports[name] = free_port()
-        self.bench.env["RUNBRAKE_HEALTH_PORT"] = str(self.health_ports[name])
-        return self.bench.start_logging_process(
-            name.replace("_", " "), ["-m", "runbrake.worker", "--concurrency", str(WORKER_CONCURRENCY)],
-            timeout=WORKER_START_TIMEOUT_S)
+        """A worker process with its ``/healthz`` on a free port of its own; tried three times, since another
+        process may take the port between the probe and the worker's bind (which ends the worker)."""
+        for attempt in range(3):
+            self.health_ports[name] = free_port()
+            self.bench.env["RUNBRAKE_HEALTH_PORT"] = str(self.health_ports[name])
+            try:
+                return self.bench.start_logging_process(
+                    name.replace("_", " "), ["-m", "runbrake.worker", "--concurrency", str(WORKER_CONCURRENCY)],
+                    timeout=WORKER_START_TIMEOUT_S)
+            except BenchError:
+                self.start_failures += 1
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def processes(self) -> dict[str, ManagedProcess]:
         api = next(p for p in self.bench._processes if p.name == "runbrake serve")
@@ -572,6 +584,7 @@ class Soak:
                          1 for r in tracker.runs.values() if r.shape == "cancel" and r.run_id in tracker.slow_started),
                      "refused_decisions": dict(tracker.refused)},
             "restarts": [vars(r) for r in self.restarts],
+            "worker_start_failures": self.start_failures,
             "events_client": {"status_events": self.events.status_events,
                               "terminal_runs_seen": sum(1 for r in tracker.runs if r in self.events.terminal),
                               "reconnects": self.events.reconnects, "errors": dict(self.events.errors)},
