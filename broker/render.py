@@ -31,8 +31,9 @@ def run_json(record: RunRecord) -> dict[str, Any]:
 
 
 def run_summary(record: RunRecord) -> dict[str, Any]:
-    """A run in a listing (``runbrake runs --json``, ``GET /v1/runs``): ``show --json`` without the steps."""
-    return {k: v for k, v in record.to_dict().items() if k != "steps"}
+    """A run in a listing (``runbrake runs --json``, ``GET /v1/runs``): ``show --json`` without the steps, the
+    input, the instructions and the answer; with ``input_preview`` instead."""
+    return record.summary()
 
 
 def pending_call(record: RunRecord) -> dict[str, Any] | None:
