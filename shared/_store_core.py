@@ -679,15 +679,24 @@ def recent_ids(keys: Keys, *, count: int) -> Op[list[str]]:
                                  for shard in keys.shards), parse)
 
 
-def records(keys: Keys, run_ids: Sequence[str], *, limit: int, status: RunStatus | None) -> Op[list[RunRecord]]:
-    """These runs without their steps, in the given order, filtered by ``status``, at most ``limit``."""
+def matches(record: RunRecord, status: RunStatus | None, labels: Mapping[str, str] | None) -> bool:
+    """Whether a run is in ``status`` (any, when None) and carries every one of ``labels``."""
+    if status is not None and record.status is not status:
+        return False
+    return not labels or all(record.labels.get(key) == value for key, value in labels.items())
+
+
+def records(keys: Keys, run_ids: Sequence[str], *, limit: int, status: RunStatus | None,
+            labels: Mapping[str, str] | None = None) -> Op[list[RunRecord]]:
+    """These runs without their steps, in the given order, filtered by ``status`` and ``labels`` (all must
+    match), at most ``limit``."""
     def parse(answers: list[Any]) -> list[RunRecord]:
         found = []
         for run_id, fields, raw_cancel in zip(run_ids, answers[::2], answers[1::2], strict=True):
             if not fields:
                 continue
             record = read_record(run_id, fields, (), read_cancel_request(raw_cancel))
-            if status is None or record.status is status:
+            if matches(record, status, labels):
                 found.append(record)
             if len(found) >= limit:
                 break

@@ -63,6 +63,7 @@ __all__ = [
     "ScriptedTurn",
     "ServerSpec",
     "StdioServerSpec",
+    "parse_label_filters",
     "run_spec_json_schema",
     "variables_in",
 ]
@@ -543,6 +544,36 @@ _LabelValue = Annotated[str, Field(max_length=MAX_LABEL_VALUE_CHARS)]
 def _few_labels(labels: dict[str, str]) -> dict[str, str]:
     if len(labels) > MAX_LABELS:
         raise _refuse(f"has {len(labels)} labels; at most {MAX_LABELS}")
+    return labels
+
+
+def parse_label_filters(given: Iterable[str], *, separator: str) -> dict[str, str]:
+    """Label filters (``KEY=VALUE`` on the command line, ``KEY:VALUE`` in a query) as the labels a run must
+    carry, each key and value held to the rules of a spec's labels.
+
+    Raises:
+        SpecError: naming every filter that is malformed, and a key given twice.
+    """
+    labels: dict[str, str] = {}
+    problems: list[FieldProblem] = []
+    for index, text in enumerate(given):
+        if index >= MAX_LABELS:
+            problems.append(FieldProblem(loc=("label",), msg=f"at most {MAX_LABELS} label filters"))
+            break
+        key, found, value = text.partition(separator)
+        shown = repr(text[:80])
+        if not found or not LABEL_KEY.fullmatch(key):
+            problems.append(FieldProblem(loc=("label", index), msg=(
+                f"{shown} is not KEY{separator}VALUE with a key of 1 to 63 of a-z, 0-9, '_', '.', '-'")))
+        elif len(value) > MAX_LABEL_VALUE_CHARS:
+            problems.append(FieldProblem(loc=("label", index),
+                                         msg=f"the value of {key!r} is longer than {MAX_LABEL_VALUE_CHARS} characters"))
+        elif key in labels and labels[key] != value:
+            problems.append(FieldProblem(loc=("label", index), msg=f"{key!r} is given twice with different values"))
+        else:
+            labels[key] = value
+    if problems:
+        raise SpecError.from_problems(problems)
     return labels
 
 
