@@ -246,7 +246,7 @@ def _label_filter(given: list[str]) -> dict[str, str]:
             {"loc": ["query", "label"], "msg": p.msg} for p in exc.problems]) from exc
 
 
-def no_unknown_query(request: Request) -> None:
+async def no_unknown_query(request: Request) -> None:
     """A dependency of every route: a GET with a query parameter its route does not take is refused (422,
     naming it), never silently ignored: ``?tenant=acme`` must not answer every run."""
     if request.method not in ("GET", "HEAD"):
@@ -261,9 +261,8 @@ def no_unknown_query(request: Request) -> None:
             for name in unknown[:10]])
 
 
-@functools.cache
 def _query_names(route: APIRoute) -> frozenset[str]:
-    """The query parameters a route takes, its dependencies' included."""
+    """The query parameters a route takes, its dependencies' included (a walk of a few objects: no cache)."""
     names: set[str] = set()
     pending = [route.dependant]
     while pending:

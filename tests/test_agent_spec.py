@@ -25,10 +25,13 @@ def spec_with(**fields: Any) -> dict[str, Any]:
 
 def problems(data: dict[str, Any], admission: Admission | None = None) -> dict[str, str]:
     """Every problem with a spec, by field (parsed, then admitted when ``admission`` is given)."""
-    with pytest.raises(SpecError) as raised:
+    def check() -> None:
         parsed = RunSpec.parse(data)
         if admission is not None:
             admission.admit(parsed)
+
+    with pytest.raises(SpecError) as raised:
+        check()
     return {p.field: p.msg for p in raised.value.problems}
 
 
