@@ -238,7 +238,7 @@ def _cursor(value: str | None) -> tuple[float, str] | None:
 
 
 def _label_filter(given: list[str]) -> dict[str, str]:
-    """``label=KEY:VALUE`` parameters as the labels a run must carry (docs/http-api.md, "Listing runs")."""
+    """``label=KEY:VALUE`` parameters as the labels a run must carry (docs/http-api.md, "Runs: reading")."""
     try:
         return parse_label_filters(given, separator=":")
     except SpecError as exc:

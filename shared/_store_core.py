@@ -10,7 +10,8 @@ translation of ``redis`` errors into :class:`StoreError` (:func:`failed`).
 
 Keys on a single Redis, all under the namespace (``{run_id}`` is a hash tag, so a run's keys share one slot):
 
-    <ns>:run:{<id>}           hash   the run: status, reason, times, owner, request, pending turn
+    <ns>:run:{<id>}           hash   the run: status, reason, times, owner, request, pending turn, labels,
+                                     model, input preview, usage (input/output tokens, model calls)
     <ns>:run:{<id>}:steps     list   the steps as JSON, in sequence order
     <ns>:run:{<id>}:cancel    string the cancel request as JSON; lives as long as the run, no TTL
     <ns>:runs                 zset   run ids by creation time
