@@ -620,7 +620,22 @@ def _output_schema(schema: dict[str, Any]) -> dict[str, Any]:
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.absolute_path) or "the schema"
         raise _refuse(f"is not a valid JSON Schema (Draft 2020-12) at {where}: {exc.message[:200]}") from exc
+    remote = _remote_refs(schema)
+    if remote:
+        # Nothing is fetched for a run (docs/security.md, "Bounds"): a reference points into the schema itself.
+        raise _refuse(f"refers outside itself ({remote[0][:100]!r}): only local references ('#/...') are allowed")
     return schema
+
+
+def _remote_refs(value: object) -> list[str]:
+    """The ``$ref`` and ``$dynamicRef`` values in a schema that do not point into it (``#…``)."""
+    if isinstance(value, dict):
+        found = [ref for key in ("$ref", "$dynamicRef")
+                 if isinstance(ref := value.get(key), str) and not ref.startswith("#")]
+        return found + [ref for item in value.values() for ref in _remote_refs(item)]
+    if isinstance(value, list):
+        return [ref for item in value for ref in _remote_refs(item)]
+    return []
 
 
 class HistoryToolCall(SpecModel):

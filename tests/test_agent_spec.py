@@ -134,6 +134,9 @@ def test_model_settings_labels_and_the_output_schema_are_bounded() -> None:
     assert found["model_settings.top_k"] == "unknown field"
     assert found["output_schema"].startswith("is not a valid JSON Schema (Draft 2020-12)")
     assert problems(spec_with(labels={f"k{i}": "v" for i in range(17)})) == {"labels": "has 17 labels; at most 16"}
+    assert problems(spec_with(output_schema={"properties": {"a": {"$ref": "https://example.com/s.json"}}})) == {
+        "output_schema": "refers outside itself ('https://example.com/s.json'): only local references ('#/...') "
+                         "are allowed"}
 
 
 def test_the_spec_settings_go_over_the_catalog_defaults_and_a_cap_fills_in_max_output_tokens() -> None:
@@ -227,3 +230,6 @@ def test_an_answer_is_checked_as_json_against_the_schema() -> None:
     assert check.check('{"city": 7}').problem == "at /city: 7 is not of type 'string'"
     assert check.check("Oslo").problem is not None
     assert check.check(None).problem is not None
+    dangling = AnswerCheck({"$ref": "#/$defs/missing"}).check("{}").problem
+    assert dangling is not None
+    assert dangling.startswith("the output schema has a reference to nothing")

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
+from referencing.exceptions import Unresolvable
 
 __all__ = ["AnswerCheck", "Checked", "hand_back"]
 
@@ -47,6 +48,8 @@ class AnswerCheck:
             error = best_match(self._validator.iter_errors(value))
         except RecursionError:  # a self-referencing schema meeting a deep answer
             return Checked(problem="the answer could not be validated: it nests too deeply for the schema")
+        except Unresolvable as exc:  # a local reference to nothing (the spec allows no others: shared/spec.py)
+            return Checked(problem=_bounded(f"the output schema has a reference to nothing ({exc})"))
         if error is None:
             return Checked(value=value)
         where = "/" + "/".join(str(part) for part in error.absolute_path)
