@@ -12,6 +12,8 @@ from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.records import read_record
 from runbrake.shared.spec import RunSpec, parse_label_filters
+from runbrake.shared.steps import RunStep, StepKind
+from runbrake.worker.metrics import REGISTRY, MetricsSubscriber
 from runbrake.worker.runtime import model_settings, opening
 from runbrake.worker.structured import AnswerCheck
 
@@ -233,3 +235,18 @@ def test_an_answer_is_checked_as_json_against_the_schema() -> None:
     dangling = AnswerCheck({"$ref": "#/$defs/missing"}).check("{}").problem
     assert dangling is not None
     assert dangling.startswith("the output schema has a reference to nothing")
+
+
+@pytest.mark.anyio
+async def test_the_worker_counts_each_model_calls_tokens_by_model_and_kind() -> None:
+    subscriber = MetricsSubscriber(store=None)  # type: ignore[arg-type]  # read only for cancelled steps
+
+    def counted(kind: str) -> float:
+        return REGISTRY.get_sample_value("runbrake_model_tokens_total", {"model": "metrics-test", "kind": kind}) or 0.0
+
+    before = counted("input"), counted("output")
+    for tokens in ((200, 30), (321, 42)):
+        await subscriber.after_step("0" * 32, RunStep(kind=StepKind.MODEL, round=1, content="x", detail={
+            "model": "metrics-test", "usage": {"input_tokens": tokens[0], "output_tokens": tokens[1]}}))
+
+    assert (counted("input") - before[0], counted("output") - before[1]) == (521, 72)
