@@ -192,9 +192,15 @@ class Catalog(SpecModel):
                    "timeout_s": server.timeout_s, **TRANSPORTS.of(server).describe(server, shown)}
             for name, server in self.mcp_servers.items()
         }
-        models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown)}
-                  for name, model in self.models.items()}
+        models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown),
+                         **self._policy(name)} for name, model in self.models.items()}
         return {"mcp_servers": servers, "models": models}
+
+
+    def _policy(self, model: str) -> dict[str, Any]:
+        """A model's defaults and caps as ``describe`` shows them (nothing when it sets none)."""
+        policy = self.policies.get(model)
+        return {} if policy is None else policy.model_dump(mode="json", exclude_none=True)
 
 
 @dataclass(frozen=True, slots=True)

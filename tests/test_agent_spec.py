@@ -250,3 +250,13 @@ async def test_the_worker_counts_each_model_calls_tokens_by_model_and_kind() -> 
             "model": "metrics-test", "usage": {"input_tokens": tokens[0], "output_tokens": tokens[1]}}))
 
     assert (counted("input") - before[0], counted("output") - before[1]) == (521, 72)
+
+
+def test_the_catalog_describes_a_models_defaults_and_caps() -> None:
+    catalog = Catalog.parse({"models": {"fast": {
+        "provider": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
+        "defaults": {"temperature": 0.2}, "caps": {"max_output_tokens": 512}}}})
+
+    shown = catalog.describe({})["models"]["fast"]
+
+    assert (shown["defaults"], shown["caps"]) == ({"temperature": 0.2}, {"max_output_tokens": 512})
