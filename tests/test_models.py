@@ -229,7 +229,8 @@ async def test_tool_arguments_that_are_not_a_json_object_come_back_as_a_call_wit
 
     [call] = turn.tool_calls
     assert (call.server, call.tool, dict(call.arguments)) == ("calc", "get-sum", {})
-    assert call.problem is not None and call.problem.startswith(problem)
+    assert call.problem is not None
+    assert call.problem.startswith(problem)
 
 
 @pytest.mark.anyio

@@ -59,7 +59,7 @@ def model_tool_call(call_id: str, name: str, arguments: object, servers: Collect
     exists on its server is the toolbox's to say (worker/toolbox.py ``Toolbox.problem``).
     """
     server, separator, tool = name.partition(TOOL_NAME_SEPARATOR)
-    if not separator or not tool or server not in servers:
+    if not separator or not tool or server not in servers or len(name) > MAX_MODEL_TOOL_NAME_CHARS:
         shown = name[:MAX_MODEL_TOOL_NAME_CHARS]
         return ToolCall(id=call_id, server="", tool=shown, problem=f"there is no tool named {shown!r}")
     if not isinstance(arguments, dict):
