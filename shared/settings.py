@@ -266,6 +266,10 @@ class Settings(BaseSettings):
     most models, while a step stays small enough to send whole on every events replay."""
     max_tool_calls_per_turn: Annotated[int, _integer(1, 1000)] = 32
     """Most tool calls one model turn may ask for; more fails the run (`too_many_tool_calls`)."""
+    max_parallel_tool_calls: Annotated[int, _integer(1, 1000)] = 8
+    """Most tool calls of one turn a run has in flight at once (the others of the turn wait for a free
+    place, in call order); a catalog server's `max_concurrency` bounds its calls per worker process too.
+    1 runs a turn's calls one after another."""
     max_steps_cap: Annotated[int, _integer(1, 1_000_000)] = 1000
     """Highest `max_steps` a spec may ask for (its default is 200)."""
     retention_s: Annotated[int, _integer(0)] = 7 * 24 * 3600

@@ -379,6 +379,7 @@ class Runtime:
                 provider_for(admitted.model), toolbox, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
                 max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
+                max_parallel_tool_calls=self._settings.max_parallel_tool_calls,
                 max_argument_chars=self._settings.max_argument_chars,
                 max_model_content_chars=self._settings.max_model_content_chars,
                 settings=model_settings(admitted), model_name=admitted.model_name,
