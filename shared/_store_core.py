@@ -17,6 +17,7 @@ Keys on a single Redis, all under the namespace (``{run_id}`` is a hash tag, so 
     <ns>:idem:<key>           string the run id an idempotency key created
     <ns>:servers              hash   tool calls per "<server>|<outcome>", for per-server health
     <ns>:leases               zset   running run ids by lease expiry, for the reaper
+    <ns>:outbox               stream every status change and step as an event, for the relay and the feed
 
 On a Redis Cluster (``RUNBRAKE_REDIS_CLUSTER``) the same structures carry the hash tag of one of
 :data:`SHARDS` shards, ``{<ns>|<shard>}``: ``<ns>:run:{<ns>|<shard>}:<id>`` (and ``:steps``, ``:cancel``),
@@ -122,6 +123,15 @@ class Keys:
     def retention(self, run_id: str) -> tuple[str, str, str, str]:
         """The keys a run's end touches to keep it for its retention: its own three, and the finished set."""
         return self.run(run_id), self.steps(run_id), self.cancel(run_id), self.finished(self.shard(run_id))
+
+    def outbox(self, shard: int) -> str:
+        """The stream of events (status changes and steps) that the relay publishes and ``GET /v1/events``
+        replays (docs/architecture.md, "The outbox"): one per shard in a cluster, beside its runs."""
+        return self._sharded("outbox", shard)
+
+    def outbox_of(self, run_id: str) -> str:
+        """The outbox a run's events go to: its shard's."""
+        return self.outbox(self.shard(run_id))
 
     def waiting_lists(self, run_id: str) -> tuple[str, str]:
         """The leases and unclaimed sets of a run's shard: a transition moves the run in or out of them."""
@@ -427,9 +437,9 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
         return Created(run_id=str(value), created=bool(won), conflict=bool(conflict))
 
     return _script(
-        _scripts.CREATE, (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard)),
+        _scripts.CREATE, (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard), keys.outbox(shard)),
         (Ident(run_id), request_json, now, Ident("1" if idempotency_key else "0"), Verbatim(idempotency_key or ""),
-         Ident(digest), Ident(keys.events)),
+         Ident(digest), keys.retention_s, Ident(keys.events)),
         "create a run", parse,
     )
 
@@ -452,8 +462,8 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
         )
 
     return Op(f"{name} run {run_id}", (
-        ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id)),
-                   (Ident(owner), float(lease_s), Ident(run_id), Ident(keys.events))),
+        ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
+                   (Ident(owner), float(lease_s), Ident(run_id), keys.retention_s, Ident(keys.events))),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
     ), parse)
 
@@ -461,8 +471,8 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
 def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> Op[Transition]:
     """running → waiting_for_approval (owner-guarded), storing the pending turn (scrubbed, like every value
     a script writes: :func:`wire`; the resumed segment continues from what is stored)."""
-    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases(keys.shard(run_id))),
-                   (Ident(owner), pending, Ident(run_id), Ident(keys.events)),
+    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases(keys.shard(run_id)), keys.outbox_of(run_id)),
+                   (Ident(owner), pending, Ident(run_id), keys.retention_s, Ident(keys.events)),
                    f"suspend run {run_id}", _transition("suspend", run_id))
 
 
@@ -472,8 +482,8 @@ def hand_over(keys: Keys, run_id: str, step: RunStep, *, owner: str, pending: Ma
     turn (owner-guarded), in one round trip. As in :func:`complete`, a cancel that won first refuses
     the transition."""
     append = append_step(keys, run_id, step, token=token, owner=owner)
-    handoff = _script(_scripts.HANDOFF, (keys.run(run_id), *keys.waiting_lists(run_id)),
-                      (Ident(owner), pending, Ident(run_id), time.time(), Ident(keys.events)),
+    handoff = _script(_scripts.HANDOFF, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
+                      (Ident(owner), pending, Ident(run_id), time.time(), keys.retention_s, Ident(keys.events)),
                       f"hand over run {run_id}", _transition("handoff", run_id))
 
     def parse(answers: list[Any]) -> tuple[Appended, Transition]:
@@ -496,7 +506,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return _script(
         _scripts.SETTLE,
-        (keys.run(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
+        (keys.run(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id), keys.outbox_of(run_id)),
         # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
         (Ident(status.value), Ident(reason.value), Ident(owner or ""), time.time(), scrub(error)[:MAX_ERROR_CHARS],
          Ident("" if required_status is None else required_status.value), Ident(run_id), keys.retention_s,
@@ -513,7 +523,8 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
                             requested_at=time.time())
     return _script(
         _scripts.CANCEL,
-        (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
+        (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id),
+         keys.outbox_of(run_id)),
         (request.to_dict(), request.requested_at, Ident(run_id), keys.retention_s, Ident(keys.events)),
         f"cancel run {run_id}", _transition("cancel", run_id),
     )
@@ -544,9 +555,9 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
     return _script(
         _scripts.APPEND_STEP,
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
-         keys.servers_hour(recorded_at, keys.shard(run_id))),
-        (body, recorded_at, counter, Ident(run_id), Ident(keys.events), Ident(token or uuid.uuid4().hex),
-         Ident(owner)),
+         keys.servers_hour(recorded_at, keys.shard(run_id)), keys.outbox_of(run_id)),
+        (body, recorded_at, counter, Ident(run_id), Ident(token or uuid.uuid4().hex), Ident(owner),
+         keys.retention_s, Ident(keys.events)),
         f"append a step to run {run_id}", parse,
     )
 
@@ -602,7 +613,8 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
             log.warning("run_lease_lost", run_id=run_id)
         return transition
 
-    return _script(_scripts.REAP, (keys.run(run_id), keys.leases(keys.shard(run_id)), *keys.retention(run_id)),
+    return _script(_scripts.REAP, (keys.run(run_id), keys.leases(keys.shard(run_id)), *keys.retention(run_id),
+                                   keys.outbox_of(run_id)),
                    (Ident(run_id), keys.retention_s, Ident(keys.events)),
                    f"reap run {run_id}", parse)
 
