@@ -256,8 +256,8 @@ announce(ARGV[7], ARGV[1], ARGV[2])
 return {1, st}
 """)
 
-# KEYS: run, cancel, leases, unclaimed, run, steps, cancel, finished, outbox.  ARGV: cancel_json, now, run_id, retention_s,
-#   events channel
+# KEYS: run, cancel, leases, unclaimed, run, steps, cancel, finished, outbox.
+# ARGV: cancel_json, now, run_id, retention_s, events channel
 CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -370,6 +370,36 @@ end
 return kind
 """)
 
+
+# KEYS: outbox.  ARGV: group
+# The relay's consumer group on an outbox, made once (with the stream, should no event exist yet) from the
+# stream's start: 1 when this call made it, 0 when it existed.
+OUTBOX_GROUP = _script("outbox_group", """
+local made = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(made) == 'table' and made.err then
+  if string.find(made.err, 'BUSYGROUP', 1, true) then return 0 end
+  return redis.error_reply(made.err)
+end
+return 1
+""")
+
+# KEYS: relay lease.  ARGV: relay name, lease_ms
+# The one relay that publishes (docs/architecture.md, "The relay"): the holder renews, another takes the
+# lease only once it expired. Answers 1 when ``relay name`` holds it now.
+RELAY_LEASE = _script("relay_lease", """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+""")
+
+# KEYS: relay lease.  ARGV: relay name
+RELAY_RELEASE = _script("relay_release", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+""")
+
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       REAP, REDRIVE)
+       REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""
