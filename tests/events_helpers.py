@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx2
 import pika
 import pika.exceptions
 
-from runbrake.shared import RunRecord, Settings
+from runbrake.shared import RunRecord, RunStore, Settings
 from runbrake.shared.messaging.wire import Topology
+from tests.api_helpers import ApiProcess
 from tests.polling import poll_until
 
 
@@ -26,6 +28,8 @@ class Received:
     headers: dict[str, Any]
     body: dict[str, Any]
     persistent: bool
+    redelivered: bool
+    """RabbitMQ delivered it before (to a consumer whose ack it lost, or before it crashed)."""
 
 
 @contextlib.contextmanager
@@ -63,8 +67,7 @@ def take_events(settings: Settings, queue: str, count: int, *, timeout: float = 
                 method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
                 if method is None:
                     return False
-                taken.append(Received(method.routing_key, properties.message_id, dict(properties.headers or {}),
-                                      json.loads(body), properties.delivery_mode == 2))
+                taken.append(_received(method, properties, body))
             return True
 
         poll_until(take, timeout=timeout,
@@ -73,6 +76,26 @@ def take_events(settings: Settings, queue: str, count: int, *, timeout: float = 
     finally:
         connection.close()
     return taken
+
+
+def drain_events(settings: Settings, queue: str) -> list[Received]:
+    """Every message on ``queue`` right now, taken at once."""
+    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    left = []
+    try:
+        channel = connection.channel()
+        while True:
+            method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
+            if method is None:
+                return left
+            left.append(_received(method, properties, body))
+    finally:
+        connection.close()
+
+
+def _received(method: Any, properties: pika.BasicProperties, body: bytes) -> Received:
+    return Received(method.routing_key, str(properties.message_id), dict(properties.headers or {}), json.loads(body),
+                    properties.delivery_mode == pika.DeliveryMode.Persistent.value, bool(method.redelivered))
 
 
 def expected_keys(record: RunRecord) -> list[str]:
@@ -85,3 +108,41 @@ def position(event_id: str) -> tuple[int, int]:
     """An event id (a stream id, ``<ms>-<seq>``) as the pair it orders by."""
     ms, seq = event_id.split("-")
     return int(ms), int(seq)
+
+
+@dataclass(frozen=True)
+class Frame:
+    id: str | None
+    event: str
+    data: dict[str, Any]
+
+
+def frames(response: httpx2.Response) -> Iterator[Frame]:
+    """The server-sent events of a response, as they come (comments and retry lines left out)."""
+    event_id, event, data = None, "message", ""
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            event_id = line.removeprefix("id: ")
+        elif line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            data = line.removeprefix("data: ")
+        elif line == "" and data:
+            yield Frame(event_id, event, json.loads(data))
+            event_id, event, data = None, "message", ""
+
+
+def feed(api: ApiProcess, last_event_id: str | None = None) -> Any:
+    """``GET /v1/events`` as a stream (a context manager), resumed from ``last_event_id`` when given."""
+    headers = {} if last_event_id is None else {"Last-Event-ID": last_event_id}
+    return httpx2.stream("GET", f"{api.url}/v1/events", headers=headers, timeout=httpx2.Timeout(30.0))
+
+
+def stored_statuses(store: RunStore, settings: Settings, after: str) -> list[tuple[str, str, str]]:
+    """The status events the outbox holds after ``after``: (event id, run id, status)."""
+    found = []
+    for stream_id, fields in store.redis.xrange(f"{settings.namespace}:outbox", f"({after}", "+"):
+        event = json.loads(fields["event"])
+        if event["event"] == "status":
+            found.append((stream_id, event["run_id"], event["status"]))
+    return found

@@ -6,57 +6,15 @@ a real ``runbrake serve`` on the real Redis.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
-
 import httpx2
 import pytest
 
 from runbrake.shared import RunStatus, RunStore, Settings, TerminationReason
 from tests.api_helpers import ApiProcess
-from tests.events_helpers import position
+from tests.events_helpers import feed, frames, position, stored_statuses
 from tests.test_cli import valid_spec
 
 pytestmark = pytest.mark.integration
-
-
-@dataclass(frozen=True)
-class Frame:
-    id: str | None
-    event: str
-    data: dict[str, Any]
-
-
-def frames(response: httpx2.Response) -> Iterator[Frame]:
-    """The server-sent events of a response, as they come (comments and retry lines left out)."""
-    event_id, event, data = None, "message", ""
-    for line in response.iter_lines():
-        if line.startswith("id: "):
-            event_id = line.removeprefix("id: ")
-        elif line.startswith("event: "):
-            event = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            data = line.removeprefix("data: ")
-        elif line == "" and data:
-            yield Frame(event_id, event, json.loads(data))
-            event_id, event, data = None, "message", ""
-
-
-def feed(api: ApiProcess, last_event_id: str | None = None) -> Any:
-    headers = {} if last_event_id is None else {"Last-Event-ID": last_event_id}
-    return httpx2.stream("GET", f"{api.url}/v1/events", headers=headers, timeout=httpx2.Timeout(30.0))
-
-
-def stored_statuses(store: RunStore, settings: Settings, after: str) -> list[tuple[str, str, str]]:
-    """The status events the outbox holds after ``after``: (event id, run id, status)."""
-    found = []
-    for stream_id, fields in store.redis.xrange(f"{settings.namespace}:outbox", f"({after}", "+"):
-        event = json.loads(fields["event"])
-        if event["event"] == "status":
-            found.append((stream_id, event["run_id"], event["status"]))
-    return found
 
 
 def test_a_feed_resumed_with_last_event_id_replays_exactly_what_it_missed_then_goes_on_live(
