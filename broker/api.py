@@ -58,6 +58,7 @@ from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.shared.messaging.wire import declare_events
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -272,6 +273,11 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         )
         app.state.api = state
         await hub.start()
+        try:  # beside the workers' topology (docs/messages.md, "Run events: declaration")
+            with silenced("pika"):
+                await asyncio.get_running_loop().run_in_executor(None, declare_events, settings)
+        except pika.exceptions.AMQPError as exc:
+            log.warning("events_exchange_not_declared", error=str(exc) or repr(exc), by="the workers, at their start")
         log.info("api_started", namespace=settings.namespace, tokens=None if tokens is None else len(tokens.names),
                  events_subscribed=hub.ready)
         try:

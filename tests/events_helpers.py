@@ -7,9 +7,11 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx2
+import jsonschema
 import pika
 import pika.exceptions
 
@@ -96,6 +98,20 @@ def drain_events(settings: Settings, queue: str) -> list[Received]:
 def _received(method: Any, properties: pika.BasicProperties, body: bytes) -> Received:
     return Received(method.routing_key, str(properties.message_id), dict(properties.headers or {}), json.loads(body),
                     properties.delivery_mode == pika.DeliveryMode.Persistent.value, bool(method.redelivered))
+
+
+def event_schema() -> Any:
+    """The run events' JSON Schema as docs/messages.md gives it ("Run events: JSON Schema")."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "messages.md").read_text()
+    section = page.split("## Run events: JSON Schema", 1)[1]
+    return json.loads(section.split("```json", 1)[1].split("```", 1)[0])
+
+
+def assert_valid_bodies(bodies: list[dict[str, Any]]) -> None:
+    """Every body validates against the documented schema."""
+    validator = jsonschema.Draft202012Validator(event_schema())
+    for body in bodies:
+        validator.validate(body)
 
 
 def expected_keys(record: RunRecord) -> list[str]:

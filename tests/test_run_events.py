@@ -22,7 +22,7 @@ from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, Te
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import EVENT_ID_HEADER, RUN_ID_HEADER
 from runbrake.worker.relay import EventRelay
-from tests.events_helpers import events_queue, expected_keys, position, take_events
+from tests.events_helpers import assert_valid_bodies, events_queue, expected_keys, position, take_events
 from tests.mcp_helpers import Toolbox
 from tests.polling import poll_until
 from tests.test_cancel_requests import CLIENTS, _amqplib
@@ -82,6 +82,7 @@ def test_a_node_consumer_receives_a_runs_events_in_order_until_it_completes(
     assert steps[1]["tool_name"] == "get-sum"
     assert steps[1]["tool_outcome"] == "ok"
     assert events[-1]["body"]["termination_reason"] == "completed"
+    assert_valid_bodies([e["body"] for e in events])  # docs/messages.md, "Run events: JSON Schema"
 
 
 @pytest.fixture
@@ -118,9 +119,9 @@ def test_two_relays_publish_every_event_once_in_order_with_the_runs_labels_as_he
         for i, run_id in enumerate(run_ids):
             _finish(store, run_id, {"tenant": "acme", "n": str(i), RUN_ID_HEADER: "forged", "long": "x" * 300})
 
-        events = take_events(rabbitmq, queue, 4 * RUNS)
+        events = take_events(rabbitmq, queue, 4 * RUNS, timeout=60)
 
-        poll_until(lambda: sum(r.published for r in relays) == 4 * RUNS, timeout=20,
+        poll_until(lambda: sum(r.published for r in relays) == 4 * RUNS, timeout=30,
                    failure=lambda: f"published: {[r.published for r in relays]}")
         assert sorted(r.leading for r in relays) == [False, True]  # one publishes, one stands by
         assert len({e.message_id for e in events}) == len(events)  # no relay published another's events
@@ -138,7 +139,7 @@ def test_two_relays_publish_every_event_once_in_order_with_the_runs_labels_as_he
                 assert (event.headers["tenant"], event.headers["n"]) == ("acme", str(i))
                 assert "long" not in event.headers
                 assert event.body["labels"] == {"tenant": "acme", "n": str(i), RUN_ID_HEADER: "forged"}
-        assert take_events(rabbitmq, queue, 0) == []
+        assert_valid_bodies([e.body for e in events])
     pending = store.redis.xpending(f"{rabbitmq.namespace}:outbox", "relay")
     assert pending["pending"] == 0
     assert store.redis.xlen(f"{rabbitmq.namespace}:outbox") == 4 * RUNS  # published is not trimmed
@@ -154,7 +155,7 @@ def test_an_entry_the_store_did_not_write_is_skipped_and_the_next_event_still_go
                                                                          "status": "Robert'); DROP"})})
         run_id = store.create({"input": "after the garbage"}).run_id
 
-        [event] = take_events(rabbitmq, queue, 1)
+        [event] = take_events(rabbitmq, queue, 1, timeout=60)
 
         assert (event.routing_key, event.headers[RUN_ID_HEADER]) == ("run.queued", run_id)
         poll_until(lambda: store.redis.xpending(outbox, "relay")["pending"] == 0, timeout=20,

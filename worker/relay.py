@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -65,8 +66,10 @@ class ConfirmedPublisher:
     several at once with ``multiple``). Used from one thread only (pika is not thread-safe).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, stopping: threading.Event) -> None:
         self._settings = settings
+        self._stopping = stopping
+        """Set when the relay stops: a wait for confirms gives up (the entries stay pending: at least once)."""
         self._topology = Topology.of(settings)
         self._connection: pika.BlockingConnection | None = None
         self._channel: Any = None
@@ -126,6 +129,8 @@ class ConfirmedPublisher:
         assert self._connection is not None  # connect() made it
         deadline = time.monotonic() + CONFIRM_TIMEOUT_S
         while not done():
+            if self._stopping.is_set():
+                raise PublishError(f"the relay stopped while it waited for {what}")
             if time.monotonic() > deadline:
                 raise PublishError(f"RabbitMQ did not answer ({what}) within {CONFIRM_TIMEOUT_S:.0f} s")
             self._connection.process_data_events(time_limit=0.05)
@@ -150,7 +155,7 @@ class EventRelay(PartThread):
     def __init__(self, settings: Settings, store: RunStore) -> None:
         super().__init__("runbrake-event-relay")
         self._store = store
-        self._publisher = ConfirmedPublisher(settings)
+        self._publisher = ConfirmedPublisher(settings, self._stopping)
         host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60]
         self.name_in_group = f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         """This relay's consumer name in the group, and its name in the lease."""

@@ -514,6 +514,23 @@ def _labels(raw: str) -> dict[str, str]:
 # -- the whole topology --------------------------------------------------------------------------
 
 
+def declare_events(settings: Settings) -> None:
+    """Declare ``<ns>.events`` on a connection of its own (``runbrake serve`` at start; the relay declares it
+    on each of its connections), so that a consumer may bind to it before any worker ran.
+
+    Raises:
+        pika.exceptions.AMQPError: when RabbitMQ cannot be reached.
+    """
+    parameters = pika.URLParameters(settings.rabbitmq_url)
+    parameters.connection_attempts = 1
+    connection = pika.BlockingConnection(parameters)
+    try:
+        Topology.of(settings).declare_events_exchange(connection.channel())
+    finally:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            connection.close()
+
+
 def delete_topology(settings: Settings) -> None:
     """Delete every queue and exchange of ``settings.namespace`` (tests, the demo and the benchmarks
     clean up with this). Missing ones are fine.
