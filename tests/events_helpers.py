@@ -57,15 +57,20 @@ def events_queue(settings: Settings, binding: str = "#") -> Iterator[str]:
             connection.close()
 
 
-def take_events(settings: Settings, queue: str, count: int, *, timeout: float = 30) -> list[Received]:
-    """Take ``count`` messages off ``queue`` (a bounded wait), then check that no more are there."""
+def take_events(settings: Settings, queue: str, count: int, *, timeout: float = 30,
+                distinct: bool = False) -> list[Received]:
+    """Take ``count`` messages off ``queue`` (a bounded wait); with ``distinct``, as many as it takes to have
+    ``count`` distinct message ids (delivery is at least once: a copy may come too)."""
     connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
     taken: list[Received] = []
     try:
         channel = connection.channel()
 
+        def enough() -> bool:
+            return len({e.message_id for e in taken} if distinct else taken) >= count
+
         def take() -> bool:
-            while len(taken) < count:
+            while not enough():
                 method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
                 if method is None:
                     return False
@@ -121,8 +126,9 @@ def expected_keys(record: RunRecord) -> list[str]:
 
 
 def position(event_id: str) -> tuple[int, int]:
-    """An event id (a stream id, ``<ms>-<seq>``) as the pair it orders by."""
-    ms, seq = event_id.split("-")
+    """An event id (a stream id, ``<ms>-<seq>``; on a cluster ``<ms>-<seq>.<shard>``) as the pair it orders by
+    (within its shard, on a cluster)."""
+    ms, seq = event_id.split(".", maxsplit=1)[0].split("-")
     return int(ms), int(seq)
 
 

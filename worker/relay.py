@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import pika
@@ -102,19 +102,21 @@ class ConfirmedPublisher:
         self._channel = channel
         self._service(lambda: self._selected, "confirm mode")
 
-    def publish(self, messages: Sequence[RunEventMessage]) -> None:
-        """Publish these messages and return once RabbitMQ confirmed every one.
+    def publish(self, messages: Sequence[RunEventMessage], *, still_leading: Callable[[], bool]) -> None:
+        """Publish these messages and return once RabbitMQ confirmed every one. ``still_leading`` renews the
+        relay's lease while the confirms are awaited (every third of a lease): a slow broker must not let
+        another relay take over a batch this one is still publishing.
 
         Raises:
             pika.exceptions.AMQPError: when the connection or channel broke.
-            PublishError: when RabbitMQ refused one (nack) or did not confirm in time.
+            PublishError: when RabbitMQ refused one (nack) or did not confirm in time, or the lease was lost.
         """
         exchange = self._topology.events_exchange
         for message in messages:
             self._channel.basic_publish(exchange, message.routing_key, message.body, message.properties)
             self._tag += 1
             self._unconfirmed.add(self._tag)
-        self._service(lambda: not self._unconfirmed, "confirms")
+        self._service(lambda: not self._unconfirmed, "confirms", still_leading)
         if self._refused:
             refused, self._refused = self._refused, 0
             raise PublishError(f"RabbitMQ refused {refused} of {len(messages)} events (nack)")
@@ -125,10 +127,16 @@ class ConfirmedPublisher:
             with silenced("pika"), contextlib.suppress(pika.exceptions.AMQPError):
                 connection.close()
 
-    def _service(self, done: Any, what: str) -> None:
+    def _service(self, done: Callable[[], bool], what: str,
+                 still_leading: Callable[[], bool] = lambda: True) -> None:
         assert self._connection is not None  # connect() made it
         deadline = time.monotonic() + CONFIRM_TIMEOUT_S
+        renew_at = time.monotonic() + LEASE_S / 3
         while not done():
+            if time.monotonic() > renew_at:
+                renew_at = time.monotonic() + LEASE_S / 3
+                if not still_leading():
+                    raise PublishError(f"the relay lost its lease while it waited for {what}")
             if self._stopping.is_set():
                 raise PublishError(f"the relay stopped while it waited for {what}")
             if time.monotonic() > deadline:
@@ -200,6 +208,10 @@ class EventRelay(PartThread):
             self._store.relay_release(self.name_in_group)
         log.info("event_relay_stopped", published=self.published)
 
+    def _renew(self) -> bool:
+        self.leading = self._store.relay_lease(self.name_in_group, lease_s=LEASE_S)
+        return self.leading
+
     def _round(self) -> None:
         """Publish the next batch, if this relay holds the lease."""
         if not self._publisher.connected:
@@ -229,7 +241,7 @@ class EventRelay(PartThread):
                 log.warning("event_relay_entry_unreadable", stream_id=entry.stream_id, shard=entry.shard)
             else:
                 messages.append(message)
-        self._publisher.publish(messages)
+        self._publisher.publish(messages, still_leading=self._renew)
         self._store.outbox_ack(entries)
         self.published += len(messages)
 
