@@ -14,7 +14,8 @@ What it does, per round, in its own namespace (``bench-<hex>``), on the local Re
 3. measures the wall time from the relay's start until it published (and acknowledged) every event, and the
    CPU time of the relay's thread meanwhile (``/proc/self/task/<tid>/stat``): events/s and CPU per event,
    the share of a worker process's CPU each recorded step costs for its event to be published;
-4. prints a table with the load average (the machine is shared), writes ``bench/results/relay.json``,
+4. checks that every event reached the queue (copies are counted: delivery is at least once), prints a
+   table with the load average (the machine is shared), writes ``bench/results/relay.json``,
    and cleans up (keys, queue, exchange).
 """
 
@@ -119,9 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median: {summary['events_per_s_median']} events/s, relay CPU "
           f"{summary['relay_cpu_us_per_event_median']} µs per event (per recorded step), XADD "
           f"{summary['redis_xadd_us_per_event_median']} µs of Redis per event")
-    bad = [r for r in rounds if r["published"] != r["events"] or r["on_the_queue"] != r["events"]]
+    for i, r in enumerate(rounds, 1):
+        if r["on_the_queue"] > r["events"]:
+            print(f"round {i}: {r['on_the_queue'] - r['events']} copies on the queue (at least once: a batch whose "
+                  "confirms did not come within 30 s was published again)")
+    bad = [r for r in rounds if r["published"] < r["events"] or r["on_the_queue"] < r["events"]]
     if bad:
-        print(f"FAILED: a round did not publish every event exactly once: {bad}", file=sys.stderr)
+        print(f"FAILED: a round did not publish every event: {bad}", file=sys.stderr)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": info, "rounds": rounds, "summary": summary}, indent=2) + "\n")
     return 1 if bad else 0

@@ -140,7 +140,8 @@ class ConfirmedPublisher:
             if self._stopping.is_set():
                 raise PublishError(f"the relay stopped while it waited for {what}")
             if time.monotonic() > deadline:
-                raise PublishError(f"RabbitMQ did not answer ({what}) within {CONFIRM_TIMEOUT_S:.0f} s")
+                raise PublishError(f"RabbitMQ did not answer ({what}) within {CONFIRM_TIMEOUT_S:.0f} s"
+                                   f" ({len(self._unconfirmed)} messages unconfirmed)")
             self._connection.process_data_events(time_limit=0.05)
 
     def _on_select(self, _frame: Any) -> None:

@@ -458,7 +458,7 @@ def encode_run_event(event_id: str, run_id: str, event: str, labels: str, *,
     JSON, or ""), or None when the entry is not an event the store writes (someone else wrote to the stream).
 
     The body is ``{"event_id", "type", "run_id", "occurred_at", "labels", …}`` with ``status`` and
-    ``termination_reason`` for ``run.*`` and ``step`` for ``step.*`` (docs/messages.md, "Run events: bodies").
+    ``termination_reason`` for ``run.*`` and ``step`` for ``step.*`` (docs/messages.md, "Run events: the body").
     Headers: the run's labels (string names and values, each at most :data:`MAX_LABEL_CHARS`, at most
     :data:`MAX_EVENT_LABELS`; none may take a ``x-runbrake-`` name), then ``x-runbrake-event-id`` and
     ``x-runbrake-run-id``.
