@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import select
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -24,8 +23,8 @@ from runbrake.shared.messaging.wire import EVENT_ID_HEADER, RUN_ID_HEADER
 from runbrake.worker.relay import EventRelay
 from tests.events_helpers import assert_valid_bodies, drain_events, events_queue, expected_keys, position, take_events
 from tests.mcp_helpers import Toolbox
+from tests.node_helpers import node_client
 from tests.polling import poll_until
-from tests.test_cancel_requests import CLIENTS, _amqplib
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -45,9 +44,7 @@ def _line(process: subprocess.Popen[str], timeout: float) -> str:
 def test_a_node_consumer_receives_a_runs_events_in_order_until_it_completes(
     worker: WorkerProcess, toolbox_http: Toolbox, producer: Producer, store: RunStore, rabbitmq: Settings
 ) -> None:
-    modules = _amqplib()
-    script = modules / "consume_run_events.mjs"  # beside node_modules, so that its import finds amqplib
-    shutil.copy(CLIENTS / "consume_run_events.mjs", script)
+    script = node_client("consume_run_events.mjs")
     consumer = subprocess.Popen(["node", str(script), rabbitmq.rabbitmq_url, rabbitmq.namespace],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -16,13 +16,10 @@ from collections.abc import Callable
 
 import pytest
 
-from runbrake.shared import RunStatus, RunStore, Settings
-from runbrake.shared.catalog import Admission
-from runbrake.shared.messaging.producer import Producer
-from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared import RunStatus, Settings
 from runbrake.shared.messaging.wire import RUN_ID_HEADER
 from tests.api_helpers import ApiProcess
-from tests.chaos.conftest import PrivateRabbitMQ, PrivateRedis
+from tests.chaos.conftest import Client, PrivateRabbitMQ, PrivateRedis
 from tests.events_helpers import drain_events, events_queue, feed, frames, position, stored_statuses, take_events
 from tests.mcp_helpers import Toolbox, wait_for_event
 from tests.polling import poll_until
@@ -40,56 +37,48 @@ AFTER = ("step.tool", "step.model", "run.completed")
 def test_runs_that_end_while_rabbitmq_is_down_have_every_event_published_in_order_once_it_is_back(
     private_rabbitmq: PrivateRabbitMQ, private_redis: PrivateRedis, toolbox_http: Toolbox, rabbitmq: Settings,
     start_worker: Callable[..., WorkerProcess], start_api: Callable[..., ApiProcess],
-    monkeypatch: pytest.MonkeyPatch,
+    point_at: Callable[..., Client],
 ) -> None:
-    monkeypatch.setenv("RUNBRAKE_RABBITMQ_URL", private_rabbitmq.url)
-    monkeypatch.setenv("RUNBRAKE_REDIS_URL", private_redis.url)
-    settings = Settings.from_env()
-    store = RunStore.connect(settings)
-    broker = build_broker(settings)
+    client = point_at({"RUNBRAKE_RABBITMQ_URL": private_rabbitmq.url, "RUNBRAKE_REDIS_URL": private_redis.url},
+                      lease_s=60, redis_timeout_s=2.0)
+    settings, store, producer = client.settings, client.store, client.producer
     outbox = f"{settings.namespace}:outbox"
     workers = [start_worker(concurrency=RUNS), start_worker(concurrency=RUNS)]
     api = start_api()
-    try:
-        with events_queue(settings) as queue:
-            producer = Producer(store, broker, Admission.from_settings(settings))
-            run_ids = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
-                {"tool_calls": [call("slow", seconds=CALL_S + i / 1000)]}, {"content": "done"}])).run_id
-                for i in range(RUNS)]
-            wait_for_event(toolbox_http.events, "started", tool="slow", count=RUNS, timeout=60)
-            before = take_events(settings, queue, len(BEFORE) * RUNS)  # published live, before the outage
-            last_seen = str(store.redis.xrevrange(outbox, "+", "-", count=1)[0][0])
+    with events_queue(settings) as queue:
+        run_ids = [producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+            {"tool_calls": [call("slow", seconds=CALL_S + i / 1000)]}, {"content": "done"}])).run_id
+            for i in range(RUNS)]
+        wait_for_event(toolbox_http.events, "started", tool="slow", count=RUNS, timeout=60)
+        before = take_events(settings, queue, len(BEFORE) * RUNS)  # published live, before the outage
+        last_seen = str(store.redis.xrevrange(outbox, "+", "-", count=1)[0][0])
 
-            killed_at = time.time()
-            private_rabbitmq.kill()
-            records = {run_id: wait_for_run(store, run_id, timeout=CALL_S + 60) for run_id in run_ids}
-            assert all(r.finished_at is not None and r.finished_at > killed_at for r in records.values()), (
-                "a run ended before the node was down: the test proves nothing")
-            poll_until(lambda: [e for w in workers for e in w.logged("event_relay_interrupted")], timeout=30,
-                       failure=lambda: "no relay noticed that RabbitMQ was gone")
-            # The feed does not need RabbitMQ: resumed from the last event before the outage, it replays
-            # exactly the status changes since.
-            missed = stored_statuses(store, settings, last_seen)
-            with feed(api, last_seen) as response:
-                stream = frames(response)
-                replayed = [next(stream) for _ in missed]
-            unpublished = store.redis.xlen(outbox) - len(before)
+        killed_at = time.time()
+        private_rabbitmq.kill()
+        records = {run_id: wait_for_run(store, run_id, timeout=CALL_S + 60) for run_id in run_ids}
+        assert all(r.finished_at is not None and r.finished_at > killed_at for r in records.values()), (
+            "a run ended before the node was down: the test proves nothing")
+        poll_until(lambda: [e for w in workers for e in w.logged("event_relay_interrupted")], timeout=30,
+                   failure=lambda: "no relay noticed that RabbitMQ was gone")
+        # The feed does not need RabbitMQ: resumed from the last event before the outage, it replays
+        # exactly the status changes since.
+        missed = stored_statuses(store, settings, last_seen)
+        with feed(api, last_seen) as response:
+            stream = frames(response)
+            replayed = [next(stream) for _ in missed]
+        unpublished = store.redis.xlen(outbox) - len(before)
 
-            private_rabbitmq.start()
+        private_rabbitmq.start()
 
-            last_written = str(store.redis.xrevrange(outbox, "+", "-", count=1)[0][0])
+        last_written = str(store.redis.xrevrange(outbox, "+", "-", count=1)[0][0])
 
-            def all_acknowledged() -> bool:
-                [group] = store.redis.xinfo_groups(outbox)
-                return bool(group["pending"] == 0 and group["last-delivered-id"] == last_written)
+        def all_acknowledged() -> bool:
+            [group] = store.redis.xinfo_groups(outbox)
+            return bool(group["pending"] == 0 and group["last-delivered-id"] == last_written)
 
-            poll_until(all_acknowledged, timeout=60, interval=0.2,
-                       failure=lambda: f"the relays did not publish the outbox: {store.redis.xinfo_groups(outbox)}")
-            after = drain_events(settings, queue)  # everything acknowledged was confirmed: it is all on the queue
-    finally:
-        broker.close()
-        store.delete_namespace()
-        store.close()
+        poll_until(all_acknowledged, timeout=60, interval=0.2,
+                   failure=lambda: f"the relays did not publish the outbox: {store.redis.xinfo_groups(outbox)}")
+        after = drain_events(settings, queue)  # everything acknowledged was confirmed: it is all on the queue
 
     assert [status for _, _, status in missed] == ["completed"] * RUNS
     assert [(f.id, f.data["run_id"], f.data["status"]) for f in replayed] == missed
