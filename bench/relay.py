@@ -35,7 +35,7 @@ import pika
 from bench._harness import Bench, machine, print_machine, thread_cpu_seconds, wait_until
 from runbrake.shared import RunStep, RunStore, StepKind
 from runbrake.shared.logging import configure_logging
-from runbrake.shared.messaging.wire import Topology
+from runbrake.shared.messaging.wire import Topology, connection_parameters
 from runbrake.worker.relay import EventRelay
 
 RESULTS = Path(__file__).parent / "results" / "relay.json"
@@ -65,7 +65,7 @@ def one_round(events: int) -> dict[str, Any]:
 
         topology = Topology.of(bench.settings)
         queue = f"{bench.namespace}.bench-events"
-        connection = pika.BlockingConnection(pika.URLParameters(bench.settings.rabbitmq_url))
+        connection = pika.BlockingConnection(connection_parameters(bench.settings))
         channel = connection.channel()
         topology.declare_events_exchange(channel)
         channel.queue_declare(queue=queue, durable=True)

@@ -16,7 +16,7 @@ import pika
 import pika.exceptions
 
 from runbrake.shared import RunRecord, RunStore, Settings
-from runbrake.shared.messaging.wire import Topology
+from runbrake.shared.messaging.wire import Topology, connection_parameters
 from tests.api_helpers import ApiProcess
 from tests.polling import poll_until
 
@@ -40,7 +40,7 @@ def events_queue(settings: Settings, binding: str = "#") -> Iterator[str]:
     survives a RabbitMQ restart, as a consumer's would. Deleted afterwards."""
     topology = Topology.of(settings)
     queue = f"{settings.namespace}.test-events"
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    connection = pika.BlockingConnection(connection_parameters(settings))
     try:
         channel = connection.channel()
         topology.declare_events_exchange(channel)
@@ -52,7 +52,7 @@ def events_queue(settings: Settings, binding: str = "#") -> Iterator[str]:
         yield queue
     finally:
         with contextlib.suppress(pika.exceptions.AMQPError):
-            connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+            connection = pika.BlockingConnection(connection_parameters(settings))
             connection.channel().queue_delete(queue=queue)
             connection.close()
 
@@ -61,7 +61,7 @@ def take_events(settings: Settings, queue: str, count: int, *, timeout: float = 
                 distinct: bool = False) -> list[Received]:
     """Take ``count`` messages off ``queue`` (a bounded wait); with ``distinct``, as many as it takes to have
     ``count`` distinct message ids (delivery is at least once: a copy may come too)."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    connection = pika.BlockingConnection(connection_parameters(settings))
     taken: list[Received] = []
     try:
         channel = connection.channel()
@@ -87,7 +87,7 @@ def take_events(settings: Settings, queue: str, count: int, *, timeout: float = 
 
 def drain_events(settings: Settings, queue: str) -> list[Received]:
     """Every message on ``queue`` right now, taken at once."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    connection = pika.BlockingConnection(connection_parameters(settings))
     left = []
     try:
         channel = connection.channel()

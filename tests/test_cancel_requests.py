@@ -19,8 +19,8 @@ import pytest
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, Topology
+from tests.amqp_clients import CLIENTS, node_client, queue_types
 from tests.mcp_helpers import Toolbox, wait_for_event
-from tests.node_helpers import CLIENTS, node_client
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -108,12 +108,8 @@ def test_the_queue_is_a_quorum_queue_when_asked(
     start_worker(RUNBRAKE_QUEUE_TYPE="quorum")
     topology = Topology.of(rabbitmq)
 
-    listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "type"], capture_output=True, text=True,
-                            timeout=60, check=False)
+    types = queue_types()
 
-    if listed.returncode != 0:
-        pytest.skip(f"rabbitmqctl cannot list queues here: {listed.stderr.strip()}")
-    types = dict(line.split("\t")[:2] for line in listed.stdout.splitlines() if "\t" in line)
     assert types[topology.cancel_requests_queue] == "quorum"
     assert types[topology.cancel_requests_dead_queue] == "quorum"
 

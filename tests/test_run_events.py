@@ -21,9 +21,9 @@ from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, Te
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import EVENT_ID_HEADER, RUN_ID_HEADER
 from runbrake.worker.relay import EventRelay
+from tests.amqp_clients import node_client
 from tests.events_helpers import assert_valid_bodies, drain_events, events_queue, expected_keys, position, take_events
 from tests.mcp_helpers import Toolbox
-from tests.node_helpers import node_client
 from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 

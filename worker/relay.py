@@ -34,7 +34,7 @@ from pika.spec import Basic
 
 from runbrake.shared.errors import PublishError, StoreError
 from runbrake.shared.logging import silenced
-from runbrake.shared.messaging.wire import RunEventMessage, Topology, encode_run_event
+from runbrake.shared.messaging.wire import RunEventMessage, Topology, connection_parameters, encode_run_event
 from runbrake.shared.records import OutboxEntry, stream_position
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
@@ -89,10 +89,10 @@ class ConfirmedPublisher:
             pika.exceptions.AMQPError: when RabbitMQ cannot be reached.
             PublishError: when RabbitMQ did not turn confirms on in time.
         """
-        parameters = pika.URLParameters(self._settings.rabbitmq_url)
-        parameters.blocked_connection_timeout = CONFIRM_TIMEOUT_S  # a broker alarm must not hang the relay
-        parameters.client_properties = {
-            "connection_name": f"runbrake-event-relay {self._settings.namespace} pid={os.getpid()}"}
+        # A broker alarm must not hang the relay: a blocked connection is given up after the confirm timeout.
+        parameters = connection_parameters(
+            self._settings, name=f"runbrake-event-relay {self._settings.namespace} pid={os.getpid()}",
+            blocked_connection_timeout=CONFIRM_TIMEOUT_S)
         with silenced("pika"):
             self._connection = pika.BlockingConnection(parameters)
         channel = self._connection.channel()

@@ -1,5 +1,5 @@
-"""Node clients of the tests (tests/clients/*.mjs), run with ``node`` beside an ``amqplib`` that npm installs
-once into ``.venv/node``; a test that needs one is skipped, with npm's reason, where it cannot be installed."""
+"""What the tests of the RabbitMQ-only doors (cancel requests, run requests) share: Node's amqplib for the
+clients in tests/clients/, and the types RabbitMQ gives the queues."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ CLIENTS = Path(__file__).parent / "clients"
 NODE_MODULES = Path(__file__).resolve().parent.parent / ".venv" / "node"
 
 
-def _amqplib() -> Path:
+def amqplib() -> Path:
     """Install amqplib once into .venv/node (npm); skip the test with npm's reason when it cannot."""
     if (NODE_MODULES / "node_modules" / "amqplib").is_dir():
         return NODE_MODULES
@@ -29,7 +29,16 @@ def _amqplib() -> Path:
 
 
 def node_client(name: str) -> Path:
-    """The client ``tests/clients/<name>`` copied beside node_modules (so that its import finds amqplib)."""
-    script = _amqplib() / name
+    """The Node client ``tests/clients/<name>``, copied beside node_modules so that its import finds amqplib."""
+    script = amqplib() / name
     shutil.copy(CLIENTS / name, script)
     return script
+
+
+def queue_types() -> dict[str, str]:
+    """Every queue's type (classic, quorum) as ``rabbitmqctl`` lists them; skips the test where it cannot."""
+    listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "type"], capture_output=True, text=True,
+                            timeout=60, check=False)
+    if listed.returncode != 0:
+        pytest.skip(f"rabbitmqctl cannot list queues here: {listed.stderr.strip()}")
+    return dict(line.split("\t")[:2] for line in listed.stdout.splitlines() if "\t" in line)
