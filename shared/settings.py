@@ -299,6 +299,12 @@ class Settings(BaseSettings):
     redis_replica_ack_timeout_s: Annotated[float, _SECONDS] = 1.0
     """How long a transition waits for `RUNBRAKE_REDIS_MIN_REPLICAS_ACK` replicas, in seconds; below
     `RUNBRAKE_REDIS_TIMEOUT_S`."""
+    otel: Annotated[bool, _BOOL] = False
+    """Traces (OpenTelemetry): spans for the enqueue, each run segment, model call, tool call and cancel,
+    exported over OTLP/HTTP as the standard `OTEL_EXPORTER_OTLP_*` variables say, and the W3C `traceparent`
+    carried in the run and cancel messages and every MCP HTTP request (docs/operating.md, "Traces"). Needs
+    the `otel` extra (`pip install "runbrake[otel]"`); off, runbrake imports neither OpenTelemetry's tracing SDK
+    nor its exporter."""
     queue_type: Annotated[str, _choice("classic", "quorum")] = "classic"
     """How the run and cancel-request queues are declared: `quorum` declares `<ns>.runs` and its
     `.DQ`/`.XQ` twins, and `<ns>.cancel-requests` and its dead-letter queue, as quorum queues."""
