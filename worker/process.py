@@ -36,6 +36,7 @@ from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
+from runbrake.worker.relay import EventRelay
 from runbrake.worker.retention import Sweeper
 from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
@@ -111,6 +112,7 @@ def run_worker_process(
         LeaseKeeper(settings, store, registry),
         Sweeper(settings, store),
         Redriver(settings, store, producer),
+        EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
     ]
