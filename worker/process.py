@@ -3,6 +3,7 @@ event loop, worker/intake.py), the cancel listener, the backstop and the lease k
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -124,7 +125,7 @@ def run_worker_process(
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
-    log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
+    log.info("worker_started", pid=os.getpid(), concurrency=concurrency, consumer_threads=intake.consumer_threads,
              queues=sorted(queues), listener_ready=listener.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         _replace_dead(parts)
