@@ -176,6 +176,11 @@ class Settings(BaseSettings):
     deployments (or two test runs) on one broker never see each other's runs."""
     max_tool_result_chars: Annotated[int, _integer(1)] = 16_000
     """Bound on each content channel of a tool result, in characters."""
+    mcp_progress: Annotated[str, _choice("always", "off")] = "always"
+    """Whether the worker asks MCP servers for progress of its tool calls (`_meta.progressToken`): `always`
+    (each call's latest report is kept for `runbrake show`, the runs page and the events stream), or
+    `off` (no call asks, so servers send none and the worker's loop handles none). A report costs the
+    worker's loop about 25 µs (docs/benchmarks.md, "Notifications per process (bench/notifications.py)")."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600

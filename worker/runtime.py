@@ -205,16 +205,19 @@ class Runtime:
         self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission,
         sender: Sender | None = None, *, subscribers: Sequence[Subscriber] | None = None,
     ) -> None:
-        """``subscribers`` hear the runs' events (worker/subscribers.py); by default the metrics and the
-        progress of the call in flight."""
+        """``subscribers`` hear the runs' events (worker/subscribers.py); by default the metrics and, unless
+        ``RUNBRAKE_MCP_PROGRESS=off``, the progress of the call in flight."""
         self._settings = settings
         self._store = store
         self.registry = registry
         self._admission = admission
         self._sender = sender
         """Sends a handed-over run's message (None: the re-drive sends it, RUNBRAKE_REDRIVE_S later)."""
-        self.subscribers = Subscribers(
-            [metrics.MetricsSubscriber(store), ProgressSubscriber(store)] if subscribers is None else subscribers)
+        if subscribers is None:
+            # RUNBRAKE_MCP_PROGRESS=off: nobody listens to progress, so no call asks for it (worker/subscribers.py).
+            progress = [ProgressSubscriber(store)] if settings.mcp_progress == "always" else []
+            subscribers = [metrics.MetricsSubscriber(store), *progress]
+        self.subscribers = Subscribers(subscribers)
 
     async def execute(
         self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None
