@@ -181,6 +181,14 @@ class Settings(BaseSettings):
     (each call's latest report is kept for `runbrake show`, the runs page and the events stream), or
     `off` (no call asks, so servers send none and the worker's loop handles none). A report costs the
     worker's loop about 25 µs (docs/benchmarks.md, "Notifications per process (bench/notifications.py)")."""
+    event_loop: Annotated[str, _choice("uvloop", "asyncio")] = "uvloop"
+    """The worker's event loop: `uvloop` (libuv's, under the same asyncio and anyio API) or `asyncio`
+    (the standard library's). uvloop cut the loop's CPU per MCP progress notification by a further third
+    here (docs/benchmarks.md, "Notifications per process (bench/notifications.py)")."""
+    switch_interval_ms: Annotated[float, _number(float, 0.1, 100.0)] = 1.0
+    """How long the worker's event loop may hold Python's GIL while another thread waits for it, in
+    milliseconds (`sys.setswitchinterval`; Python's own default is 5): a cancel reaches the cancel
+    listener's thread while the loop is busy, and waits this long at most before it is handled."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600
