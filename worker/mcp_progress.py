@@ -65,23 +65,23 @@ class _Route:
         self._wake.set()
 
     def end(self) -> None:
-        """The call ended: the deliverer stops once the report it is handing over (if any) is handed over; a
-        report still waiting is dropped, as the call it reports on is over."""
+        """The call ended: the deliverer hands over the last report it was given, if it has not yet, and stops."""
         self._ended = True
         self._wake.set()
 
     async def deliver(self) -> None:
         """Hand each latest report to the callback until the call ended; a callback that raises is logged."""
-        while not self._ended:
+        while True:
             await self._wake.wait()
             self._wake = anyio.Event()
             report, self._latest = self._latest, None
-            if report is None:
-                continue
-            try:
-                await self._callback(*report)
-            except Exception:
-                log.exception("progress_callback_failed")
+            if report is not None:
+                try:
+                    await self._callback(*report)
+                except Exception:
+                    log.exception("progress_callback_failed")
+            if self._ended:
+                return
 
 
 class ProgressRoutes:
@@ -96,7 +96,8 @@ class ProgressRoutes:
 
         The task handing ``callback`` the reports runs in ``tasks`` (the connection's, outside the call's
         cancel scopes, as the SDK's own progress tasks are): an interrupted call never cuts a report's
-        write off halfway; the task ends after the report it is handing over when the call ends.
+        write off halfway. Every report that came before the call's end reaches ``callback`` or is
+        superseded by a later one; the task ends after the last.
         """
         token = f"{_PREFIX}{next(_tokens)}"
         route = self._routes[token] = _Route(callback)
