@@ -179,12 +179,14 @@ class Settings(BaseSettings):
     mcp_progress: Annotated[str, _choice("always", "off")] = "always"
     """Whether the worker asks MCP servers for progress of its tool calls (`_meta.progressToken`): `always`
     (each call's latest report is kept for `runbrake show`, the runs page and the events stream), or
-    `off` (no call asks, so servers send none and the worker's loop handles none). A report costs the
-    worker's loop about 25 µs (docs/benchmarks.md, "Notifications per process (bench/notifications.py)")."""
+    `off` (no call asks, so servers send none and the worker's loop handles none). A report cost the
+    worker's loop 0.2–0.35 ms of CPU on a shared 2-core machine (docs/benchmarks.md, "Notifications per
+    process")."""
     event_loop: Annotated[str, _choice("uvloop", "asyncio")] = "uvloop"
     """The worker's event loop: `uvloop` (libuv's, under the same asyncio and anyio API) or `asyncio`
-    (the standard library's). uvloop cut the loop's CPU per MCP progress notification by a further third
-    here (docs/benchmarks.md, "Notifications per process (bench/notifications.py)")."""
+    (the standard library's). uvloop took 13–18 % off the loop's CPU per MCP progress notification
+    with the SDK alone, and up to 13 % more on top of the worker's own handling (docs/benchmarks.md,
+    "Notifications per process")."""
     switch_interval_ms: Annotated[float, _number(float, 0.1, 100.0)] = 1.0
     """How long the worker's event loop may hold Python's GIL while another thread waits for it, in
     milliseconds (`sys.setswitchinterval`; Python's own default is 5): a cancel reaches the cancel

@@ -4,8 +4,8 @@ before the MCP SDK's dispatcher sees them (issue 20; docs/architecture.md, "MCP 
 Why: for every ``notifications/progress`` the SDK's ``JSONRPCDispatcher`` spawns two anyio tasks (the
 progress callback, and its own notification handler, which validates the notification with pydantic only
 to hand it to a no-op message handler). With hundreds of calls each reporting every second that was most
-of a worker's event loop (bench/notifications.py; docs/benchmarks.md, "Notifications per process
-(bench/notifications.py)"). The SDK has no supported hook that takes a progress notification inline (its
+of a worker's event loop (bench/notifications.py; docs/benchmarks.md, "Notifications per process").
+The SDK has no supported hook that takes a progress notification inline (its
 ``on_notify_intercept`` runs only after the progress task is spawned, and only the client's own), so:
 
 - :class:`ProgressRoutes` gives each call its own progress token (``_meta.progressToken`` of the request,
