@@ -234,9 +234,36 @@ class MalformedMessage(RunbrakeError):
 
 
 class ProviderError(RunbrakeError):
-    """Raised when the model provider fails to produce a turn."""
+    """Raised when the model provider fails to produce a turn.
+
+    Args:
+        status: the endpoint's HTTP status, when it answered with one.
+        retry_after_s: what the endpoint's ``Retry-After`` asked for, in seconds.
+        transient: a timeout or a connection error (no status): worth another attempt.
+        attempts: requests made before giving up (more than 1 after retries).
+        retried: the errors of the attempts that were retried, in order.
+    """
 
     reason: TerminationReason | None = TerminationReason.PROVIDER_FAILED
+
+    _RETRYABLE_STATUSES: ClassVar[frozenset[int]] = frozenset({408, 409, 429})
+
+    def __init__(self, message: str, *, status: int | None = None, retry_after_s: float | None = None,
+                 transient: bool = False, attempts: int = 1, retried: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+        self.transient = transient
+        self.attempts = attempts
+        self.retried = retried
+
+    @property
+    def retryable(self) -> bool:
+        """429, 408, 409, a 5xx, a timeout or a connection error: another attempt may succeed
+        (docs/architecture.md, "Retries"); any other 4xx, or a malformed answer, will not."""
+        if self.status is None:
+            return self.transient
+        return self.status in self._RETRYABLE_STATUSES or self.status >= 500
 
 
 class ToolTransportError(RunbrakeError):

@@ -14,7 +14,7 @@ import pytest
 
 from runbrake.shared.errors import ProviderError
 from runbrake.shared.spec import OpenAIModel, ScriptedModel, ScriptedToolCall, ScriptedTurn
-from runbrake.worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
+from runbrake.worker.conversation import Message, ModelTurn, ToolCall, ToolInfo, Usage
 from runbrake.worker.models import OpenAIProvider, ScriptedProvider, provider_for
 from tests.openai_stub import OpenAIStub, StubToolCall
 
@@ -106,7 +106,7 @@ async def test_the_openai_provider_returns_the_models_content(openai_stub: OpenA
 
     turn = await _openai(openai_stub).complete(QUESTION, CALC_TOOLS, round_index=0)
 
-    assert turn == ModelTurn(content="It is 5.")
+    assert turn == ModelTurn(content="It is 5.", usage=Usage(input_tokens=0, output_tokens=0))
     assert openai_stub.requests[0]["model"] == "stub-model"
     assert openai_stub.requests[0]["messages"] == [{"role": "user", "content": "What is 2 + 3?"}]
 

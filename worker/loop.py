@@ -25,7 +25,7 @@ from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.tool_result import ToolResult, bound
-from runbrake.worker.conversation import Message, ModelTurn, ToolCall, ToolInfo
+from runbrake.worker.conversation import NO_SETTINGS, Message, ModelSettings, ModelTurn, ToolCall, ToolInfo
 from runbrake.worker.models import ModelProvider
 
 
@@ -130,6 +130,7 @@ class ToolLoop:
         max_tool_calls_per_turn: int = 32,
         max_argument_chars: int = 16_000,
         max_model_content_chars: int = 100_000,
+        settings: ModelSettings = NO_SETTINGS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._provider = provider
@@ -140,6 +141,7 @@ class ToolLoop:
         self._max_tool_calls_per_turn = max_tool_calls_per_turn
         self._max_argument_chars = max_argument_chars
         self._max_model_content_chars = max_model_content_chars
+        self._settings = settings
         self._clock = clock
 
     async def run(self, state: LoopState) -> LoopEnd:
@@ -187,7 +189,7 @@ class ToolLoop:
         with self._hooks.in_flight() as interrupt, interrupt:
             try:
                 turn = await self._provider.complete(
-                    state.messages, self._runner.tools, round_index=state.model_calls
+                    state.messages, self._runner.tools, round_index=state.model_calls, settings=self._settings
                 )
             except ProviderError as exc:
                 error = exc
@@ -207,11 +209,14 @@ class ToolLoop:
             raise ProviderError("model call was interrupted but the run's cancel could not be confirmed")
         if error is not None:
             await self._hooks.record(
-                RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, error=str(error))
+                RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, error=str(error),
+                        detail=_attempts(error.attempts, error.retried))
             )
             raise error
         assert turn is not None
-        detail: dict[str, Any] = {}
+        detail: dict[str, Any] = _attempts(turn.attempts, turn.retried)
+        if turn.usage is not None:
+            detail["usage"] = turn.usage.to_dict()
         if turn.content is not None and len(turn.content) > self._max_model_content_chars:
             # Bounded like a tool result's content (RUNBRAKE_MAX_MODEL_CONTENT_CHARS), before anything keeps
             # it: the step, the conversation (and so the pending turn), the final answer.
@@ -251,6 +256,11 @@ class ToolLoop:
         state.pending_calls = []
         state.approved_call_id = None
         return None
+
+
+def _attempts(attempts: int, retried: tuple[str, ...]) -> dict[str, Any]:
+    """A model step's ``detail.attempts`` (always) and ``detail.retried`` (the errors retried, when any)."""
+    return {"attempts": attempts, "retried": list(retried)} if retried else {"attempts": attempts}
 
 
 def _bounded(call: dict[str, Any], max_chars: int) -> dict[str, Any]:

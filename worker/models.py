@@ -28,7 +28,16 @@ from runbrake.shared import redaction
 from runbrake.shared.errors import ProviderError
 from runbrake.shared.registry import PROVIDERS, NotImplementedHere
 from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
-from runbrake.worker.conversation import TOOL_NAME_SEPARATOR, Message, ModelTurn, ToolCall, ToolInfo
+from runbrake.worker.conversation import (
+    NO_SETTINGS,
+    TOOL_NAME_SEPARATOR,
+    Message,
+    ModelSettings,
+    ModelTurn,
+    ToolCall,
+    ToolInfo,
+    Usage,
+)
 
 __all__ = ["ModelProvider", "OpenAIProvider", "ScriptedProvider", "provider_for"]
 
@@ -42,14 +51,16 @@ _CLOSE_TIMEOUT_S = 5.0
 class ModelProvider(Protocol):
     """Something that answers a conversation with the next model turn."""
 
-    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int) -> ModelTurn:
+    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
+                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
         """Ask the model for its next turn.
 
         Args:
-            messages: the conversation so far.
+            messages: the conversation so far; ``system`` messages (the run's instructions) come first.
             tools: the tools the model may call in this turn.
             round_index: the 0-based index of this model call within the whole run; it
                 continues across segments (e.g. after an approval resume).
+            settings: how to ask (temperature, output schema, …): each passed where the provider has the notion.
 
         Raises:
             ProviderError: when the provider fails to produce a turn.
@@ -63,8 +74,9 @@ class ScriptedProvider:
     def __init__(self, spec: ScriptedModel) -> None:
         self._spec = spec
 
-    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int) -> ModelTurn:
-        """Return ``turns[round_index]`` after its ``delay_ms``.
+    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
+                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
+        """Return ``turns[round_index]`` after its ``delay_ms`` (``settings`` has nothing to change here).
 
         Raises:
             ProviderError: for a turn with ``fail``, or when no turn exists for ``round_index``.
@@ -97,7 +109,8 @@ class OpenAIProvider:
         self._spec = spec
         self._timeout_s = timeout_s
 
-    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int) -> ModelTurn:
+    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
+                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
         """Send the conversation and tools; map the answer back to runbrake's values.
 
         Raises:
@@ -110,7 +123,7 @@ class OpenAIProvider:
         client = AsyncOpenAI(
             base_url=self._spec.base_url,
             api_key=self._api_key(),
-            timeout=self._timeout_s,
+            timeout=settings.timeout_s or self._timeout_s,
             # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
             max_retries=0,
         )
@@ -123,7 +136,7 @@ class OpenAIProvider:
         except OpenAIError as exc:
             # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
             # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
-            raise ProviderError(f"{self._spec.base_url} ({self._spec.model}): {_excerpt(str(exc))}") from exc
+            raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
         finally:
             with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
                 await client.close()
@@ -142,6 +155,36 @@ class OpenAIProvider:
 
 
 _ERROR_EXCERPT_CHARS = 300
+_MAX_RETRY_AFTER_S = 3600.0
+
+
+def provider_error(where: str, exc: Exception) -> ProviderError:
+    """A provider SDK's error as a :class:`ProviderError`: its HTTP status and ``Retry-After`` when it
+    answered, ``transient`` for a timeout or a connection error, a short excerpt of its message.
+
+    The ``openai`` and ``anthropic`` SDKs share these shapes (``status_code``, ``response.headers``, and
+    ``APIConnectionError``/``APITimeoutError`` without a response), so both map through here.
+    """
+    status = getattr(exc, "status_code", None)
+    response = getattr(exc, "response", None)
+    headers = getattr(response, "headers", None)
+    retry_after = retry_after_s(headers.get("retry-after") if headers is not None else None)
+    return ProviderError(f"{where}: {_excerpt(str(exc))}", status=status if isinstance(status, int) else None,
+                         retry_after_s=retry_after, transient=not isinstance(status, int) and response is None)
+
+
+def retry_after_s(value: object) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds only; an HTTP date or garbage is ignored),
+    bounded to an hour: an endpoint cannot park a run for ever."""
+    if not isinstance(value, str):
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, _MAX_RETRY_AFTER_S)
 
 
 def _excerpt(text: str) -> str:
@@ -210,7 +253,16 @@ def _turn(completion: object, servers: set[str]) -> ModelTurn:
     calls = getattr(message, "tool_calls", None) or []
     if message is None or not isinstance(content, str | None) or not isinstance(calls, list):
         raise ProviderError(f"the model answered with a malformed message: {message!r:.200}")
-    return ModelTurn(content=content, tool_calls=tuple(_tool_call(call, servers) for call in calls))
+    return ModelTurn(content=content, tool_calls=tuple(_tool_call(call, servers) for call in calls),
+                     usage=_usage(getattr(completion, "usage", None)))
+
+
+def _usage(usage: object) -> Usage | None:
+    # Unvalidated model (see _turn): a compatible server may omit usage or send other types.
+    prompt, completion = getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None)
+    if not isinstance(prompt, int) or not isinstance(completion, int) or prompt < 0 or completion < 0:
+        return None
+    return Usage(input_tokens=prompt, output_tokens=completion)
 
 
 def _tool_call(call: object, servers: set[str]) -> ToolCall:
