@@ -40,12 +40,13 @@ from runbrake.broker.auth import Tokens
 from runbrake.broker.connections import Connections
 from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
 from runbrake.broker.render import run_json, run_summary, server_health
-from runbrake.shared import operations
+from runbrake.shared import operations, tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import (
     ApiError,
     IdempotencyConflict,
+    NotReplicated,
     PublishError,
     ResumeUnsent,
     RunbrakeError,
@@ -58,6 +59,7 @@ from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.shared.messaging.wire import connection_parameters
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -338,8 +340,10 @@ def _routes(app: FastAPI) -> None:
         # Each token has its own idempotency keys (docs/http-api.md, "Idempotency keys"): a key says
         # nothing about another submitter's runs. Without tokens, one scope, shared with the CLI.
         scope = None if state.tokens is None else who
-        enqueued: Enqueued = await state.amqp.run(lambda: operations.enqueue(
-            Producer(state.sync_store, state.broker, state.admission), spec, scope=scope))
+        # A traced caller's traceparent is the enqueue's parent (docs/operating.md, "Traces"); off, a no-op.
+        parent = request.headers.get(tracing.TRACEPARENT)
+        enqueued: Enqueued = await state.amqp.run(lambda: tracing.current().within(parent, lambda: operations.enqueue(
+            Producer(state.sync_store, state.broker, state.admission), spec, scope=scope)))
         answer = {"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created}
         if enqueued.created:
             log.info("api_run_enqueued", run_id=enqueued.run_id, by=who)
@@ -536,6 +540,10 @@ def _answer_for(exc: RunbrakeError) -> JSONResponse | None:
         case SpecError():  # the admission policy at enqueue: the catalog, inline definitions, the bounds
             errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
             return JSONResponse({"error": "run spec refused", "errors": errors}, status_code=422)
+        case NotReplicated():
+            log.warning("api_store_not_replicated", error=str(exc))
+            return JSONResponse({"error": "the run store (Redis) did not get the change onto enough replicas in "
+                                          "time; asking again is safe"}, status_code=503)
         case StoreError():
             log.warning("api_store_unavailable", error=str(exc))
             return JSONResponse({"error": "the run store (Redis) could not be reached"}, status_code=503)
@@ -623,9 +631,8 @@ async def _rabbitmq_problem(state: ApiState) -> str | None:
         return problem
 
     def check() -> str | None:
-        parameters = pika.URLParameters(state.settings.rabbitmq_url)
-        parameters.socket_timeout = parameters.blocked_connection_timeout = 2.0
-        parameters.connection_attempts = 1
+        parameters = connection_parameters(state.settings, socket_timeout=2.0, blocked_connection_timeout=2.0,
+                                           connection_attempts=1)
         try:
             pika.BlockingConnection(parameters).close()
         except pika.exceptions.AMQPError as exc:

@@ -23,12 +23,13 @@ from typing import Any, ClassVar, Final, NoReturn, TypeVar, cast
 import click
 
 from runbrake.broker.render import render_run, render_runs, render_servers, run_json, run_summary, server_health
-from runbrake.shared import operations
+from runbrake.shared import operations, tracing
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
     ConfigError,
     IdempotencyConflict,
     InvalidRunId,
+    NotReplicated,
     PublishError,
     RunbrakeError,
     RunNotFound,
@@ -84,6 +85,8 @@ def _messages(exc: RunbrakeError) -> list[str]:
         return [f"invalid spec: {problem.field}: {problem.msg}" for problem in exc.problems]
     if isinstance(exc, ConfigError):
         return [f"invalid setting {exc}"]
+    if isinstance(exc, NotReplicated):  # Redis answered: the hint about a service not running would mislead
+        return [f"{exc}; asking again is safe (docs/operating.md, 'Redis failover')"]
     if isinstance(exc, StoreError | PublishError):
         return [f"{exc} (is the service running? see docs/development.md, 'Services')"]
     return [str(exc)]
@@ -109,7 +112,10 @@ def user_errors(command: F) -> F:
 
 
 def settings_from_env() -> Settings:
-    return Settings.from_env()
+    """The settings of this command, read once; tracing turned on when they say so (docs/operating.md, "Traces")."""
+    settings = Settings.from_env()
+    tracing.configure(settings, service="runbrake")
+    return settings
 
 
 @contextmanager

@@ -10,7 +10,8 @@ import pika
 import pika.exceptions
 import structlog
 
-from runbrake.shared.messaging.wire import CANCEL_PROPERTIES, Topology, encode_cancel
+from runbrake.shared import tracing
+from runbrake.shared.messaging.wire import Topology, cancel_properties, connection_parameters, encode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
@@ -49,7 +50,7 @@ class CancelPublisher:
         channel = self._ensure_channel()
         channel.basic_publish(
             exchange=self._topology.cancel_exchange, routing_key="", body=encode_cancel(run_id),
-            properties=CANCEL_PROPERTIES,
+            properties=cancel_properties(tracing.current().traceparent()),
         )
 
     def close(self) -> None:
@@ -62,7 +63,7 @@ class CancelPublisher:
         if self._channel is not None and self._channel.is_open:
             return self._channel
         self.close()
-        self._connection = pika.BlockingConnection(pika.URLParameters(self._settings.rabbitmq_url))
+        self._connection = pika.BlockingConnection(connection_parameters(self._settings))
         channel = self._connection.channel()
         channel.confirm_delivery()
         self._topology.declare_cancel_exchange(channel)
@@ -79,8 +80,19 @@ def cancel_run(
     within its poll interval. Pass ``publisher=None`` to write the fence alone.
 
     Raises:
-        StoreError: when Redis cannot be reached (nothing changed, nothing published).
+        StoreError: when Redis cannot be reached (nothing changed, nothing published); its subclass
+            NotReplicated when the primary has the fence but too few replicas acknowledged it
+            (``RUNBRAKE_REDIS_MIN_REPLICAS_ACK``): nothing published, and asking again is safe.
     """
+    with tracing.current().span("runbrake.cancel", {"runbrake.run_id": run_id}, kind="producer") as span:
+        result = _cancel_run(store, publisher, run_id, reason=reason, requested_by=requested_by)
+        span.set({"runbrake.cancel.won": result.won, "runbrake.cancel.found": result.found.value})
+        return result
+
+
+def _cancel_run(
+    store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str, requested_by: str
+) -> CancelResult:
     fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
     result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)
     if not fence.won:
