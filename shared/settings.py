@@ -265,6 +265,13 @@ class Settings(BaseSettings):
     answer `413`."""
     max_input_chars: Annotated[int, _integer(1, 10_000_000)] = 100_000
     """Longest `input` accepted, in characters."""
+    max_messages: Annotated[int, _integer(0, 100_000)] = 1000
+    """Most `messages` (the conversation before `input`) a spec may carry."""
+    max_history_chars: Annotated[int, _integer(1, 100_000_000)] = 500_000
+    """Bound on the `messages` of a spec: their `content` and tool-call arguments (as JSON) together, in
+    characters."""
+    max_output_schema_bytes: Annotated[int, _integer(2, 10_485_760)] = 65_536
+    """Largest `output_schema` a spec may carry, in bytes of compact JSON (64 KiB)."""
     max_argument_chars: Annotated[int, _integer(100, 10_000_000)] = 16_000
     """Bound on a tool call's arguments as stored (JSON characters)."""
     max_model_content_chars: Annotated[int, _integer(1000, 10_000_000)] = 100_000

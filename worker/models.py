@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 from openai import AsyncOpenAI, OpenAIError, omit
@@ -134,6 +134,7 @@ class OpenAIProvider:
                 model=self._spec.model,
                 messages=[_message_param(m) for m in messages],
                 tools=[_tool_param(t) for t in tools] if tools else omit,
+                **_settings_params(settings, has_tools=bool(tools)),
             )
         except OpenAIError as exc:
             # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
@@ -231,6 +232,37 @@ def _message_param(message: Message) -> ChatCompletionMessageParam:
             ]
             # Chat completions accepts null content beside tool calls; "" would read as an empty reply.
             return {"role": "assistant", "content": message.content, "tool_calls": calls}
+
+
+def _settings_params(settings: ModelSettings, *, has_tools: bool) -> dict[str, Any]:
+    """The chat-completions parameters of the settings that are set (the others stay out of the request).
+
+    ``max_output_tokens`` goes as ``max_tokens``: every OpenAI-compatible server accepts that one (vLLM,
+    llama.cpp, Ollama, LM Studio, TGI, LiteLLM), while several ignore the newer ``max_completion_tokens``,
+    and OpenAI itself still takes ``max_tokens`` for its chat models (docs/usage.md, "Model settings").
+    ``tool_choice`` and ``parallel_tool_calls`` mean something only beside tools, and some servers refuse
+    them without: sent only when the turn offers tools. ``output_schema`` goes as a ``json_schema``
+    response format, not strict: the answer is validated here anyway (worker/structured.py), and strict mode
+    refuses schemas outside OpenAI's subset."""
+    params: dict[str, Any] = {}
+    if settings.temperature is not None:
+        params["temperature"] = settings.temperature
+    if settings.top_p is not None:
+        params["top_p"] = settings.top_p
+    if settings.max_output_tokens is not None:
+        params["max_tokens"] = settings.max_output_tokens
+    if settings.stop is not None:
+        params["stop"] = list(settings.stop)
+    if settings.seed is not None:
+        params["seed"] = settings.seed
+    if has_tools and settings.tool_choice is not None:
+        params["tool_choice"] = settings.tool_choice
+    if has_tools and settings.parallel_tool_calls is not None:
+        params["parallel_tool_calls"] = settings.parallel_tool_calls
+    if settings.output_schema is not None:
+        params["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": "output", "schema": dict(settings.output_schema)}}
+    return params
 
 
 def _tool_param(tool: ToolInfo) -> ChatCompletionFunctionToolParam:
