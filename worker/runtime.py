@@ -43,7 +43,7 @@ from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import metrics
 from runbrake.worker.loop import HANDOFF_REASON, LoopEnd, LoopEndKind, LoopState, ToolLoop
-from runbrake.worker.models import provider_for
+from runbrake.worker.models import RetryPolicy, provider_for
 from runbrake.worker.progress import ProgressSubscriber
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
@@ -329,7 +329,7 @@ class Runtime:
             calls=self.subscribers.tool_calls(hooks.run_id),
         ) as toolbox:
             loop = ToolLoop(
-                provider_for(admitted.model), toolbox, hooks,
+                provider_for(admitted.model, RetryPolicy.from_settings(self._settings)), toolbox, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
                 max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
                 max_argument_chars=self._settings.max_argument_chars,
