@@ -19,8 +19,8 @@ from runbrake.shared import RunStore, Settings
 from runbrake.shared.messaging.wire import delete_topology
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
-pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.api_helpers",
-                  "tests.cluster_helpers"]
+pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.llm_mock",
+                  "tests.api_helpers", "tests.cluster_helpers"]
 
 
 @pytest.fixture
