@@ -114,7 +114,7 @@ def test_a_catalog_entry_of_a_registered_provider_is_accepted_and_described_by_c
     spec = RunSpec.parse({"input": "hi", "model": "e"})
     admitted = Admission(source=Catalog.load(path)).admit(spec)
     assert admitted.model == EchoModel(endpoint="https://u:pw@echo.example/v1")
-    assert isinstance(provider_for(admitted.model), EchoProvider)
+    assert isinstance(provider_for(admitted.model).provider, EchoProvider)
 
 
 def test_the_schema_names_a_registered_provider_and_is_the_documented_one_again_once_it_is_removed(

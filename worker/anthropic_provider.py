@@ -195,7 +195,9 @@ def _turn(message: object, tools: Sequence[ToolInfo]) -> ModelTurn:
         elif kind == "tool_use":
             calls.append(_tool_call(block, known))
         # Any other block (thinking, a server tool's) is the provider's own business: not part of the turn.
-    return ModelTurn(content="".join(texts) if texts else None, tool_calls=tuple(calls),
+    text = "".join(texts)
+    # A turn of calls says nothing more with an empty text block than without one.
+    return ModelTurn(content=text if text or not calls else None, tool_calls=tuple(calls),
                      usage=_usage(getattr(message, "usage", None)))
 
 

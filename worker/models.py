@@ -286,11 +286,18 @@ class RetryingProvider:
     is never retried (docs/architecture.md, "Retries").
     """
 
-    def __init__(self, provider: ModelProvider, policy: RetryPolicy, *,
-                 draw: Callable[[], float] = random.random) -> None:
+    def __init__(self, provider: ModelProvider, policy: RetryPolicy) -> None:
         self._provider = provider
         self._policy = policy
-        self._draw = draw
+
+    @property
+    def provider(self) -> ModelProvider:
+        """The provider it asks."""
+        return self._provider
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return self._policy
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
@@ -306,7 +313,7 @@ class RetryingProvider:
             try:
                 turn = await self._provider.complete(messages, tools, round_index=round_index, settings=settings)
             except ProviderError as exc:
-                wait_s = self._policy.wait_s(exc, retried, draw=self._draw())
+                wait_s = self._policy.wait_s(exc, retried, draw=random.random())
                 if wait_s is None:
                     raise exc.after(tuple(retried)) from exc
                 log.info("model_call_retrying", attempt=len(retried) + 1, status=exc.status, wait_s=wait_s)
@@ -316,7 +323,7 @@ class RetryingProvider:
             return replace(turn, attempts=len(retried) + 1, retried=tuple(retried))
 
 
-def provider_for(spec: ModelSpec, policy: RetryPolicy | None = None) -> ModelProvider:
+def provider_for(spec: ModelSpec, policy: RetryPolicy | None = None) -> RetryingProvider:
     """The provider for a run spec's ``model``: the implementation its registry entry names, behind a
     :class:`RetryingProvider` with ``policy`` (the defaults when left out) and the model's overrides.
 
