@@ -239,3 +239,44 @@ async def test_a_catalog_models_timeout_bounds_each_request_and_a_timeout_is_ret
     [retried] = turn.retried
     assert retried.status is None
     assert len(openai_stub.requests) == 2
+
+
+# -- the segment's client -----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_a_segment_keeps_one_client_for_its_calls_and_closes_it_at_its_end(llm_mock: LlmMock, kind: str) -> None:
+    spec = (_openai(llm_mock) if kind == "openai"
+            else AnthropicModel(model="claude-mock", base_url=llm_mock.anthropic_url))
+    provider = provider_for(spec)
+    connection = provider.provider.connection  # type: ignore[attr-defined]
+
+    async with provider:
+        await provider.complete(QUESTION, (), round_index=0)
+        kept = connection.open
+        await provider.complete(QUESTION, (), round_index=1)
+    await provider.complete(QUESTION, (), round_index=2)
+
+    assert kept
+    assert not connection.open
+    assert len(llm_mock.requests()) == 3
+
+
+@pytest.mark.anyio
+async def test_an_interrupted_call_closes_the_segments_client(openai_stub: OpenAIStub) -> None:
+    openai_stub.reply("too late", delay_s=3600)
+    provider = provider_for(OpenAIModel(base_url=openai_stub.base_url, model="stub"))
+    connection = provider.provider.connection  # type: ignore[attr-defined]
+
+    async with provider:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: provider.complete(QUESTION, (), round_index=0))
+                await openai_stub.wait_for_requests(1)
+                assert connection.open
+                tg.cancel_scope.cancel()
+        closed = not connection.open
+
+    assert tg.cancel_scope.cancelled_caught
+    assert closed

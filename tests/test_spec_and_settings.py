@@ -174,7 +174,8 @@ def test_the_settings_read_exactly_these_variables() -> None:
     """Names are a contract (docs/configuration.md): a field renamed renames its variable, and fails here."""
     assert sorted(Settings.variables.values()) == sorted([
         "RUNBRAKE_RABBITMQ_URL", "RUNBRAKE_REDIS_URL", "RUNBRAKE_NAMESPACE", "RUNBRAKE_MAX_TOOL_RESULT_CHARS",
-        "RUNBRAKE_CANCEL_POLL_MS", "RUNBRAKE_RUN_TIME_LIMIT_S", "RUNBRAKE_LEASE_S", "RUNBRAKE_METRICS_PORT",
+        "RUNBRAKE_CANCEL_POLL_MS", "RUNBRAKE_RUN_TIME_LIMIT_S", "RUNBRAKE_MODEL_RETRIES", "RUNBRAKE_MODEL_RETRY_MAX_S",
+        "RUNBRAKE_LEASE_S", "RUNBRAKE_METRICS_PORT",
         "RUNBRAKE_REDIS_TIMEOUT_S", "RUNBRAKE_CATALOG", "RUNBRAKE_ALLOW_INLINE", "RUNBRAKE_MAX_SPEC_BYTES",
         "RUNBRAKE_MAX_INPUT_CHARS", "RUNBRAKE_MAX_ARGUMENT_CHARS", "RUNBRAKE_MAX_MODEL_CONTENT_CHARS",
         "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", "RUNBRAKE_MAX_STEPS_CAP", "RUNBRAKE_RETENTION_S", "RUNBRAKE_REDRIVE_S",
@@ -417,7 +418,7 @@ BOUNDS: list[tuple[str, Callable[[dict[str, Any]], None], Callable[[dict[str, An
      _set("model.turns.0.tool_calls.0.server", "nosuch"), "model.turns[0].tool_calls[0].server"),
     ("tool call arguments an object", _set("model.turns.0.tool_calls.0.arguments", {}),
      _set("model.turns.0.tool_calls.0.arguments", [1]), "model.turns[0].tool_calls[0].arguments"),
-    ("provider known", _set("model.provider", "scripted"), _set("model.provider", "anthropic"), "model.provider"),
+    ("provider known", _set("model.provider", "scripted"), _set("model.provider", "gemini"), "model.provider"),
     ("provider present", _set("model.provider", "scripted"), _drop("model.provider"), "model.provider"),
     ("model an object", _set("model", {"provider": "scripted", "turns": [{"content": "x"}]}), _set("model", 42),
      "model"),
@@ -764,7 +765,7 @@ SCHEMA_CASES: list[tuple[str, Callable[[dict[str, Any]], None], bool]] = [
     ("unknown turn key", _set("model.turns.1.speed", 3), False),
     ("empty turn", _set("model.turns.1", {}), False),
     ("no turns", _set("model.turns", []), False),
-    ("unknown provider", _set("model.provider", "anthropic"), False),
+    ("unknown provider", _set("model.provider", "gemini"), False),
     ("missing provider", _drop("model.provider"), False),
     ("server with url and command", _set("mcp_servers.calc.command", "x"), False),
     ("server with neither", _set("mcp_servers.calc", {}), False),

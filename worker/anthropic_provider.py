@@ -4,16 +4,17 @@
 The conversation is runbrake's (chat-completions shaped, worker/conversation.py); this module maps it to
 the Messages API and back: the leading ``system`` messages become the request's ``system`` prompt, tools are
 shown as ``<server>__<tool>``, an assistant turn's calls are ``tool_use`` blocks and the tool messages that
-answer them ``tool_result`` blocks of the next user message. Like the OpenAI provider, it is cancellable by
-an enclosing anyio cancel scope (the client is closed, shielded and bounded, however the call ends), makes
-one request per call (retries are the :class:`~worker.models.RetryingProvider`'s) and reports every failure
-as a :class:`~shared.errors.ProviderError`.
+answer them ``tool_result`` blocks of the next user message. Like the OpenAI provider, it shares one client
+among a segment's calls (``async with provider``; :class:`~worker.models.Connection`), is cancellable by an
+enclosing anyio cancel scope (an interrupted call closes its client, shielded and bounded), makes one
+request per call (retries are the :class:`~worker.models.RetryingProvider`'s) and reports every failure as
+a :class:`~shared.errors.ProviderError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from anthropic import AnthropicError, AsyncAnthropic, DefaultAsyncHttpxClient, omit
 from anthropic.types import (
@@ -38,7 +39,7 @@ from runbrake.worker.conversation import (
     ToolInfo,
     Usage,
 )
-from runbrake.worker.models import DEFAULT_TIMEOUT_S, api_key, close_client, provider_error, tls_context
+from runbrake.worker.models import DEFAULT_TIMEOUT_S, Connection, api_key, provider_error, tls_context
 
 __all__ = ["DEFAULT_MAX_TOKENS", "AnthropicProvider"]
 
@@ -63,6 +64,14 @@ class AnthropicProvider:
     def __init__(self, spec: AnthropicModel, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._spec = spec
         self._timeout_s = timeout_s
+        self.connection = Connection(self._client)
+
+    async def __aenter__(self) -> Self:
+        self.connection.hold()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.connection.release()
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
@@ -77,32 +86,33 @@ class AnthropicProvider:
                 timeout), or when the answer is not a message.
         """
         system, conversation = _conversation(messages)
-        client = AsyncAnthropic(
+        async with self.connection.client() as client:
+            try:
+                message = await client.messages.create(
+                    model=self._spec.model,
+                    max_tokens=settings.max_output_tokens or DEFAULT_MAX_TOKENS,
+                    messages=conversation,
+                    system=system if system is not None else omit,
+                    tools=[_tool_param(t) for t in tools] if tools else omit,
+                    tool_choice=_tool_choice(settings) if tools else omit,
+                    stop_sequences=list(settings.stop) if settings.stop else omit,
+                    output_config=_output_config(settings),
+                    timeout=settings.timeout_s or self._timeout_s,
+                )
+            except AnthropicError as exc:
+                # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
+                raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
+        return _turn(message, tools)
+
+    def _client(self) -> AsyncAnthropic:
+        return AsyncAnthropic(
             base_url=self._spec.base_url,
             # Always given, so the SDK reads no credential of its own (ANTHROPIC_API_KEY, a profile on disk).
             api_key=api_key(self._spec.api_key_env),
-            timeout=settings.timeout_s or self._timeout_s,
             # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
             max_retries=0,
             http_client=DefaultAsyncHttpxClient(verify=tls_context()),
         )
-        try:
-            message = await client.messages.create(
-                model=self._spec.model,
-                max_tokens=settings.max_output_tokens or DEFAULT_MAX_TOKENS,
-                messages=conversation,
-                system=system if system is not None else omit,
-                tools=[_tool_param(t) for t in tools] if tools else omit,
-                tool_choice=_tool_choice(settings) if tools else omit,
-                stop_sequences=list(settings.stop) if settings.stop else omit,
-                output_config=_output_config(settings),
-            )
-        except AnthropicError as exc:
-            # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-            raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
-        finally:
-            await close_client(client)
-        return _turn(message, tools)
 
 
 def _conversation(messages: Sequence[Message]) -> tuple[str | None, list[MessageParam]]:

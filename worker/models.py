@@ -10,15 +10,16 @@ cancellable by an enclosing anyio cancel scope, and both report failures as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import random
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Final, Protocol
+from typing import Any, Final, Generic, Protocol, Self, TypeVar
 
 import anyio
 import httpx2
@@ -48,6 +49,7 @@ from runbrake.worker.conversation import (
 )
 
 __all__ = [
+    "Connection",
     "ModelProvider",
     "OpenAIProvider",
     "RetryPolicy",
@@ -68,6 +70,7 @@ _BACKOFF_BASE_S: Final = 0.5
 
 DEFAULT_TIMEOUT_S = 120.0
 _PLACEHOLDER_API_KEY = "unused"
+_C = TypeVar("_C", bound="_Closable")
 # Closing the HTTP client runs shielded so a cancelled scope cannot leak the connection;
 # the bound keeps a wedged close from holding a cancel up indefinitely.
 _CLOSE_TIMEOUT_S = 5.0
@@ -125,14 +128,25 @@ class ScriptedProvider:
 class OpenAIProvider:
     """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``.
 
+    Inside ``async with provider`` (a segment of a run, worker/runtime.py) its calls share one client and
+    its connection; outside, each call makes its own (:class:`Connection`).
+
     Args:
         spec: the ``openai`` model spec (endpoint, model name, API key variable).
-        timeout_s: the per-request HTTP timeout in seconds.
+        timeout_s: the per-request HTTP timeout in seconds, when the settings give none.
     """
 
     def __init__(self, spec: OpenAIModel, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._spec = spec
         self._timeout_s = timeout_s
+        self.connection = Connection(self._client)
+
+    async def __aenter__(self) -> Self:
+        self.connection.hold()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.connection.release()
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
@@ -143,34 +157,81 @@ class OpenAIProvider:
                 connection, timeout), or when the answer names an unknown tool or carries
                 arguments that are not a JSON object.
         """
-        # A new client per call: a run's model calls are seconds apart, so pooling buys little,
-        # and nothing outlives the call that could leak when a worker thread is torn down.
-        client = AsyncOpenAI(
+        async with self.connection.client() as client:
+            try:
+                completion = await client.chat.completions.create(
+                    model=self._spec.model,
+                    messages=[_message_param(m) for m in messages],
+                    tools=[_tool_param(t) for t in tools] if tools else omit,
+                    timeout=settings.timeout_s or self._timeout_s,
+                )
+            except OpenAIError as exc:
+                # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
+                # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
+                raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
+        return _turn(completion, {t.server for t in tools})
+
+    def _client(self) -> AsyncOpenAI:
+        return AsyncOpenAI(
             base_url=self._spec.base_url,
             api_key=api_key(self._spec.api_key_env),
-            timeout=settings.timeout_s or self._timeout_s,
             # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
             max_retries=0,
             http_client=DefaultAsyncHttpxClient(verify=tls_context()),
         )
-        try:
-            completion = await client.chat.completions.create(
-                model=self._spec.model,
-                messages=[_message_param(m) for m in messages],
-                tools=[_tool_param(t) for t in tools] if tools else omit,
-            )
-        except OpenAIError as exc:
-            # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-            # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
-            raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
-        finally:
-            await close_client(client)
-        return _turn(completion, {t.server for t in tools})
-
 
 
 class _Closable(Protocol):
     async def close(self) -> None: ...
+
+
+class Connection(Generic[_C]):
+    """A provider's SDK client: one per call, or, while held (a segment of a run), one for all its calls,
+    so that they share a connection (docs/benchmarks.md, "Model call overhead").
+
+    A call that raises closes the client, whatever it was (shielded and bounded, :func:`close_client`): an
+    interrupted call is closed, not left running, and the next call makes a new client.
+    """
+
+    def __init__(self, make: Callable[[], _C]) -> None:
+        self._make = make
+        self._held = False
+        self._client: _C | None = None
+
+    def hold(self) -> None:
+        """Keep the client between calls until :meth:`release`."""
+        self._held = True
+
+    async def release(self) -> None:
+        """Close the kept client, if any; calls make their own again."""
+        self._held = False
+        await self._close()
+
+    @property
+    def open(self) -> bool:
+        """Whether a client is kept open between calls."""
+        return self._client is not None
+
+    @contextlib.asynccontextmanager
+    async def client(self) -> AsyncIterator[_C]:
+        """The client for one call (made lazily: a missing API key is the call's error)."""
+        client = self._client if self._client is not None else self._make()
+        if self._held:
+            self._client = client
+        try:
+            yield client
+        except BaseException:
+            if client is self._client:
+                self._client = None
+            await close_client(client)
+            raise
+        if client is not self._client:
+            await close_client(client)
+
+    async def _close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await close_client(client)
 
 
 async def close_client(client: _Closable) -> None:
@@ -199,7 +260,7 @@ def api_key(name: str | None) -> str:
 @functools.cache
 def tls_context() -> ssl.SSLContext:
     """The TLS context every model client of this process uses, the SDKs' default one made once: building
-    it loads the CA bundle, some 30 ms of CPU, which a client per call would pay every time
+    it loads the CA bundle, some 30 ms of CPU, which a client per segment would pay every time
     (docs/benchmarks.md, "Model call overhead")."""
     return httpx2.create_ssl_context()
 
@@ -298,6 +359,18 @@ class RetryingProvider:
     @property
     def policy(self) -> RetryPolicy:
         return self._policy
+
+    async def __aenter__(self) -> Self:
+        """Hold the provider's client for the calls of the block (a provider with one: its ``Connection``)."""
+        connection = getattr(self._provider, "connection", None)
+        if isinstance(connection, Connection):
+            connection.hold()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        connection = getattr(self._provider, "connection", None)
+        if isinstance(connection, Connection):
+            await connection.release()
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
