@@ -110,6 +110,7 @@ bench: setup services
 	$(PY) -m bench.cancel_latency
 	$(PY) -m bench.overhead
 	$(PY) -m bench.api
+	$(PY) -m bench.model_overhead
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .import_linter_cache *.egg-info

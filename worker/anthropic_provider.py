@@ -14,7 +14,7 @@ a :class:`~shared.errors.ProviderError`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Final, Self
+from typing import Any, Final
 
 from anthropic import AnthropicError, AsyncAnthropic, DefaultAsyncHttpxClient, omit
 from anthropic.types import (
@@ -39,7 +39,7 @@ from runbrake.worker.conversation import (
     ToolInfo,
     Usage,
 )
-from runbrake.worker.models import DEFAULT_TIMEOUT_S, Connection, api_key, provider_error, tls_context
+from runbrake.worker.models import EndpointProvider, api_key, provider_error, tls_context
 
 __all__ = ["DEFAULT_MAX_TOKENS", "AnthropicProvider"]
 
@@ -53,25 +53,8 @@ _NAMES_SHOWN: Final = 20
 _Block = TextBlockParam | ToolUseBlockParam | ToolResultBlockParam
 
 
-class AnthropicProvider:
-    """Asks the Messages API for the next turn; tools are shown as ``<server>__<tool>``.
-
-    Args:
-        spec: the ``anthropic`` model spec (base URL, model name, API key variable).
-        timeout_s: the per-request HTTP timeout in seconds, when the settings give none.
-    """
-
-    def __init__(self, spec: AnthropicModel, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._spec = spec
-        self._timeout_s = timeout_s
-        self.connection = Connection(self._client)
-
-    async def __aenter__(self) -> Self:
-        self.connection.hold()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.connection.release()
+class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
+    """Asks the Messages API for the next turn; tools are shown as ``<server>__<tool>``."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS) -> ModelTurn:

@@ -50,6 +50,7 @@ from runbrake.worker.conversation import (
 
 __all__ = [
     "Connection",
+    "EndpointProvider",
     "ModelProvider",
     "OpenAIProvider",
     "RetryPolicy",
@@ -71,6 +72,7 @@ _BACKOFF_BASE_S: Final = 0.5
 DEFAULT_TIMEOUT_S = 120.0
 _PLACEHOLDER_API_KEY = "unused"
 _C = TypeVar("_C", bound="_Closable")
+_S = TypeVar("_S")
 # Closing the HTTP client runs shielded so a cancelled scope cannot leak the connection;
 # the bound keeps a wedged close from holding a cancel up indefinitely.
 _CLOSE_TIMEOUT_S = 5.0
@@ -125,21 +127,20 @@ class ScriptedProvider:
         return ModelTurn(content=turn.content, tool_calls=calls)
 
 
-class OpenAIProvider:
-    """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``.
-
-    Inside ``async with provider`` (a segment of a run, worker/runtime.py) its calls share one client and
-    its connection; outside, each call makes its own (:class:`Connection`).
+class EndpointProvider(Generic[_S, _C]):
+    """What the providers that ask an HTTP endpoint through an SDK share: their spec, the request timeout,
+    and the SDK's client (:class:`Connection`): inside ``async with provider`` (a segment of a run,
+    worker/runtime.py) its calls share one client and its connection; outside, each call makes its own.
 
     Args:
-        spec: the ``openai`` model spec (endpoint, model name, API key variable).
+        spec: the model spec (endpoint, model name, API key variable).
         timeout_s: the per-request HTTP timeout in seconds, when the settings give none.
     """
 
-    def __init__(self, spec: OpenAIModel, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, spec: _S, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._spec = spec
         self._timeout_s = timeout_s
-        self.connection = Connection(self._client)
+        self.connection: Connection[_C] = Connection(self._client)
 
     async def __aenter__(self) -> Self:
         self.connection.hold()
@@ -147,6 +148,14 @@ class OpenAIProvider:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.connection.release()
+
+    def _client(self) -> _C:
+        """A new SDK client for this provider's endpoint."""
+        raise NotImplementedError
+
+
+class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
+    """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
