@@ -345,7 +345,7 @@ class RetryPolicy:
         wait = max(draw * _BACKOFF_BASE_S * 2.0 ** len(retried), error.retry_after_s or 0.0)
         if sum(r.wait_s for r in retried) + wait > self.max_wait_s:
             return None
-        return round(wait, 3)
+        return math.ceil(wait * 1000) / 1000  # whole milliseconds, never below what Retry-After asked
 
 
 class RetryingProvider:
