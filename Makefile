@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services browser lint typecheck docs configuration test demo bench wheel-check lock manifests clean
+.PHONY: setup services browser lint typecheck docs configuration test fuzz demo bench wheel-check lock manifests clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -62,6 +62,13 @@ configuration: setup
 
 test: setup services browser lint typecheck docs
 	$(PY) -m pytest
+
+# The property-based tests with many examples, at random (make test runs a bounded, derandomised few):
+# every input (the spec, the envelopes and cancel requests on the real queues, the catalog and tokens files)
+# and the HTTP API from its own /openapi.json (tests/test_fuzz_*.py).
+fuzz: setup services
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_fuzz_inputs.py tests/test_fuzz_queues.py tests/test_fuzz_api.py \
+		-q --timeout=7200 -p no:cacheprovider
 
 demo: setup services
 	$(VENV)/bin/runbrake demo

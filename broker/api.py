@@ -29,7 +29,7 @@ from typing import Annotated, Any, Final, TypeVar
 import pika
 import pika.exceptions
 import structlog
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -208,7 +208,10 @@ Submitter = Annotated[str, Depends(require("submit"))]
 Operator = Annotated[str, Depends(require("operate"))]
 
 
-def valid_run_id(run_id: str) -> str:
+def valid_run_id(run_id: Annotated[str, Path(
+        description="A run id: 32 lowercase hex characters.",
+        # In the OpenAPI document so that clients (and tests/test_fuzz_api.py) know it; checked here, with our words.
+        json_schema_extra={"pattern": "^[0-9a-f]{32}$"})]) -> str:
     if not RUN_ID.fullmatch(run_id):
         raise ApiError.answer(422, "invalid run id", errors=[
             {"loc": ["path", "run_id"], "msg": "a run id is 32 lowercase hex characters"}])
@@ -363,12 +366,12 @@ def _routes(app: FastAPI) -> None:
         return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
 
     @app.get("/v1/runs/{run_id}", tags=["runs"])
-    async def get_run(request: Request, run_id: RunId, _who: Reader) -> dict[str, Any]:
+    async def get_run(request: Request, _who: Reader, run_id: RunId) -> dict[str, Any]:
         """The run and its steps: the object ``runbrake show --json`` prints."""
         return run_json(await _state(request).store.get(run_id))
 
     @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
-    async def events(request: Request, run_id: RunId, who: Reader,
+    async def events(request: Request, who: Reader, run_id: RunId,
                      last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
         """Server-sent events: ``step`` (replayed, then live), ``progress``, ``status``; ends after the
         run's terminal status. Reconnect with ``Last-Event-ID`` (a step sequence) to resume."""
@@ -395,7 +398,7 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"], responses=_BODY_ERRORS,
               openapi_extra=_REASON_BODY)
-    async def cancel(request: Request, run_id: RunId, who: Operator) -> JSONResponse:
+    async def cancel(request: Request, who: Operator, run_id: RunId) -> JSONResponse:
         """Win the fence in Redis, then wake the worker that runs the run (like ``runbrake cancel``)."""
         state = _state(request)
         reason = await _reason(request) or "cancelled via the API"
@@ -406,7 +409,7 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/v1/runs/{run_id}/approve", tags=["decisions"], responses=_BODY_ERRORS,
               openapi_extra=_REASON_BODY)
-    async def approve(request: Request, run_id: RunId, who: Operator) -> dict[str, Any]:
+    async def approve(request: Request, who: Operator, run_id: RunId) -> dict[str, Any]:
         """Approve the call the run waits for (recorded with who and why); a worker resumes the run."""
         state = _state(request)
         reason = await _reason(request) or ""
@@ -416,7 +419,7 @@ def _routes(app: FastAPI) -> None:
 
     @app.post("/v1/runs/{run_id}/deny", tags=["decisions"], responses=_BODY_ERRORS,
               openapi_extra=_REASON_BODY)
-    async def deny(request: Request, run_id: RunId, who: Operator) -> dict[str, Any]:
+    async def deny(request: Request, who: Operator, run_id: RunId) -> dict[str, Any]:
         """Deny the call the run waits for: the run ends failed (approval_denied)."""
         state = _state(request)
         reason = await _reason(request) or "denied by operator"

@@ -25,12 +25,14 @@ exit 2, nothing written) and again when a worker claims it (refused: ``spec_refu
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import os
 import re
 import tomllib
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -101,8 +103,13 @@ class Catalog(SpecModel):
         Raises:
             ConfigError: naming every problem, each with its place (``mcp_servers.calc.url: …``).
         """
+        unusable = list(_not_json(data, ()))
+        if unusable:
+            # TOML has dates, times and nan/inf; a catalog has no field for them (found by tests/test_fuzz_inputs.py).
+            raise ConfigError("RUNBRAKE_CATALOG", f"{where}: " + "; ".join(
+                f"{'.'.join(map(str, loc))}: {what}, which no catalog field takes" for loc, what in unusable))
         try:
-            catalog = cls.model_validate_json(json.dumps(dict(data)))
+            catalog = cls.model_validate_json(json.dumps(dict(data), allow_nan=False))
         except ValidationError as exc:
             problems = "; ".join(f"{p.field}: {p.msg}" for p in problems_of(exc))
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: {problems}") from exc
@@ -369,6 +376,20 @@ class Admission:
             refuse(("model",), f"an inline {spec.model.provider} model is refused: name a model of the operator's "
                                "catalog (RUNBRAKE_ALLOW_INLINE=true is for development and tests only)")
         return spec.model
+
+
+def _not_json(value: object, loc: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    """Where a TOML document holds what JSON has no value for: a date or time, nan or inf."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _not_json(item, (*loc, str(key)))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _not_json(item, (*loc, index))
+    elif isinstance(value, datetime.date | datetime.time):
+        yield loc, f"a TOML {type(value).__name__}"
+    elif isinstance(value, float) and not math.isfinite(value):
+        yield loc, f"{value}"
 
 
 def _inline(registry: Registry, spec: object) -> bool:

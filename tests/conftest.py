@@ -14,11 +14,19 @@ from pathlib import Path
 import pika
 import pytest
 import redis
+from hypothesis import settings as hypothesis_settings
 
 from runbrake.shared import RunStore, Settings
 from runbrake.shared.messaging.wire import delete_topology
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
+# The property-based tests (tests/test_fuzz_*.py): `make test` runs the same bounded examples every time
+# (a failure reproduces, it is never a flake); `make fuzz` (HYPOTHESIS_PROFILE=fuzz) many more, at random.
+hypothesis_settings.register_profile("ci", max_examples=150, derandomize=True, deadline=None, database=None,
+                                     print_blob=True)
+hypothesis_settings.register_profile("fuzz", max_examples=20_000, deadline=None, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.llm_mock",
                   "tests.api_helpers", "tests.cluster_helpers"]
 
