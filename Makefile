@@ -118,6 +118,8 @@ bench: setup services
 	$(PY) -m bench.overhead
 	$(PY) -m bench.api
 	$(PY) -m bench.model_overhead
+	$(PY) -m bench.run_requests
+	$(PY) -m bench.replica_ack
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .import_linter_cache *.egg-info

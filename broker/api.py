@@ -46,6 +46,7 @@ from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import (
     ApiError,
     IdempotencyConflict,
+    NotReplicated,
     PublishError,
     ResumeUnsent,
     RunbrakeError,
@@ -58,6 +59,7 @@ from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
+from runbrake.shared.messaging.wire import connection_parameters
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -536,6 +538,10 @@ def _answer_for(exc: RunbrakeError) -> JSONResponse | None:
         case SpecError():  # the admission policy at enqueue: the catalog, inline definitions, the bounds
             errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
             return JSONResponse({"error": "run spec refused", "errors": errors}, status_code=422)
+        case NotReplicated():
+            log.warning("api_store_not_replicated", error=str(exc))
+            return JSONResponse({"error": "the run store (Redis) did not get the change onto enough replicas in "
+                                          "time; asking again is safe"}, status_code=503)
         case StoreError():
             log.warning("api_store_unavailable", error=str(exc))
             return JSONResponse({"error": "the run store (Redis) could not be reached"}, status_code=503)
@@ -623,9 +629,8 @@ async def _rabbitmq_problem(state: ApiState) -> str | None:
         return problem
 
     def check() -> str | None:
-        parameters = pika.URLParameters(state.settings.rabbitmq_url)
-        parameters.socket_timeout = parameters.blocked_connection_timeout = 2.0
-        parameters.connection_attempts = 1
+        parameters = connection_parameters(state.settings, socket_timeout=2.0, blocked_connection_timeout=2.0,
+                                           connection_attempts=1)
         try:
             pika.BlockingConnection(parameters).close()
         except pika.exceptions.AMQPError as exc:

@@ -29,6 +29,7 @@ from runbrake.shared.errors import (
     ConfigError,
     IdempotencyConflict,
     InvalidRunId,
+    NotReplicated,
     PublishError,
     RunbrakeError,
     RunNotFound,
@@ -84,6 +85,8 @@ def _messages(exc: RunbrakeError) -> list[str]:
         return [f"invalid spec: {problem.field}: {problem.msg}" for problem in exc.problems]
     if isinstance(exc, ConfigError):
         return [f"invalid setting {exc}"]
+    if isinstance(exc, NotReplicated):  # Redis answered: the hint about a service not running would mislead
+        return [f"{exc}; asking again is safe (docs/operating.md, 'Redis failover')"]
     if isinstance(exc, StoreError | PublishError):
         return [f"{exc} (is the service running? see docs/development.md, 'Services')"]
     return [str(exc)]

@@ -38,7 +38,7 @@ import structlog
 from starlette.responses import StreamingResponse
 
 from runbrake.broker.render import current_progress, step_json
-from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.async_store import AsyncRunStore, plain_client
 from runbrake.shared.errors import RunbrakeError
 from runbrake.shared.records import RunRecord
 from runbrake.shared.settings import Settings
@@ -226,8 +226,8 @@ class EventHub:
         # A plain connection on a Redis Cluster too (to the URL's seed node): a cluster delivers every
         # PUBLISH to the subscribers of every node (docs/architecture.md, "The run store on a Redis Cluster").
         # Bytes, not decoded text: a message that is not UTF-8 must be one bad message, not a broken connection.
-        client = redis.asyncio.Redis.from_url(
-            self._settings.redis_url, decode_responses=False,
+        client = plain_client(
+            self._settings, decode_responses=False,
             socket_connect_timeout=min(self._settings.redis_timeout_s, 1.0), health_check_interval=30,
             client_name=f"runbrake-api-events-{self._settings.namespace}",  # findable in CLIENT LIST
         )

@@ -26,6 +26,7 @@ its id. Every script touches one shard, so one slot; readers that span the names
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -42,7 +43,7 @@ import structlog
 
 from runbrake.shared import _api_scripts, _scripts
 from runbrake.shared._scripts import Script
-from runbrake.shared.errors import OwnershipLost, RunNotFound, StoreError
+from runbrake.shared.errors import NotReplicated, OwnershipLost, RunNotFound, StoreError
 from runbrake.shared.records import (
     ARGUMENT_ERROR,
     Appended,
@@ -275,7 +276,7 @@ class ScriptCall:
 _READS_AND_DELETES: Final = frozenset({
     "GET", "MGET", "EXISTS", "HGET", "HMGET", "HGETALL", "HEXISTS", "HLEN", "LRANGE", "LLEN", "LINDEX",
     "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE", "ZREVRANGEBYSCORE", "ZSCORE", "ZCARD", "ZCOUNT", "SCAN",
-    "DEL", "UNLINK", "HDEL", "ZREM", "EXPIRE", "PEXPIRE", "PING", "ECHO", "TTL", "PTTL", "TYPE",
+    "DEL", "UNLINK", "HDEL", "ZREM", "EXPIRE", "PEXPIRE", "PING", "ECHO", "TTL", "PTTL", "TYPE", "WAIT",
 })
 """What a plain command may do: read, delete, expire, ask. A write is a script, whose arguments go through
 :func:`wire`."""
@@ -305,6 +306,10 @@ class Op(Generic[T]):
     ``fallback``: when set, an unreachable Redis is logged as ``fallback_event`` and the op answers
     the fallback instead of raising (the probe is fail-soft: a store hiccup never fabricates a
     cancel). Without it, the executor raises :class:`StoreError`.
+
+    ``durable``: a transition that must never be lost once acknowledged (create, the cancel fence, approve,
+    deny, settle, hand-over). With ``RUNBRAKE_REDIS_MIN_REPLICAS_ACK`` set, the executor sends it with a
+    ``WAIT`` on the same connection (:class:`Replication`) and answers only once enough replicas have it.
     """
 
     what: str
@@ -314,12 +319,54 @@ class Op(Generic[T]):
     fallback: Any = _NO_FALLBACK
     fallback_event: str = ""
     context: Mapping[str, Any] | None = None
+    durable: bool = False
 
     def __post_init__(self) -> None:
+        if self.durable and self.fallback is not _NO_FALLBACK:
+            raise ValueError("a durable op has no fallback: it is acknowledged or it fails")
         if self.transaction and any(isinstance(call, ScriptCall) for call in self.calls):
             # A script missing from Redis's cache fails inside MULTI while the rest commits; retrying
             # it alone would break the transaction's all-or-nothing reading.
             raise ValueError("a transaction carries plain commands only")
+
+
+def durable(op: Op[T]) -> Op[T]:
+    """The same op, marked as a transition that must not be lost once acknowledged (:class:`Op`)."""
+    return dataclasses.replace(op, durable=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Replication:
+    """How many replicas must acknowledge a durable op, and for how long it waits for them
+    (``RUNBRAKE_REDIS_MIN_REPLICAS_ACK``, ``RUNBRAKE_REDIS_REPLICA_ACK_TIMEOUT_S``; docs/operating.md,
+    "Redis failover"). ``replicas`` 0: durable ops are sent like any other.
+
+    ``WAIT`` counts the replicas that have every write its own connection made, so the executors send it
+    in the same pipeline as the op's calls, after them, on one connection (:meth:`calls`).
+    """
+
+    replicas: int = 0
+    timeout_s: float = 1.0
+
+    @classmethod
+    def of(cls, settings: Any) -> Replication:
+        """From ``Settings`` (typed loosely: this module does not import the settings)."""
+        return cls(settings.redis_min_replicas_ack, settings.redis_replica_ack_timeout_s)
+
+    def applies(self, op: Op[Any]) -> bool:
+        return bool(self.replicas) and op.durable
+
+    @property
+    def wait(self) -> Command:
+        return Command(("WAIT", self.replicas, max(1, round(self.timeout_s * 1000))))
+
+    def check(self, op: Op[Any], acknowledged: Any, where: str) -> None:
+        """Raises :class:`NotReplicated` when fewer replicas than asked acknowledged ``op``."""
+        if isinstance(acknowledged, int) and acknowledged >= self.replicas:
+            return
+        raise NotReplicated(f"Redis at {where}: {op.what}: acknowledged by {acknowledged} of the "
+                            f"{self.replicas} replicas asked for within {self.timeout_s:g} s "
+                            "(RUNBRAKE_REDIS_MIN_REPLICAS_ACK): the primary has it, a failover now may lose it")
 
 
 def queue(pipe: Any, call: Call, **options: Any) -> None:
@@ -369,6 +416,21 @@ def describe(client: Any) -> str:
         return f"cluster {next(iter(client.nodes_manager.startup_nodes), '?')}"
     kwargs = client.connection_pool.connection_kwargs
     return f"{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '?')}"
+
+
+def describe_sentinels(master: str, sentinels: Sequence[tuple[str, int]]) -> str:
+    """``sentinel master NAME via host:port,…``, for messages."""
+    return f"sentinel master {master} via {','.join(f'{host}:{port}' for host, port in sentinels)}"
+
+
+def sentinel_url_options(url: str) -> dict[str, Any]:
+    """What of a Redis URL a Sentinel-managed client keeps: the database, the credentials and TLS (the
+    Sentinels name the host and port)."""
+    options = redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+    kept = {name: options[name] for name in ("db", "username", "password") if options.get(name) is not None}
+    if url.startswith("rediss:"):
+        kept["ssl"] = True
+    return kept
 
 
 def describe_url(url: str, *, cluster: bool) -> str:
@@ -426,12 +488,12 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
             log.info("run_create_deduplicated", run_id=value, idempotency_key=idempotency_key)
         return Created(run_id=str(value), created=bool(won), conflict=bool(conflict))
 
-    return _script(
+    return durable(_script(
         _scripts.CREATE, (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard)),
         (Ident(run_id), request_json, now, Ident("1" if idempotency_key else "0"), Verbatim(idempotency_key or ""),
          Ident(digest), Ident(keys.events)),
         "create a run", parse,
-    )
+    ))
 
 
 def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
@@ -479,13 +541,13 @@ def hand_over(keys: Keys, run_id: str, step: RunStep, *, owner: str, pending: Ma
     def parse(answers: list[Any]) -> tuple[Appended, Transition]:
         return append.parse(answers[:1]), handoff.parse(answers[1:])
 
-    return Op(f"hand over run {run_id}", append.calls + handoff.calls, parse)
+    return Op(f"hand over run {run_id}", append.calls + handoff.calls, parse, durable=True)
 
 
 def approve(keys: Keys, run_id: str) -> Op[Transition]:
     """Record an approval on a run waiting for one; the resume claim consumes it."""
     once = approve_once(keys, run_id)
-    return Op(once.what, once.calls, lambda answers: once.parse(answers)[0])
+    return Op(once.what, once.calls, lambda answers: once.parse(answers)[0], durable=True)
 
 
 def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
@@ -494,7 +556,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
     ``required_status`` when given (``deny`` settles only a run that waits for approval)."""
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
-    return _script(
+    return durable(_script(
         _scripts.SETTLE,
         (keys.run(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
         # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
@@ -502,7 +564,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
          Ident("" if required_status is None else required_status.value), Ident(run_id), keys.retention_s,
          Ident(keys.events)),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
-    )
+    ))
 
 
 def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Transition]:
@@ -511,12 +573,12 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     what follows them (shared/redaction.py :func:`strip_bidi`)."""
     request = CancelRequest(reason=strip_bidi(reason), requested_by=strip_bidi(requested_by),
                             requested_at=time.time())
-    return _script(
+    return durable(_script(
         _scripts.CANCEL,
         (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id)),
         (request.to_dict(), request.requested_at, Ident(run_id), keys.retention_s, Ident(keys.events)),
         f"cancel run {run_id}", _transition("cancel", run_id),
-    )
+    ))
 
 
 def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Op[Appended]:
@@ -563,7 +625,7 @@ def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str =
     def parse(answers: list[Any]) -> tuple[Appended, Transition]:
         return append.parse(answers[:1]), settle_op.parse(answers[1:])
 
-    return Op(f"complete run {run_id}", append.calls + settle_op.calls, parse)
+    return Op(f"complete run {run_id}", append.calls + settle_op.calls, parse, durable=True)
 
 
 # -- leases --------------------------------------------------------------------------------------
@@ -781,8 +843,8 @@ def approve_once(keys: Keys, run_id: str) -> Op[tuple[Transition, bool]]:
         transition = _read_transition("approve", run_id, answer[:2])
         return transition, transition.won and len(answer) > 2 and bool(answer[2])
 
-    return _script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed(keys.shard(run_id))),
-                   (time.time(), Ident(run_id)), f"approve run {run_id}", parse)
+    return durable(_script(_scripts.APPROVE, (keys.run(run_id), keys.unclaimed(keys.shard(run_id))),
+                           (time.time(), Ident(run_id)), f"approve run {run_id}", parse))
 
 
 def set_progress(keys: Keys, run_id: str, progress: Mapping[str, Any]) -> Op[bool]:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
+import redis.asyncio.sentinel
 
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
@@ -32,7 +33,7 @@ from runbrake.shared.records import (
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
-from runbrake.shared.store import client_options
+from runbrake.shared.store import client_options, sentinel_options, where_of
 
 T = TypeVar("T")
 
@@ -44,21 +45,38 @@ POOL_WAIT_S = 30.0
 Client = redis.asyncio.Redis | redis.asyncio.RedisCluster
 
 
+def plain_client(settings: Settings, **options: Any) -> redis.asyncio.Redis:
+    """One asyncio client with these options (a subscriber's: ``broker/events.py``): on the URL's node, or,
+    with ``RUNBRAKE_REDIS_SENTINELS``, on the primary the Sentinels name (and the next one after a failover)."""
+    if not settings.redis_sentinels:
+        return redis.asyncio.Redis.from_url(settings.redis_url, **options)
+    connection, sentinel_kwargs = sentinel_options(settings)
+    sentinels = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        list(settings.redis_sentinels), sentinel_kwargs=sentinel_kwargs)
+    client: redis.asyncio.Redis = sentinels.master_for(
+        settings.redis_sentinel_master, redis_class=redis.asyncio.Redis,
+        **{**connection, "socket_timeout": None, "health_check_interval": 30, **options})
+    return client
+
+
 class AsyncRunStore:
     """Runs, steps and cancel keys in Redis under one namespace, from an event loop.
 
     Its connections belong to the loop that first uses them: use one instance per loop.
     """
 
-    def __init__(self, client: Client, namespace: str, *, retention_s: int = 0) -> None:
+    def __init__(self, client: Client, namespace: str, *, retention_s: int = 0, where: str = "",
+                 replication: core.Replication | None = None) -> None:
         self._redis = client
         self.namespace = namespace
         self.keys = core.Keys(namespace, retention_s, cluster=isinstance(client, redis.asyncio.RedisCluster))
-        self.where = core.describe(client)
+        self.where = where or core.describe(client)
+        self.replication = replication or core.Replication()
         self._turns: asyncio.Semaphore | None = None
-        if self.keys.cluster:
-            # A cluster client has no blocking pool: past max_connections it refuses at once. Round trips
-            # wait their turn here instead (each holds at most one connection per node).
+        if not isinstance(getattr(client, "connection_pool", None), redis.asyncio.BlockingConnectionPool):
+            # A cluster client, or a Sentinel-managed one, has no blocking pool: past max_connections it
+            # refuses at once. Round trips wait their turn here instead (each holds at most one connection
+            # per node).
             self._turns = asyncio.Semaphore(POOL_CONNECTIONS)
 
     @classmethod
@@ -69,15 +87,26 @@ class AsyncRunStore:
         want a round trip at once (a burst of cancels records hundreds of steps), and the default
         pool would refuse the 101st with "Too many connections" instead of making it wait its turn.
         """
+        where, replication = where_of(settings), core.Replication.of(settings)
         if settings.redis_cluster:
             cluster = redis.asyncio.RedisCluster.from_url(
                 settings.redis_url, max_connections=POOL_CONNECTIONS, **client_options(settings))
-            return cls(cluster, settings.namespace, retention_s=settings.retention_s)
+            return cls(cluster, settings.namespace, retention_s=settings.retention_s, where=where)
+        if settings.redis_sentinels:
+            # The Sentinels name the primary (and a new one after a failover: shared/store.py, RunStore.connect).
+            options, sentinel_kwargs = sentinel_options(settings)
+            sentinels = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                list(settings.redis_sentinels), sentinel_kwargs=sentinel_kwargs)
+            client = sentinels.master_for(settings.redis_sentinel_master, redis_class=redis.asyncio.Redis,
+                                          max_connections=POOL_CONNECTIONS, **options)
+            return cls(client, settings.namespace, retention_s=settings.retention_s, where=where,
+                       replication=replication)
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S, **client_options(settings)
         )
         # The client owns (and closes) its pool.
-        return cls(redis.asyncio.Redis.from_pool(pool), settings.namespace, retention_s=settings.retention_s)
+        return cls(redis.asyncio.Redis.from_pool(pool), settings.namespace, retention_s=settings.retention_s,
+                   where=where, replication=replication)
 
     async def aclose(self) -> None:
         await self._redis.aclose()
@@ -111,6 +140,8 @@ class AsyncRunStore:
             self._turns.release()
 
     async def _send(self, op: core.Op[Any]) -> list[Any]:
+        if self.replication.applies(op):
+            return await self._send_replicated(op)
         if len(op.calls) == 1 and not op.transaction:
             return [await self._one(op.calls[0])]
         async with self._redis.pipeline(transaction=op.transaction) as pipe:
@@ -120,6 +151,29 @@ class AsyncRunStore:
         for i in core.missing_scripts(answers):
             answers[i] = await self._one(op.calls[i])
         core.raise_first_error(answers)
+        return answers
+
+    async def _send_replicated(self, op: core.Op[Any]) -> list[Any]:
+        """The op's calls and a WAIT after them on one connection, as :meth:`RunStore._send_replicated`."""
+        calls, wait = list(op.calls), self.replication.wait
+        answers = await self._pipeline([*calls, wait])
+        missing = core.missing_scripts(answers[:-1])
+        if missing:
+            for i in missing:
+                await self._redis.script_load(calls[i].script.source)  # type: ignore[union-attr]
+            again = await self._pipeline([*(calls[i] for i in missing), wait])
+            for i, answer in zip(missing, again, strict=False):
+                answers[i] = answer
+            answers[-1] = again[-1]
+        core.raise_first_error(answers)
+        self.replication.check(op, answers[-1], self.where)
+        return answers[:-1]
+
+    async def _pipeline(self, calls: list[core.Call]) -> list[Any]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                core.queue(pipe, call)
+            answers: list[Any] = await pipe.execute(raise_on_error=False)
         return answers
 
     async def _one(self, call: core.Call) -> Any:

@@ -7,6 +7,7 @@
      ├── SpecError                   an invalid run spec (names every offending field)
      ├── StepError                   a step that disagrees with itself (shared/steps.py; a ValueError too)
      ├── StoreError                  Redis could not be reached or answered nonsense
+     │    └── NotReplicated          a transition fewer replicas acknowledged than RUNBRAKE_REDIS_MIN_REPLICAS_ACK
      ├── RunNotFound                 no run with that id
      ├── TransitionRefused           a guarded transition found another status (``found``)
      ├── RunBoundReached             a run reached max_steps or the tool calls a turn may ask for
@@ -162,6 +163,11 @@ class SpecError(RunbrakeError):
 
 class StoreError(RunbrakeError):
     """Raised when the run store (Redis) cannot be reached or answers something unusable."""
+
+
+class NotReplicated(StoreError):
+    """Raised when fewer replicas acknowledged a transition than ``RUNBRAKE_REDIS_MIN_REPLICAS_ACK`` asks:
+    the primary has it, but it may be lost if the primary fails now (docs/operating.md, "Redis failover")."""
 
 
 class RunNotFound(RunbrakeError):

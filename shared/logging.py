@@ -58,6 +58,12 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     # MCP calls, each rendered on the event loop): their warnings are what matter to an operator.
     for chatty in ("pika", "httpx2", "httpcore2"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    # pika logs each failed step of each connection attempt at ERROR, with tracebacks (connection_workflow,
+    # io_services_utils, blocking_connection): a reconnect loop during an outage repeats them every few
+    # seconds per connection. Every one of those attempts ends in an exception runbrake handles and reports
+    # once, in its own words (worker/_consumer.py; shared/messaging/rabbitmq.py, BrokerOutage).
+    for workflow in ("pika.adapters", "pika.connection"):
+        logging.getLogger(workflow).setLevel(logging.CRITICAL)
     # The MCP SDK says INFO "GET stream disconnected, reconnecting in 1000ms..." whenever a server from before
     # protocol 2026-07-28 closes a session's GET stream, which it does each time a client ends the session
     # (mcp/client/streamable_http.py, handle_get_stream): a normal close, worth DEBUG.

@@ -28,6 +28,9 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _ALLOWED_HOST = re.compile(r"^(\*|([a-z0-9][a-z0-9.-]{0,252}|\[[0-9a-f:.]{2,45}\])(:[0-9]{1,5})?)$")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+_SERVICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_RABBITMQ_NODES = 16
+MAX_SENTINELS = 16
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -106,6 +109,48 @@ def _prefixed(*schemes: str) -> _Check:
     return _Check(f"{article} {listed} URL", parse, empty_keeps_default=False)
 
 
+def _parse_amqp_urls(raw: Any) -> Any:
+    """One or more AMQP URLs, comma-separated (the nodes of a RabbitMQ cluster, tried in order)."""
+    if not isinstance(raw, str):
+        return raw
+    urls = [part.strip() for part in raw.split(",")]
+    if len(urls) > MAX_RABBITMQ_NODES:
+        raise _refuse(f"names at most {MAX_RABBITMQ_NODES} nodes, got {len(urls)}")
+    for url in urls:
+        if not url.startswith(("amqp://", "amqps://")):
+            raise _refuse(f"must be amqp:// or amqps:// URLs, comma-separated, got {url[:100]!r}")
+    return ",".join(urls)
+
+
+def _parse_sentinels(raw: Any) -> Any:
+    """``host:port`` pairs, comma-separated; empty: no Sentinel."""
+    if not isinstance(raw, str):
+        return raw
+    if raw.strip() == "":
+        return ()
+    pairs = []
+    for part in (item.strip() for item in raw.split(",")):
+        host, _, port = part.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _refuse(f"must be comma-separated host:port pairs, got {part[:100]!r}")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOSTNAME.fullmatch(host):
+                raise _refuse(f"must be comma-separated host:port pairs, got {part[:100]!r}") from None
+        pairs.append((host, int(port)))
+    if len(pairs) > MAX_SENTINELS:
+        raise _refuse(f"names at most {MAX_SENTINELS} sentinels, got {len(pairs)}")
+    return tuple(pairs)
+
+
+def _parse_service(raw: Any) -> Any:
+    if isinstance(raw, str) and raw and not _SERVICE.fullmatch(raw):
+        raise _refuse(f"must be 1-64 letters, digits, '.', '_' or '-', got {raw[:100]!r}")
+    return raw
+
+
 def _parse_namespace(raw: Any) -> Any:
     if isinstance(raw, str) and not _NAMESPACE.fullmatch(raw):
         raise _refuse("use 1-64 letters, digits, '.', '_' or '-'")
@@ -167,8 +212,13 @@ class Settings(BaseSettings):
         validate_default=False,
     )
 
-    rabbitmq_url: Annotated[str, _prefixed("amqp:", "amqps:")] = "amqp://guest:guest@127.0.0.1:5672/"
-    """RabbitMQ for run messages and cancel messages."""
+    rabbitmq_url: Annotated[
+        str, _Check("`amqp://` or `amqps://` URLs, comma-separated", _parse_amqp_urls, empty_keeps_default=False)
+    ] = "amqp://guest:guest@127.0.0.1:5672/"
+    """RabbitMQ for run messages and cancel messages: one node's URL, or the URLs of a cluster's nodes,
+    comma-separated (at most 16). Every connection (the producer, each consumer, the cancel listener, the
+    publishers) tries them in order and, when the node it was on goes, reconnects to the first that answers
+    (docs/operating.md, "A RabbitMQ cluster")."""
     redis_url: Annotated[str, _prefixed("redis:", "rediss:", "unix:")] = "redis://127.0.0.1:6379/0"
     """Redis, the authority for runs, steps and cancel keys."""
     namespace: Annotated[str, _Check("1-64 letters, digits, `.`, `_` or `-`", _parse_namespace, False)] = "runbrake"
@@ -238,6 +288,24 @@ class Settings(BaseSettings):
     """`RUNBRAKE_REDIS_URL` names seed nodes of a Redis Cluster; each namespace is spread over 16
     hash-tagged shards, every script touching one slot (docs/architecture.md, "The run store on a Redis
     Cluster"). Single-node key names are unchanged when off."""
+    redis_sentinels: Annotated[
+        tuple[tuple[str, int], ...], NoDecode, _Check("comma-separated `host:port` pairs", _parse_sentinels)
+    ] = ()
+    """Redis Sentinels (`host:port,…`, at most 16) that name the primary of `RUNBRAKE_REDIS_SENTINEL_MASTER`;
+    the store follows the primary they promote. `RUNBRAKE_REDIS_URL` then gives only the database, the
+    password and the scheme (`rediss://` for TLS), not the host (docs/operating.md, "Redis failover").
+    Unset: `RUNBRAKE_REDIS_URL` names the Redis. Not with `RUNBRAKE_REDIS_CLUSTER`."""
+    redis_sentinel_master: Annotated[str, _Check("1-64 letters, digits, `.`, `_` or `-`", _parse_service)] = ""
+    """The name the Sentinels monitor the primary under (their `sentinel monitor NAME …`); required with
+    `RUNBRAKE_REDIS_SENTINELS`."""
+    redis_min_replicas_ack: Annotated[int, _integer(0, 16)] = 0
+    """Replicas that must acknowledge each transition that may not be lost once acknowledged (create, the
+    cancel fence, approve, deny, settle, hand-over) before it is answered: each is followed by `WAIT n`,
+    and fails as a store error when fewer replicas have it within `RUNBRAKE_REDIS_REPLICA_ACK_TIMEOUT_S`
+    (the worker retries it as it retries an outage). 0 turns it off (docs/operating.md, "Redis failover")."""
+    redis_replica_ack_timeout_s: Annotated[float, _SECONDS] = 1.0
+    """How long a transition waits for `RUNBRAKE_REDIS_MIN_REPLICAS_ACK` replicas, in seconds; below
+    `RUNBRAKE_REDIS_TIMEOUT_S`."""
     queue_type: Annotated[str, _choice("classic", "quorum")] = "classic"
     """How the run and cancel-request queues are declared: `quorum` declares `<ns>.runs` and its
     `.DQ`/`.XQ` twins, and `<ns>.cancel-requests` and its dead-letter queue, as quorum queues."""
@@ -293,16 +361,45 @@ class Settings(BaseSettings):
         """
         return self._checked({**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
 
+    @property
+    def rabbitmq_urls(self) -> tuple[str, ...]:
+        """The RabbitMQ nodes' URLs, in the order connections try them."""
+        return tuple(self.rabbitmq_url.split(","))
+
     @classmethod
     def _checked(cls, values: Mapping[str, Any]) -> Settings:
         try:
-            return cls(**values)
+            settings = cls(**values)
         except ValidationError as exc:
             error = exc.errors()[0]
             field = str(error["loc"][0]) if error["loc"] else ""
             refused = error.get("ctx", {}).get("error")
             problem = str(refused) if isinstance(refused, _Refused) else error["msg"]
             raise ConfigError(cls.variables.get(field, field), problem) from None
+        settings._check_together()
+        return settings
+
+    def _check_together(self) -> None:
+        """The rules that span settings.
+
+        Raises:
+            ConfigError: naming the variable that cannot be used with the others.
+        """
+        variables = type(self).variables
+        if self.redis_sentinels and not self.redis_sentinel_master:
+            raise ConfigError(variables["redis_sentinel_master"], "is required with RUNBRAKE_REDIS_SENTINELS")
+        if self.redis_sentinels and self.redis_cluster:
+            raise ConfigError(variables["redis_sentinels"], "cannot be used with RUNBRAKE_REDIS_CLUSTER")
+        if self.redis_sentinels and self.redis_url.startswith("unix:"):
+            raise ConfigError(variables["redis_url"],
+                              "must be a redis:// or rediss:// URL with RUNBRAKE_REDIS_SENTINELS")
+        if self.redis_min_replicas_ack and self.redis_cluster:
+            raise ConfigError(variables["redis_min_replicas_ack"], "cannot be used with RUNBRAKE_REDIS_CLUSTER "
+                              "(a WAIT counts one node's replicas)")
+        if self.redis_min_replicas_ack and self.redis_replica_ack_timeout_s >= self.redis_timeout_s:
+            raise ConfigError(variables["redis_replica_ack_timeout_s"],
+                              f"must be below RUNBRAKE_REDIS_TIMEOUT_S ({self.redis_timeout_s:g} s): the WAIT "
+                              "that waits for replicas would outlast the socket")
 
 
 Settings.variables = {name: f"{PREFIX}{name.upper()}" for name in Settings.model_fields}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import redis
+import redis.sentinel
 
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
@@ -44,13 +45,30 @@ def client_options(settings: Settings) -> dict[str, Any]:
     }
 
 
+def sentinel_options(settings: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
+    """How a Sentinel-managed client connects (``RUNBRAKE_REDIS_SENTINELS``): the options of its
+    connections to the primary (those of :func:`client_options`, with the database, credentials and TLS of
+    ``RUNBRAKE_REDIS_URL``), and those of its connections to the Sentinels (bounded waits alike)."""
+    timeouts = {"socket_timeout": settings.redis_timeout_s,
+                "socket_connect_timeout": min(settings.redis_timeout_s, 1.0)}
+    return {**core.sentinel_url_options(settings.redis_url), **client_options(settings)}, timeouts
+
+
+def where_of(settings: Settings) -> str:
+    """Where a store of these settings looks, for messages."""
+    if settings.redis_sentinels:
+        return core.describe_sentinels(settings.redis_sentinel_master, settings.redis_sentinels)
+    return core.describe_url(settings.redis_url, cluster=settings.redis_cluster)
+
+
 class RunStore:
     """Runs, steps and cancel keys in Redis under one namespace (synchronous)."""
 
     def __init__(self, client: Client | Callable[[], redis.RedisCluster], namespace: str, *, retention_s: int = 0,
-                 where: str = "") -> None:
+                 where: str = "", replication: core.Replication | None = None) -> None:
         """``client``: a client, or a function that makes a cluster client when it is first needed
-        (redis-py's asks the cluster for its slots as it is made; a store connects lazily)."""
+        (redis-py's asks the cluster for its slots as it is made; a store connects lazily).
+        ``replication``: how many replicas acknowledge each durable transition (none by default)."""
         self._client: Client | None = None
         self._make: Callable[[], redis.RedisCluster] | None = None
         if isinstance(client, (redis.Redis, redis.RedisCluster)):
@@ -61,17 +79,30 @@ class RunStore:
         self.namespace = namespace
         self.keys = core.Keys(namespace, retention_s, cluster=not isinstance(client, redis.Redis))
         self.where = where or core.describe(client)
+        self.replication = replication or core.Replication()
 
     @classmethod
     def connect(cls, settings: Settings) -> RunStore:
         """A store on ``settings.redis_url`` under ``settings.namespace``. Connects lazily. With
-        ``settings.redis_cluster`` the URL names a seed node of a Redis Cluster."""
+        ``settings.redis_cluster`` the URL names a seed node of a Redis Cluster; with
+        ``settings.redis_sentinels`` the Sentinels name the primary, and the client follows the one they
+        promote (redis-py's ``SentinelConnectionPool`` asks them on every new connection; a connection
+        to a former primary that answers READONLY is dropped as a connection error)."""
+        where, replication = where_of(settings), core.Replication.of(settings)
         if settings.redis_cluster:
             return cls(lambda: redis.RedisCluster.from_url(settings.redis_url, **client_options(settings)),
-                       settings.namespace, retention_s=settings.retention_s,
-                       where=core.describe_url(settings.redis_url, cluster=True))
+                       settings.namespace, retention_s=settings.retention_s, where=where)
+        if settings.redis_sentinels:
+            options, sentinel_kwargs = sentinel_options(settings)
+            sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                list(settings.redis_sentinels), sentinel_kwargs=sentinel_kwargs)
+            client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+                settings.redis_sentinel_master, redis_class=redis.Redis, **options)
+            return cls(client, settings.namespace, retention_s=settings.retention_s, where=where,
+                       replication=replication)
         client = redis.Redis.from_url(settings.redis_url, **client_options(settings))
-        return cls(client, settings.namespace, retention_s=settings.retention_s)
+        return cls(client, settings.namespace, retention_s=settings.retention_s, where=where,
+                   replication=replication)
 
     @property
     def redis(self) -> Client:
@@ -114,6 +145,8 @@ class RunStore:
         return op.parse(answers)
 
     def _send(self, op: core.Op[Any]) -> list[Any]:
+        if self.replication.applies(op):
+            return self._send_replicated(op)
         if len(op.calls) == 1 and not op.transaction:
             return [self._one(op.calls[0])]
         client = self.redis
@@ -124,6 +157,31 @@ class RunStore:
         for i in core.missing_scripts(answers):
             answers[i] = self._one(op.calls[i])
         core.raise_first_error(answers)
+        return answers
+
+    def _send_replicated(self, op: core.Op[Any]) -> list[Any]:
+        """The op's calls and a WAIT after them, in one pipeline (one connection: WAIT counts the replicas
+        that have that connection's writes). A script Redis did not have is loaded and sent again, with the
+        WAIT, in a second pipeline."""
+        calls, wait = list(op.calls), self.replication.wait
+        answers = self._pipeline([*calls, wait])
+        missing = core.missing_scripts(answers[:-1])
+        if missing:
+            for i in missing:
+                self.redis.script_load(calls[i].script.source)  # type: ignore[union-attr]
+            again = self._pipeline([*(calls[i] for i in missing), wait])
+            for i, answer in zip(missing, again, strict=False):
+                answers[i] = answer
+            answers[-1] = again[-1]
+        core.raise_first_error(answers)
+        self.replication.check(op, answers[-1], self.where)
+        return answers[:-1]
+
+    def _pipeline(self, calls: list[core.Call]) -> list[Any]:
+        with self.redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                core.queue(pipe, call)
+            answers: list[Any] = pipe.execute(raise_on_error=False)
         return answers
 
     @staticmethod

@@ -45,7 +45,8 @@ class RedisCluster:
         return {"RUNBRAKE_REDIS_URL": self.url, "RUNBRAKE_REDIS_CLUSTER": "true"}
 
 
-def _free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Can this loopback port be bound now?"""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind(("127.0.0.1", port))
@@ -59,7 +60,7 @@ def free_cluster_ports(count: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = random.randint(20_000, 45_000)  # not a secret: any free port will do
-        if port not in ports and _free(port) and _free(port + BUS_OFFSET):
+        if port not in ports and port_is_free(port) and port_is_free(port + BUS_OFFSET):
             ports.append(port)
     return ports
 

@@ -325,6 +325,7 @@ def test_a_hostile_header_no_longer_drops_the_consumers_connection_over_and_over
     forged = encoded(queue_name="elsewhere.runs")
     publish_with_headers(rabbitmq, forged, {"x": value}, queue=topology.run_queue)
     publish_with_headers(rabbitmq, b"not a cancel request", {"x": value}, queue=topology.cancel_requests_queue)
+    publish_with_headers(rabbitmq, b"not a run request", {"x": value}, queue=topology.run_requests_queue)
 
     [(dead, headers)] = take_dead_letters(rabbitmq, 1)
 
@@ -332,8 +333,10 @@ def test_a_hostile_header_no_longer_drops_the_consumers_connection_over_and_over
     worker.wait_for_log("cancel_request_malformed")
     poll_until(lambda: ready_messages(rabbitmq, topology.cancel_requests_dead_queue) == 1, timeout=20,
                failure=lambda: "the malformed cancel request was not dead-lettered")
+    poll_until(lambda: ready_messages(rabbitmq, topology.run_requests_dead_queue) == 1, timeout=20,
+               failure=lambda: "the malformed run request was not dead-lettered")
     assert finished_run(producer, store) is RunStatus.COMPLETED
-    assert worker.logged("cancel_requests_disconnected") == []
+    assert worker.logged("cancel_requests_disconnected") == worker.logged("run_requests_disconnected") == []
 
 # -- consumer threads that die ---------------------------------------------------------------------
 
@@ -478,7 +481,8 @@ def _arguments(queues: set[str]) -> dict[str, dict[str, Any]]:
 
 def test_the_dead_letter_queues_are_bounded_in_length_bytes_and_age(worker: WorkerProcess, rabbitmq: Settings) -> None:
     topology = Topology.of(rabbitmq)
-    dead_letter_queues = {f"{topology.run_queue}.XQ", topology.cancel_requests_dead_queue}
+    dead_letter_queues = {f"{topology.run_queue}.XQ", topology.cancel_requests_dead_queue,
+                          topology.run_requests_dead_queue}
     bounds = {"x-max-length": DEAD_LETTER_MAX_LENGTH, "x-max-length-bytes": DEAD_LETTER_MAX_BYTES,
               "x-message-ttl": DEAD_LETTER_TTL_MS, "x-overflow": "drop-head"}
 

@@ -9,11 +9,9 @@ saying why, and the consumer goes on.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,13 +19,12 @@ import pytest
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, Topology
+from tests.amqp_clients import CLIENTS, node_client, queue_types
 from tests.mcp_helpers import Toolbox, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
 
-CLIENTS = Path(__file__).parent / "clients"
-NODE_MODULES = Path(__file__).resolve().parent.parent / ".venv" / "node"
 
 
 def publish(settings: Settings, body: str) -> subprocess.CompletedProcess[str]:
@@ -111,37 +108,16 @@ def test_the_queue_is_a_quorum_queue_when_asked(
     start_worker(RUNBRAKE_QUEUE_TYPE="quorum")
     topology = Topology.of(rabbitmq)
 
-    listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name", "type"], capture_output=True, text=True,
-                            timeout=60, check=False)
+    types = queue_types()
 
-    if listed.returncode != 0:
-        pytest.skip(f"rabbitmqctl cannot list queues here: {listed.stderr.strip()}")
-    types = dict(line.split("\t")[:2] for line in listed.stdout.splitlines() if "\t" in line)
     assert types[topology.cancel_requests_queue] == "quorum"
     assert types[topology.cancel_requests_dead_queue] == "quorum"
-
-
-def _amqplib() -> Path:
-    """Install amqplib once into .venv/node (npm); skip the test with npm's reason when it cannot."""
-    if (NODE_MODULES / "node_modules" / "amqplib").is_dir():
-        return NODE_MODULES
-    npm = shutil.which("npm")
-    if npm is None or shutil.which("node") is None:
-        pytest.skip("node and npm are not installed; the Node client test needs them")
-    NODE_MODULES.mkdir(parents=True, exist_ok=True)
-    installed = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--silent", "--prefix", str(NODE_MODULES),
-                                "amqplib@0"], capture_output=True, text=True, timeout=300, check=False)
-    if installed.returncode != 0:
-        pytest.skip(f"npm could not install amqplib here: {installed.stderr.strip()[-500:]}")
-    return NODE_MODULES
 
 
 def test_a_cancel_request_from_node_with_amqplib_cancels_the_run(
     worker: WorkerProcess, toolbox_http: Toolbox, producer: Producer, store: RunStore, rabbitmq: Settings
 ) -> None:
-    modules = _amqplib()
-    script = modules / "publish_cancel_request.mjs"  # beside node_modules, so that its import finds amqplib
-    shutil.copy(CLIENTS / "publish_cancel_request.mjs", script)
+    script = node_client("publish_cancel_request.mjs")
     run_id = slow_run(producer, toolbox_http)
     wait_for_event(toolbox_http.events, "started", tool="slow", timeout=20)
 

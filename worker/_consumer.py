@@ -16,6 +16,7 @@ import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
+from runbrake.shared.messaging.wire import connection_parameters
 from runbrake.shared.settings import Settings
 from runbrake.worker.parts import Health, PartThread
 
@@ -48,20 +49,25 @@ class ConsumerThread(PartThread):
 
     def run(self) -> None:
         backoff = _FIRST_BACKOFF_S
+        connected = True  # until the first attempt says otherwise: a failed first connect is reported too
         while not self._stopping.is_set():
             try:
                 self._connection = pika.BlockingConnection(self._parameters())
                 channel = self._channel = self._connection.channel()
                 queue = self._consume(channel)
-                log.info(f"{self.role}_connected", queue=queue)
-                backoff = _FIRST_BACKOFF_S
+                log.info(f"{self.role}_connected", queue=queue, node=_node(self._connection))
+                backoff, connected = _FIRST_BACKOFF_S, True
                 self.ready.set()
                 channel.start_consuming()
             except pika.exceptions.AMQPError as exc:
                 self.ready.clear()
                 if self._stopping.is_set():
                     break
-                log.warning(f"{self.role}_disconnected", error=repr(exc), retry_in_s=backoff)
+                # One line when the connection is lost, one (``_connected``) when it is back: not one per
+                # attempt in between (issue 21; docs/operating.md, "A RabbitMQ cluster").
+                report = log.warning if connected else log.debug
+                report(f"{self.role}_disconnected", error=repr(exc)[:300], retry_in_s=backoff)
+                connected = False
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
             except Exception:
@@ -76,13 +82,10 @@ class ConsumerThread(PartThread):
         self._stopped()
         log.info(f"{self.role}_stopped")
 
-    def _parameters(self) -> pika.URLParameters:
-        parameters = pika.URLParameters(self._settings.rabbitmq_url)
+    def _parameters(self) -> list[pika.URLParameters]:
         # A name operators (and tests) can find in `rabbitmqctl list_connections client_properties`.
-        parameters.client_properties = {
-            "connection_name": f"runbrake-{self.role.replace('_', '-')} {self._settings.namespace} pid={os.getpid()}"
-        }
-        return parameters
+        return connection_parameters(
+            self._settings, name=f"runbrake-{self.role.replace('_', '-')} {self._settings.namespace} pid={os.getpid()}")
 
     def stop(self) -> None:
         """Stop consuming and close the connection; safe from any thread."""
@@ -106,3 +109,9 @@ class ConsumerThread(PartThread):
         if connection is not None and connection.is_open:
             with contextlib.suppress(pika.exceptions.AMQPError):
                 connection.close()
+
+
+def _node(connection: pika.BlockingConnection) -> str:
+    """``host:port`` of the node a connection reached (of the several ``RUNBRAKE_RABBITMQ_URL`` may name)."""
+    parameters = getattr(getattr(connection, "_impl", None), "params", None)
+    return f"{getattr(parameters, 'host', '?')}:{getattr(parameters, 'port', '?')}"

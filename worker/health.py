@@ -45,7 +45,7 @@ import structlog
 from dramatiq.asyncio import get_event_loop_thread
 
 from runbrake.shared.errors import StoreError
-from runbrake.shared.messaging.wire import Topology
+from runbrake.shared.messaging.wire import Topology, connection_parameters
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
@@ -242,12 +242,9 @@ class ServiceChecks(Periodic):
     def _open_channel(self) -> pika.adapters.blocking_connection.BlockingChannel:
         if self._connection is None or not self._connection.is_open:
             self._close()
-            parameters = pika.URLParameters(self._settings.rabbitmq_url)
-            parameters.client_properties = {
-                "connection_name": f"runbrake-health {self._settings.namespace} pid={os.getpid()}"
-            }
-            parameters.socket_timeout = 5
-            parameters.heartbeat = 30
+            parameters = connection_parameters(
+                self._settings, name=f"runbrake-health {self._settings.namespace} pid={os.getpid()}",
+                socket_timeout=5, heartbeat=30)
             self._connection = pika.BlockingConnection(parameters)
         if self._channel is None or not self._channel.is_open:
             self._channel = self._connection.channel()

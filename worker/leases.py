@@ -70,13 +70,24 @@ class LeaseKeeper(Periodic):
             log.warning("lease_upkeep_failed", error=str(exc))
             self._outage = True
             return
-        for run_id in lost:
-            if run_id in self._registry:
-                # Reaped (this process looked dead) or taken over: the call in flight stops now and the run
-                # makes no further call. (A cancelled run is interrupted by its cancel; if this comes
-                # first, the cancelled call's step is still recorded: its owner is unchanged.)
-                log.warning("lease_not_renewed", run_id=run_id, action="interrupting the run")
-                self._registry.interrupt(run_id, lost=True)
+        lost = {run_id for run_id in lost if run_id in self._registry}
+        if not lost:
+            return
+        try:
+            # A renewal is refused for a run that is no longer running: reaped or taken over, or cancelled.
+            # A cancelled one is interrupted as a cancel, as its wake-up or the backstop would have.
+            cancelled = self._store.cancelled_among(lost)
+        except StoreError:
+            cancelled = set()
+        for run_id in sorted(lost):
+            if run_id in cancelled:
+                if self._registry.interrupt(run_id):
+                    log.info("cancel_found_by_lease_keeper", run_id=run_id)
+                continue
+            # Reaped (this process looked dead) or taken over: the call in flight stops now and the run
+            # makes no further call.
+            log.warning("lease_not_renewed", run_id=run_id, action="interrupting the run")
+            self._registry.interrupt(run_id, lost=True)
 
     def _renew(self) -> set[str]:
         """Renew this process's leases; with none, PING: either round trip tells whether Redis answers,

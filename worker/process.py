@@ -1,5 +1,6 @@
 """One worker process: the intake (a few Dramatiq consumer threads feeding ``--concurrency`` runs on the
-event loop, worker/intake.py), the cancel listener, the backstop and the lease keeper."""
+event loop, worker/intake.py), the cancel listener, the cancel- and run-request consumers, the backstop and the
+lease keeper."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from runbrake.shared.logging import configure_logging, silenced
 from runbrake.shared.messaging._amqp_tables import harden_table_decoding
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
-from runbrake.shared.messaging.wire import Topology
+from runbrake.shared.messaging.wire import Topology, connection_parameters
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
@@ -35,6 +36,7 @@ from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.retention import Sweeper
+from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -77,8 +79,8 @@ def run_worker_process(
     broker = build_broker(settings)
     producer = Producer(store, broker)
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
-    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, Admission.from_settings(settings),
-                      sender=producer)
+    admission = Admission.from_settings(settings)
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer)
     topology = Topology.of(settings)
     intake = Intake(runtime, concurrency=concurrency)
     declare_run_actor(broker, intake, settings)
@@ -90,6 +92,8 @@ def run_worker_process(
     draining = threading.Event()  # set on SIGTERM/SIGINT: /readyz answers 503 from then on (worker/health.py)
     hurry = threading.Event()  # a second signal: hand the runs over now, without waiting out the drain
     listener = CancelListener(settings, store, registry)
+    # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
+    run_requests = RunRequestConsumer(settings, Producer(store, broker, admission))
     metrics.watch_process(registry, listener.ready)
     # The parts, in start order (docs/architecture.md, "The worker's parts"); stopped in reverse once the
     # intake has drained, so the listener still interrupts and the lease keeper still renews during the drain.
@@ -98,6 +102,8 @@ def run_worker_process(
         *([metrics.MetricsServer(settings.metrics_port + index, settings.health_host)] if settings.metrics_port
           else []),
         CancelRequestConsumer(settings, store),  # docs/messages.md, "Cancel requests"
+        # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
+        run_requests,
         listener,
         Backstop(settings, store, registry),
         LeaseKeeper(settings, store, registry),
@@ -124,8 +130,10 @@ def run_worker_process(
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
+    run_requests.ready.wait(10)  # its queue declared: a request published from now on is routed
     log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
-             queues=sorted(queues), listener_ready=listener.ready.is_set())
+             queues=sorted(queues), listener_ready=listener.ready.is_set(),
+             run_requests_ready=run_requests.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         _replace_dead(parts)
     drain(intake, registry, drain_s=settings.drain_s, hurry=hurry)
@@ -201,8 +209,7 @@ def _warn_unless_persistent(store: RunStore) -> None:
 
 def _check_rabbitmq(settings: Settings) -> None:
     """Connect once and go: a wrong password fails here, not in an endless reconnect loop."""
-    parameters = pika.URLParameters(settings.rabbitmq_url)
-    parameters.connection_attempts = 1
+    parameters = connection_parameters(settings, connection_attempts=1)
     # pika logs each failed step itself, several lines with tracebacks; the caller says it in one.
     with silenced("pika"):
         connection = pika.BlockingConnection(parameters)

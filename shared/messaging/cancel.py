@@ -10,7 +10,7 @@ import pika
 import pika.exceptions
 import structlog
 
-from runbrake.shared.messaging.wire import CANCEL_PROPERTIES, Topology, encode_cancel
+from runbrake.shared.messaging.wire import CANCEL_PROPERTIES, Topology, connection_parameters, encode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
@@ -62,7 +62,7 @@ class CancelPublisher:
         if self._channel is not None and self._channel.is_open:
             return self._channel
         self.close()
-        self._connection = pika.BlockingConnection(pika.URLParameters(self._settings.rabbitmq_url))
+        self._connection = pika.BlockingConnection(connection_parameters(self._settings))
         channel = self._connection.channel()
         channel.confirm_delivery()
         self._topology.declare_cancel_exchange(channel)
@@ -79,7 +79,9 @@ def cancel_run(
     within its poll interval. Pass ``publisher=None`` to write the fence alone.
 
     Raises:
-        StoreError: when Redis cannot be reached (nothing changed, nothing published).
+        StoreError: when Redis cannot be reached (nothing changed, nothing published); its subclass
+            NotReplicated when the primary has the fence but too few replicas acknowledged it
+            (``RUNBRAKE_REDIS_MIN_REPLICAS_ACK``): nothing published, and asking again is safe.
     """
     fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
     result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)

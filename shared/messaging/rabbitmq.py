@@ -25,6 +25,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +34,7 @@ import pika
 import pika.exceptions
 import structlog
 from dramatiq.asyncio import get_event_loop_thread
+from dramatiq.broker import Consumer
 from dramatiq.brokers.rabbitmq import RabbitmqBroker, _RabbitmqConsumer
 from dramatiq.common import q_name, xq_name
 from dramatiq.errors import ConnectionClosed
@@ -50,23 +53,103 @@ from runbrake.shared.settings import Settings
 
 log = structlog.get_logger(__name__)
 
+DRAMATIQ_CONSUMER_LOGGER = "dramatiq.brokers.rabbitmq.CheckedConsumer"
+"""Where Dramatiq's consumer logs a lost ack (dramatiq/brokers/rabbitmq.py names the logger for the class:
+:class:`CheckedConsumer`); each consumer thread logs to ``dramatiq.worker.ConsumerThread(<queue>)``
+(:meth:`BrokerOutage.watch`)."""
+
+_LOST = "Consumer encountered a connection error"
+_NOISE = ("Restarting consumer in",)
+_ACK_LOST = ("Failed to post_process_message(", "Failed to ack message: not in known tags",
+             "Failed to nack message: not in known tags")
+
+
+class BrokerOutage(logging.Filter):
+    """One log line when this process's run consumers lose RabbitMQ, one when they are back.
+
+    On every attempt to reconnect, each of Dramatiq's consumer threads says CRITICAL "Consumer encountered a
+    connection error" and INFO "Restarting consumer in 3.00 seconds", and each message whose ack went with
+    the connection says WARNING "Failed to post_process_message(…)" every 5 s until it is back, then "Failed
+    to ack message: not in known tags" (dramatiq/worker.py, ``_ConsumerThread``): with pika's own errors, a
+    20 s outage logged some 190 lines per worker (issue 21). Installed on Dramatiq's loggers, this filter
+    drops those records and logs ``broker_connection_lost`` for the first; :meth:`back`, called when a
+    consumer connected again, logs ``broker_connection_restored`` once, with the acks lost so far (those
+    messages come back from RabbitMQ; the run's claim finds them claimed and acks them as no-ops:
+    docs/operating.md, "A RabbitMQ cluster").
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._lost = False
+        self._acks_lost = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(_LOST):
+            with self._lock:
+                first, self._lost = not self._lost, True
+            if first:
+                log.warning("broker_connection_lost", error=message.partition(": ")[2][:300])
+            return False
+        if message.startswith(_ACK_LOST):
+            if not message.startswith(_ACK_LOST[0]):  # counted once per message: by its last word
+                with self._lock:
+                    self._acks_lost += 1
+            return False
+        return not message.startswith(_NOISE)
+
+    def back(self, queue: str) -> None:
+        with self._lock:
+            lost, self._lost = self._lost, False
+            acks_lost = self._acks_lost
+        if lost:
+            log.info("broker_connection_restored", queue=queue, acks_lost_so_far=acks_lost)
+
+
+    def watch(self, queue: str) -> None:
+        """Filter the log of the consumer thread of ``queue`` (a logger each: dramatiq/worker.py,
+        ``ConsumerThread.__init__``), once."""
+        logger = logging.getLogger(f"dramatiq.worker.ConsumerThread({queue})")
+        if self not in logger.filters:
+            logger.addFilter(self)
+
+
+def broker_outage() -> BrokerOutage:
+    """This process's :class:`BrokerOutage` filter, installed on Dramatiq's consumer logger once."""
+    logger = logging.getLogger(DRAMATIQ_CONSUMER_LOGGER)
+    for existing in logger.filters:
+        if isinstance(existing, BrokerOutage):
+            return existing
+    installed = BrokerOutage()
+    logger.addFilter(installed)
+    return installed
+
 
 class RunbrakeBroker(RabbitmqBroker):
     """A RabbitMQ broker whose run queue tolerates long-held messages."""
 
     def __init__(self, settings: Settings, *, middleware: list[Middleware] | None = None) -> None:
         super().__init__(
-            url=settings.rabbitmq_url,
+            # Every node of a cluster, tried in order by each connection (docs/operating.md, "A RabbitMQ cluster").
+            url=list(settings.rabbitmq_urls),
             confirm_delivery=True,
             middleware=middleware if middleware is not None else default_middleware(),
         )
         self._consumer_timeout_ms = (settings.run_time_limit_s + 300) * 1000
         self._queue_type = settings.queue_type
         self._type_arguments = queue_type_arguments(settings.queue_type)
+        self.outage = broker_outage()
 
     @property
     def consumer_class(self) -> type[CheckedConsumer]:
         return CheckedConsumer
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Consumer:
+        """Dramatiq's consume, the consumer thread's log filtered first (:class:`BrokerOutage`): a consumer
+        thread calls this on every (re)connect."""
+        self.outage.watch(queue_name)
+        return super().consume(queue_name, prefetch, timeout)
 
     def actors_on(self, queue_name: str) -> frozenset[str]:
         """The names of the actors declared on ``queue_name`` (or on the queue whose delay twin it is)."""
@@ -109,6 +192,7 @@ class CheckedConsumer(_RabbitmqConsumer):
         except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError) as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call] # as Dramatiq's own constructor does: the consumer restarts
         self.iterator = self._checked(self.iterator)
+        broker.outage.back(queue_name)
 
     @property
     def consuming(self) -> bool:

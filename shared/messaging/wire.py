@@ -19,8 +19,13 @@ The durable queues are classic, or quorum queues with ``RUNBRAKE_QUEUE_TYPE=quor
                          + durable queue bound to it (routing key: the queue's name); any worker applies
                                          the fence and then wakes <ns>.cancel
     <ns>.cancel-requests.dead  durable queue  cancel requests that could not be read, with the reason why
+    <ns>.run-requests    durable direct  run requests from backends: a run spec, answered on reply_to
+                         + durable queue bound to it (routing key: the queue's name); any worker admits
+                                         and enqueues the run (shared/operations.py, ``enqueue``)
+    <ns>.run-requests.dead  durable queue  run requests refused with nobody to answer, with the reason why
 
-The dead-letter queues (``<ns>.runs.XQ``, ``<ns>.noop.XQ``, ``<ns>.cancel-requests.dead``) are bounded:
+The dead-letter queues (``<ns>.runs.XQ``, ``<ns>.noop.XQ``, ``<ns>.cancel-requests.dead``,
+``<ns>.run-requests.dead``) are bounded:
 :func:`dead_letter_arguments` (docs/messages.md, "Dead-letter queues: bounds").
 """
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -39,8 +44,9 @@ from dramatiq import Message
 from dramatiq.common import q_name
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
-from runbrake.shared.errors import MalformedMessage
+from runbrake.shared.errors import FieldProblem, MalformedMessage, SpecError
 from runbrake.shared.settings import Settings
+from runbrake.shared.spec import RunSpec
 
 RUN_ACTOR: Final = "execute_run"
 """The Dramatiq actor that executes run messages."""
@@ -120,6 +126,25 @@ class Topology:
         """Cancel requests that could not be read, each with a header saying why."""
         return f"{self.namespace}.cancel-requests.dead"
 
+    @property
+    def run_requests_exchange(self) -> str:
+        """The direct exchange backends publish run requests on (docs/messages.md, "Run requests")."""
+        return f"{self.namespace}.run-requests"
+
+    @property
+    def run_requests_queue(self) -> str:
+        """The durable queue bound to it (binding key: its own name), consumed by every worker process."""
+        return f"{self.namespace}.run-requests"
+
+    @property
+    def run_requests_routing_key(self) -> str:
+        return self.run_requests_queue
+
+    @property
+    def run_requests_dead_queue(self) -> str:
+        """Run requests refused with nobody to answer (no usable ``reply_to``), each with a header saying why."""
+        return f"{self.namespace}.run-requests.dead"
+
     def queues(self) -> tuple[str, ...]:
         """Every durable queue of the namespace, with Dramatiq's delay and dead-letter twins."""
         return tuple(base + twin for base in (self.run_queue, self.noop_queue) for twin in _DRAMATIQ_TWINS)
@@ -132,16 +157,14 @@ class Topology:
         A message the consumer rejects without requeue goes to the dead-letter queue through the
         default exchange.
         """
-        typed = {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
-        channel.exchange_declare(exchange=self.cancel_requests_exchange, exchange_type="direct", durable=True)
-        declare_dead_letter_queue(channel.connection, self.cancel_requests_dead_queue, queue_type=queue_type)
-        channel.queue_declare(queue=self.cancel_requests_queue, durable=True, arguments={
-            **typed,
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": self.cancel_requests_dead_queue,
-        })
-        channel.queue_bind(queue=self.cancel_requests_queue, exchange=self.cancel_requests_exchange,
-                           routing_key=self.cancel_requests_routing_key)
+        _declare_request_queue(channel, self.cancel_requests_exchange, self.cancel_requests_queue,
+                               self.cancel_requests_dead_queue, queue_type=queue_type)
+
+    def declare_run_requests(self, channel: BlockingChannel, *, queue_type: str = "classic") -> None:
+        """Declare the run-requests exchange, its queue and the dead-letter queue, and bind them: the same
+        shape and rules as :meth:`declare_cancel_requests` (docs/messages.md, "Run requests: declaration")."""
+        _declare_request_queue(channel, self.run_requests_exchange, self.run_requests_queue,
+                               self.run_requests_dead_queue, queue_type=queue_type)
 
     def declare_cancel_exchange(self, channel: BlockingChannel) -> None:
         """Declare the cancel fanout (idempotent; publishers and listeners both call it)."""
@@ -157,6 +180,20 @@ class Topology:
         queue: str = channel.queue_declare(queue="", exclusive=True, auto_delete=True).method.queue
         channel.queue_bind(queue=queue, exchange=self.cancel_exchange)
         return queue
+
+
+def _declare_request_queue(channel: BlockingChannel, exchange: str, queue: str, dead_queue: str, *,
+                           queue_type: str) -> None:
+    """A durable direct exchange, a durable queue of the same name bound to it (binding key: that name), whose
+    rejected messages go to ``dead_queue`` (bounded: :func:`dead_letter_arguments`)."""
+    channel.exchange_declare(exchange=exchange, exchange_type="direct", durable=True)
+    declare_dead_letter_queue(channel.connection, dead_queue, queue_type=queue_type)
+    channel.queue_declare(queue=queue, durable=True, arguments={
+        **queue_type_arguments(queue_type),
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": dead_queue,
+    })
+    channel.queue_bind(queue=queue, exchange=exchange, routing_key=queue)
 
 
 def queue_type_arguments(queue_type: str) -> dict[str, str]:
@@ -416,7 +453,71 @@ def decode_cancel_request(body: bytes) -> CancelRequestBody:
     return CancelRequestBody(run_id=str(run_id), reason=fields["reason"], requested_by=fields["requested_by"])
 
 
+# -- run requests --------------------------------------------------------------------------------
+
+REPLY_TO_PREFIXES: Final = ("amq.rabbitmq.reply-to", "amq.gen-")
+"""The ``reply_to`` a run request may name: RabbitMQ's direct reply-to, or a queue RabbitMQ named itself.
+No client can declare a queue under ``amq.`` (RabbitMQ refuses it), so a reply can never be steered into a
+named queue such as ``<ns>.cancel-requests``, where the worker's own permissions would make it an
+instruction (docs/security.md, "Tested attacks")."""
+
+
+def reply_to_problem(reply_to: str) -> str | None:
+    """Why a run request's ``reply_to`` cannot be answered, or None when it can (:data:`REPLY_TO_PREFIXES`)."""
+    if not reply_to.startswith(REPLY_TO_PREFIXES):
+        return ("reply_to must be RabbitMQ's direct reply-to (amq.rabbitmq.reply-to) or a server-named queue "
+                "(amq.gen-…)")
+    return None
+
+
+def decode_run_request(body: bytes, *, max_bytes: int) -> RunSpec:
+    """The run spec a run request carries (docs/messages.md, "Run requests: the body"): the same JSON as
+    ``POST /v1/runs``, read by the same parser.
+
+    Raises:
+        SpecError: longer than ``max_bytes`` (checked before parsing), not UTF-8 JSON, NaN or Infinity,
+            nested too deep, not an object, or naming every invalid field. Never anything else.
+    """
+    if len(body) > max_bytes:
+        raise SpecError("spec", f"is {len(body)} bytes; the limit is {max_bytes} (RUNBRAKE_MAX_SPEC_BYTES)")
+    return RunSpec.from_json(body)
+
+
+def encode_run_request_answer(run_id: str, status: str, *, created: bool) -> bytes:
+    """The reply to an admitted run request: ``{"run_id", "status", "created"}``, as ``POST /v1/runs`` answers."""
+    return json.dumps({"run_id": run_id, "status": status, "created": created}, separators=(",", ":")).encode()
+
+
+def encode_run_request_refusal(error: str, problems: Sequence[FieldProblem], *, run_id: str | None = None) -> bytes:
+    """The reply to a refused run request: ``{"error", "errors": [{"loc", "msg", "field"}]}``, the body of the
+    HTTP API's 422 (docs/http-api.md, "Errors"), with ``run_id`` when the refusal names a run."""
+    answer: dict[str, Any] = {
+        "error": error,
+        "errors": [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in problems],
+    }
+    if run_id is not None:
+        answer["run_id"] = run_id
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
 # -- the whole topology --------------------------------------------------------------------------
+
+
+def connection_parameters(settings: Settings, *, name: str = "", **options: Any) -> list[pika.URLParameters]:
+    """How a connection reaches RabbitMQ: one set of parameters per node of ``RUNBRAKE_RABBITMQ_URL``, in
+    its order; ``pika.BlockingConnection`` tries them in turn and connects to the first that answers (a
+    reconnect starts from the first again: docs/operating.md, "A RabbitMQ cluster"). ``name`` is the
+    connection's name in ``rabbitmqctl list_connections client_properties``; ``options`` set parameters
+    (``socket_timeout``, ``connection_attempts``…) on every node's."""
+    nodes = []
+    for url in settings.rabbitmq_urls:
+        parameters = pika.URLParameters(url)
+        if name:
+            parameters.client_properties = {"connection_name": name}
+        for option, value in options.items():
+            setattr(parameters, option, value)
+        nodes.append(parameters)
+    return nodes
 
 
 def delete_topology(settings: Settings) -> None:
@@ -427,13 +528,15 @@ def delete_topology(settings: Settings) -> None:
         pika.exceptions.AMQPError: when RabbitMQ cannot be reached.
     """
     topology = Topology.of(settings)
-    connection = pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url))
+    connection = pika.BlockingConnection(connection_parameters(settings))
     try:
         channel = connection.channel()
-        for queue in (*topology.queues(), topology.cancel_requests_queue, topology.cancel_requests_dead_queue):
+        for queue in (*topology.queues(), topology.cancel_requests_queue, topology.cancel_requests_dead_queue,
+                      topology.run_requests_queue, topology.run_requests_dead_queue):
             channel.queue_delete(queue=queue)
         channel.exchange_delete(exchange=topology.cancel_exchange)
         channel.exchange_delete(exchange=topology.cancel_requests_exchange)
+        channel.exchange_delete(exchange=topology.run_requests_exchange)
     finally:
         with contextlib.suppress(pika.exceptions.AMQPError):
             connection.close()

@@ -1,0 +1,77 @@
+"""Request one run on RabbitMQ alone and print the answer (docs/messages.md, "Run requests"): plain pika, no
+runbrake.
+
+    python request_run.py AMQP_URL NAMESPACE BODY [--no-reply] [--message-id ID] [--reply-to QUEUE]
+
+BODY (a run spec, or anything: the tests also send malformed ones; ``-`` reads it from stdin) is published
+as it is, with publisher confirms and ``mandatory``. By default the answer is awaited on an exclusive,
+server-named queue, matched by ``correlation_id``, and printed on stdout as one JSON line; ``--reply-to``
+names another queue to answer (the answer is then not awaited), ``--no-reply`` asks for none.
+
+Exit 0 once the request was confirmed (and answered, when awaited); 1 when it was returned unroutable (no
+worker of the namespace ever started), not confirmed, or not answered within 60 s.
+"""
+
+import argparse
+import sys
+import uuid
+
+import pika
+import pika.exceptions
+
+ANSWER_TIMEOUT_S = 60
+
+
+def request_run(amqp_url: str, namespace: str, body: bytes, *, reply: bool = True, message_id: str | None = None,
+                reply_to: str | None = None) -> bytes | None:
+    """Publish a run request; return the answer's body (None when no answer is awaited)."""
+    exchange = f"{namespace}.run-requests"
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()  # basic_publish now waits for the broker's confirm
+        correlation_id = uuid.uuid4().hex
+        awaited = reply and reply_to is None
+        if awaited:
+            reply_to = channel.queue_declare(queue="", exclusive=True, auto_delete=True).method.queue
+        channel.basic_publish(
+            exchange=exchange,
+            routing_key=exchange,  # the queue is bound with its own name, <ns>.run-requests
+            body=body,
+            properties=pika.BasicProperties(content_type="application/json", delivery_mode=2,
+                                            reply_to=reply_to if reply else None,
+                                            correlation_id=correlation_id if reply else None,
+                                            message_id=message_id),
+            mandatory=True,  # an unroutable request comes back instead of vanishing
+        )
+        if not awaited:
+            return None
+        for _method, properties, answer in channel.consume(reply_to, auto_ack=True,
+                                                           inactivity_timeout=ANSWER_TIMEOUT_S):
+            if properties is None:
+                raise TimeoutError(f"no answer within {ANSWER_TIMEOUT_S} s")
+            if properties.correlation_id == correlation_id:
+                return answer
+        return None
+    finally:
+        connection.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("namespace")
+    parser.add_argument("body")
+    parser.add_argument("--no-reply", action="store_true")
+    parser.add_argument("--message-id")
+    parser.add_argument("--reply-to")
+    args = parser.parse_args()
+    try:
+        body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode("utf-8")
+        answer = request_run(args.url, args.namespace, body, reply=not args.no_reply,
+                             message_id=args.message_id, reply_to=args.reply_to)
+    except (pika.exceptions.AMQPError, TimeoutError) as exc:
+        print(f"not answered: {exc!r}", file=sys.stderr)
+        sys.exit(1)
+    if answer is not None:
+        print(answer.decode("utf-8"))
