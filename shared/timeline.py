@@ -98,6 +98,7 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "event.end": "end of stream",
         "event.dropped": "dropped (too far behind)",
         "event.resync": "read again",
+        "step_reason.invalid_call": "invalid call, handed back to the model",
     },
     "de": {
         "column.outcome": "Ergebnis",
@@ -157,6 +158,7 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "event.end": "Ende des Streams",
         "event.dropped": "getrennt (zu weit zurück)",
         "event.resync": "neu lesen",
+        "step_reason.invalid_call": "ungültiger Aufruf, an das Modell zurückgegeben",
     },
 }
 

@@ -15,6 +15,7 @@ import redis
 import structlog
 from dramatiq import Broker
 
+from runbrake.shared import tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import StoreError
@@ -35,6 +36,7 @@ from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
+from runbrake.worker.relay import EventRelay
 from runbrake.worker.retention import Sweeper
 from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
@@ -63,6 +65,7 @@ def run_worker_process(
     Returns the exit code: 3 at once, with one log line, when Redis or RabbitMQ cannot be reached at
     start (a wrong password included)."""
     configure_logging()
+    tracing.configure(settings, service="runbrake-worker")  # off unless RUNBRAKE_OTEL (docs/operating.md, "Traces")
     harden_table_decoding()  # before any consumer connects: a hostile header must not drop its connection
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)
@@ -109,6 +112,7 @@ def run_worker_process(
         LeaseKeeper(settings, store, registry),
         Sweeper(settings, store),
         Redriver(settings, store, producer),
+        EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
     ]
