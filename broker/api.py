@@ -29,9 +29,10 @@ from typing import Annotated, Any, Final, TypeVar
 import pika
 import pika.exceptions
 import structlog
-from fastapi import Depends, FastAPI, Header, Path, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -59,9 +60,9 @@ from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
-from runbrake.shared.messaging.wire import connection_parameters
+from runbrake.shared.messaging.wire import connection_parameters, declare_events
 from runbrake.shared.settings import Settings
-from runbrake.shared.spec import RunSpec, run_spec_json_schema
+from runbrake.shared.spec import RunSpec, parse_label_filters, run_spec_json_schema
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
 from runbrake.shared.timeline import LABELS
@@ -241,6 +242,41 @@ def _cursor(value: str | None) -> tuple[float, str] | None:
         {"loc": ["query", "cursor"], "msg": "pass next_cursor from the previous page unchanged"}])
 
 
+def _label_filter(given: list[str]) -> dict[str, str]:
+    """``label=KEY:VALUE`` parameters as the labels a run must carry (docs/http-api.md, "Runs: reading")."""
+    try:
+        return parse_label_filters(given, separator=":")
+    except SpecError as exc:
+        raise ApiError.answer(422, "invalid label filter", errors=[
+            {"loc": ["query", "label"], "msg": p.msg} for p in exc.problems]) from exc
+
+
+async def no_unknown_query(request: Request) -> None:
+    """A dependency of every route: a GET with a query parameter its route does not take is refused (422,
+    naming it), never silently ignored: ``?tenant=acme`` must not answer every run."""
+    if request.method not in ("GET", "HEAD"):
+        return
+    route = request.scope.get("route")
+    known = _query_names(route) if isinstance(route, APIRoute) else frozenset()
+    unknown = sorted({name for name in request.query_params if name not in known})
+    if unknown:
+        takes = ", ".join(sorted(known)) or "none"
+        raise ApiError.answer(422, "unknown query parameter", errors=[
+            {"loc": ["query", name[:100]], "msg": f"unknown query parameter; this endpoint takes: {takes}"}
+            for name in unknown[:10]])
+
+
+def _query_names(route: APIRoute) -> frozenset[str]:
+    """The query parameters a route takes, its dependencies' included (a walk of a few objects: no cache)."""
+    names: set[str] = set()
+    pending = [route.dependant]
+    while pending:
+        dependant = pending.pop()
+        names.update(param.alias for param in dependant.query_params)
+        pending.extend(dependant.dependencies)
+    return frozenset(names)
+
+
 def _next_cursor(position: tuple[float, str] | None) -> str | None:
     if position is None:
         return None
@@ -277,6 +313,11 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         )
         app.state.api = state
         await hub.start()
+        try:  # beside the workers' topology (docs/messages.md, "Run events: declaration")
+            with silenced("pika"):
+                await asyncio.get_running_loop().run_in_executor(None, declare_events, settings)
+        except pika.exceptions.AMQPError as exc:
+            log.warning("events_exchange_not_declared", error=str(exc) or repr(exc), by="the workers, at their start")
         log.info("api_started", namespace=settings.namespace, tokens=None if tokens is None else len(tokens.names),
                  events_subscribed=hub.ready)
         try:
@@ -293,6 +334,7 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     app = FastAPI(
         title="runbrake", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
         description="Runs, their events, cancel and approval (docs/http-api.md).",
+        dependencies=[Depends(no_unknown_query)],
     )
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts(settings, tokens))
     app.add_middleware(MetricsMiddleware)  # outside the guard: refused requests are counted too
@@ -356,8 +398,13 @@ def _routes(app: FastAPI) -> None:
 
     @app.get("/v1/runs", tags=["runs"])
     async def list_runs(request: Request, _who: Reader, status: str | None = None, limit: int = 20,
-                        cursor: str | None = None) -> dict[str, Any]:
-        """Runs newest first, one page at a time; ``next_cursor`` is null on the last page."""
+                        cursor: str | None = None,
+                        label: Annotated[list[str] | None, Query(
+                            description="KEY:VALUE; repeat it: a run must carry every label given")] = None,
+                        ) -> dict[str, Any]:
+        """Runs newest first, one page at a time; ``next_cursor`` is null on the last page. Filtered by
+        ``status`` and by ``label=KEY:VALUE`` (repeatable: all must match)."""
+        labels = _label_filter(label or [])
         wanted = None
         if status:
             if status not in {s.value for s in RunStatus if s is not RunStatus.UNKNOWN}:
@@ -366,7 +413,8 @@ def _routes(app: FastAPI) -> None:
             wanted = RunStatus(status)
         if not 1 <= limit <= 1000:
             raise ApiError.answer(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
-        records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor))
+        records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor),
+                                                             labels=labels)
         return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
 
     @app.get("/v1/runs/{run_id}", tags=["runs"])
@@ -393,12 +441,17 @@ def _routes(app: FastAPI) -> None:
                              give_back)
 
     @app.get("/v1/events", tags=["runs"], response_class=StreamingResponse)
-    async def all_status(request: Request, who: Reader) -> StreamingResponse:
-        """Server-sent ``status`` events of every run of the namespace (the runs page's list), live only."""
+    async def all_status(request: Request, who: Reader,
+                         last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
+        """Server-sent ``status`` events of every run of the namespace (the runs page's list), each with its
+        event id. Reconnect with ``Last-Event-ID`` (an event id) to replay what happened meanwhile, as long as
+        it is kept (``RUNBRAKE_RETENTION_S``); an older one is answered with ``resync`` first."""
         state = _state(request)
+        after = _feed_event_id(last_event_id)
         give_back = await _stream_slot(state, who)
-        subscriber = state.hub.subscribe(None)
-        return _event_stream(state, status_events(subscriber), subscriber, give_back)
+        subscriber = state.hub.subscribe(None)  # first subscribe, then replay: nothing falls between
+        return _event_stream(state, status_events(state.store, subscriber, last_event_id=after), subscriber,
+                             give_back)
 
     @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"], responses=_BODY_ERRORS,
               openapi_extra=_REASON_BODY)
@@ -488,6 +541,19 @@ def _last_event_id(value: str | None) -> int:
         raise ApiError.answer(422, "invalid Last-Event-ID", errors=[
             {"loc": ["header", "last-event-id"], "msg": "a step sequence: 1 to 18 digits"}])
     return int(value.strip(" \t"))
+
+
+FEED_EVENT_ID: Final = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+
+
+def _feed_event_id(value: str | None) -> str | None:
+    """The feed's ``Last-Event-ID``: an event id (``<ms>-<seq>``), or None without the header (or an empty one)."""
+    if value is None or not value.strip(" \t"):
+        return None
+    if not FEED_EVENT_ID.fullmatch(value.strip(" \t")):
+        raise ApiError.answer(422, "invalid Last-Event-ID", errors=[
+            {"loc": ["header", "last-event-id"], "msg": "an event id of this feed: <digits>-<digits>"}])
+    return value.strip(" \t")
 
 
 async def _stream_slot(state: ApiState, who: str) -> Callable[[], None]:

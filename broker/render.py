@@ -10,7 +10,7 @@ from typing import Any, Final
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import ARGUMENT_ERROR
 from runbrake.shared.status import RunStatus
-from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.store import RunRecord
 from runbrake.shared.timeline import Lang, label, outcome_label, step_outcome
 
@@ -31,8 +31,9 @@ def run_json(record: RunRecord) -> dict[str, Any]:
 
 
 def run_summary(record: RunRecord) -> dict[str, Any]:
-    """A run in a listing (``runbrake runs --json``, ``GET /v1/runs``): ``show --json`` without the steps."""
-    return {k: v for k, v in record.to_dict().items() if k != "steps"}
+    """A run in a listing (``runbrake runs --json``, ``GET /v1/runs``): ``show --json`` without the steps, the
+    input, the instructions and the answer; with ``input_preview`` instead."""
+    return record.summary()
 
 
 def pending_call(record: RunRecord) -> dict[str, Any] | None:
@@ -77,10 +78,17 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
+_STEP_REASONS = frozenset(reason.value for reason in StepReason)
+
+
 def _detail(step: RunStep, lang: Lang = "en") -> str:
     calls_label = label("run.calls", lang)
     if step.kind is StepKind.TOOL:
-        text = f"{step.tool_server}.{step.tool_name}: {step.content}"
+        name = f"{step.tool_server}.{step.tool_name}" if step.tool_server else str(step.tool_name)
+        reason = step.detail.get("reason")
+        if reason in _STEP_REASONS:
+            name = f"{name} ({label(f'step_reason.{reason}', lang)})"
+        text = f"{name}: {step.content}"
     elif step.kind is StepKind.MODEL:
         calls = step.detail.get("tool_calls") or []
         names = ", ".join(f"{c['server']}.{c['tool']}" for c in calls)
@@ -106,6 +114,15 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
         f"  {label('run.created', lang)}: {_when(record.created_at)}   {label('run.started', lang)}: "
         f"{_when(record.started_at)}   {label('run.finished', lang)}: {_when(record.finished_at)}",
     ]
+    if record.model is not None:
+        usage = record.usage
+        lines.append(f"  {label('run.model', lang)}: {record.model}   {label('run.tokens', lang)}: "
+                     f"{usage.total_tokens} ({usage.input_tokens} {label('run.tokens_in', lang)}, "
+                     f"{usage.output_tokens} {label('run.tokens_out', lang)}, "
+                     f"{usage.model_calls} {label('run.model_calls', lang)})")
+    if record.labels:
+        lines.append(f"  {label('run.labels', lang)}: "
+                     + ", ".join(f"{key}={value}" for key, value in sorted(record.labels.items())))
     if record.cancel is not None:
         lines.append(
             f"  {label('run.cancel', lang)}: {record.cancel.reason!r} {label('run.by', lang)} "

@@ -24,6 +24,7 @@ from runbrake.shared.records import (
     Appended,
     CancelRequest,
     Claim,
+    OutboxEntry,
     RunRecord,
     Transition,
     read_cancel_request,
@@ -251,15 +252,26 @@ class AsyncRunStore:
     async def server_outcomes(self) -> dict[str, dict[str, int]]:
         return await self.execute(core.server_outcomes(self.keys))
 
+    @property
+    def cluster(self) -> bool:
+        """Whether this store is on a Redis Cluster."""
+        return self.keys.cluster
+
+    async def outbox_after(self, after: str | None, *, count: int) -> tuple[list[OutboxEntry], str | None]:
+        """The next ``count`` events after the event id ``after`` (None: from the oldest kept), and the oldest
+        event id kept (``GET /v1/events`` replays them)."""
+        return await self.execute(core.outbox_after(self.keys, after, count=count))
+
     async def ping(self) -> None:
         """Raises StoreError when Redis does not answer."""
         await self.execute(core.ping())
 
     async def page(
         self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,
-        scan: int = 1000,
+        labels: Mapping[str, str] | None = None, scan: int = 1000,
     ) -> tuple[list[RunRecord], tuple[float, str] | None]:
-        """Runs newest first (without steps), after the position ``after``; filtered by ``status``.
+        """Runs newest first (without steps), after the position ``after``; filtered by ``status`` and
+        ``labels`` (all must match).
 
         Examines at most ``scan`` runs, so a rare status costs a bounded amount of work per call. Answers
         the runs and the position to continue from, or None when the index is exhausted.
@@ -276,7 +288,7 @@ class AsyncRunStore:
             for (run_id, score), record in zip(ids, records, strict=True):
                 examined += 1
                 position = (score, run_id)
-                if record is not None and (status is None or record.status is status):
+                if record is not None and core.matches(record, status, labels):
                     found.append(record)
                     if len(found) >= limit:
                         return found, position

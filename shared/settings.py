@@ -226,11 +226,33 @@ class Settings(BaseSettings):
     deployments (or two test runs) on one broker never see each other's runs."""
     max_tool_result_chars: Annotated[int, _integer(1)] = 16_000
     """Bound on each content channel of a tool result, in characters."""
+    mcp_progress: Annotated[str, _choice("always", "off")] = "always"
+    """Whether the worker asks MCP servers for progress of its tool calls (`_meta.progressToken`): `always`
+    (each call's latest report is kept for `runbrake show`, the runs page and the events stream), or
+    `off` (no call asks, so servers send none and the worker's loop handles none). A report cost the
+    worker's loop 0.2–0.35 ms of CPU on a shared 2-core machine (docs/benchmarks.md, "Notifications per
+    process")."""
+    event_loop: Annotated[str, _choice("uvloop", "asyncio")] = "uvloop"
+    """The worker's event loop: `uvloop` (libuv's, under the same asyncio and anyio API) or `asyncio`
+    (the standard library's). uvloop took 13–18 % off the loop's CPU per MCP progress notification
+    with the SDK alone, and up to 13 % more on top of the worker's own handling (docs/benchmarks.md,
+    "Notifications per process")."""
+    switch_interval_ms: Annotated[float, _number(float, 0.1, 100.0)] = 1.0
+    """How long the worker's event loop may hold Python's GIL while another thread waits for it, in
+    milliseconds (`sys.setswitchinterval`; Python's own default is 5): a cancel reaches the cancel
+    listener's thread while the loop is busy, and waits this long at most before it is handled."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600
     """Wall-clock limit of one segment of a run, in seconds; hitting it fails the run with reason
     `time_limit`."""
+    model_retries: Annotated[int, _integer(0, 20)] = 4
+    """Retries of a model call that failed with 429, 408, 409, a 5xx, a timeout or a connection error, after
+    its first attempt (0: none), with exponential backoff and full jitter; a catalog model's `max_retries`
+    overrides it (docs/architecture.md, "Retries")."""
+    model_retry_max_s: Annotated[float, _number(float, 0, 3600.0)] = 60.0
+    """Most time one model call may spend waiting between its attempts, in seconds; a wait (a backoff, or
+    the endpoint's `Retry-After`) that would go past it gives up instead."""
     lease_s: Annotated[int, _integer(5)] = 60
     """How long a worker's claim on a run is good for without renewal, in seconds; the holding worker renews
     it every third of that, and any worker fails a run whose lease expired (`lease_lost`)."""
@@ -250,6 +272,13 @@ class Settings(BaseSettings):
     answer `413`."""
     max_input_chars: Annotated[int, _integer(1, 10_000_000)] = 100_000
     """Longest `input` accepted, in characters."""
+    max_messages: Annotated[int, _integer(0, 100_000)] = 1000
+    """Most `messages` (the conversation before `input`) a spec may carry."""
+    max_history_chars: Annotated[int, _integer(1, 100_000_000)] = 500_000
+    """Bound on the `messages` of a spec: their `content` and tool-call arguments (as JSON) together, in
+    characters."""
+    max_output_schema_bytes: Annotated[int, _integer(2, 10_485_760)] = 65_536
+    """Largest `output_schema` a spec may carry, in bytes of compact JSON (64 KiB)."""
     max_argument_chars: Annotated[int, _integer(100, 10_000_000)] = 16_000
     """Bound on a tool call's arguments as stored (JSON characters)."""
     max_model_content_chars: Annotated[int, _integer(1000, 10_000_000)] = 100_000
@@ -259,6 +288,10 @@ class Settings(BaseSettings):
     most models, while a step stays small enough to send whole on every events replay."""
     max_tool_calls_per_turn: Annotated[int, _integer(1, 1000)] = 32
     """Most tool calls one model turn may ask for; more fails the run (`too_many_tool_calls`)."""
+    max_parallel_tool_calls: Annotated[int, _integer(1, 1000)] = 8
+    """Most tool calls of one turn a run has in flight at once (the others of the turn wait for a free
+    place, in call order); a catalog server's `max_concurrency` bounds its calls per worker process too.
+    1 runs a turn's calls one after another."""
     max_steps_cap: Annotated[int, _integer(1, 1_000_000)] = 1000
     """Highest `max_steps` a spec may ask for (its default is 200)."""
     retention_s: Annotated[int, _integer(0)] = 7 * 24 * 3600

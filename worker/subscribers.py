@@ -128,16 +128,15 @@ class Subscribers:
 
 
 class ToolCallEvents:
-    """One run's tool-call events, as its toolbox (worker/toolbox.py) says them: one call at a time."""
+    """One run's tool-call events, as its toolbox (worker/toolbox.py) says them; the calls of a turn run at
+    once, so each event names its call."""
 
     def __init__(self, subscribers: Subscribers, run_id: str) -> None:
         self._subscribers = subscribers
         self._run_id = run_id
-        self._call: ToolCall | None = None
 
     def for_call(self, call: ToolCall) -> ProgressFnT | None:
         """``call`` starts; returns the progress callback to hand the MCP SDK (None: nobody listens)."""
-        self._call = call
         run_id = self._run_id
         for subscriber in self._subscribers._call_started:
             try:
@@ -157,11 +156,8 @@ class ToolCallEvents:
 
         return report
 
-    async def call_ended(self) -> None:
-        """The call started last ended."""
-        call, self._call = self._call, None
-        if call is None:
-            return
+    async def call_ended(self, call: ToolCall) -> None:
+        """``call`` (started by :meth:`for_call`) ended."""
         for subscriber in self._subscribers._call_ended:
             try:
                 await subscriber.after_tool_call(self._run_id, call)

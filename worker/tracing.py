@@ -3,8 +3,10 @@
 
 A subscriber (worker/subscribers.py), imported only with ``RUNBRAKE_OTEL=true`` (worker/runtime.py,
 ``default_subscribers``). The segment's span is the runtime's (``runbrake.run.segment``, current for the whole
-segment); everything here happens on the segment's own task, so what a run has open is kept in context
-variables of that task, never in a map keyed by run that a segment ending early would leave behind.
+segment); everything here happens on the segment's own task, or for a tool call on the task the turn runs it
+in (worker/loop.py: the calls of a turn run at once, each task with a copy of the segment's context), so what a
+run has open is kept in context variables of that task, never in a map keyed by run that a segment ending
+early would leave behind.
 
 - A model call becomes a span when its step is recorded, timed from the step (``recorded_at`` less its
   ``duration_ms``), with the GenAI semantic conventions' attributes (``gen_ai.operation.name = chat``,
