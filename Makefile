@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services browser lint typecheck docs configuration test fuzz demo bench wheel-check lock manifests clean
+.PHONY: setup services browser lint typecheck docs configuration test fuzz demo bench wheel-check lock manifests soak clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -121,6 +121,11 @@ bench: setup services
 	$(PY) -m bench.relay
 	$(PY) -m bench.run_requests
 	$(PY) -m bench.replica_ack
+
+# An hour of mixed load with its verdict and plot (bench/soak.py; three minutes of it run in make test).
+soak: setup services
+	$(PY) -m pip install --quiet -e ".[dev,bench]" --constraint $(CONSTRAINTS) --config-settings editable_mode=strict
+	$(PY) -m bench.soak --minutes 60 --plot docs/soak.png
 
 clean:
 	rm -rf $(VENV) build dist .mypy_cache .ruff_cache .pytest_cache .import_linter_cache *.egg-info

@@ -418,16 +418,18 @@ class Bench:
             arguments.append("--noop")
         return self.start_logging_process("worker", arguments)
 
-    def start_logging_process(self, name: str, arguments: Sequence[str]) -> Worker:
+    def start_logging_process(self, name: str, arguments: Sequence[str], *,
+                              timeout: float = STARTUP_TIMEOUT_S) -> Worker:
         """``python ARGUMENTS`` in this namespace, its output (JSON lines) to a file of its own; returns once
-        it logged a ``worker_started`` line (a runbrake worker, or another worker that says the same)."""
+        it logged a ``worker_started`` line (a runbrake worker, or another worker that says the same) within
+        ``timeout`` seconds."""
         log_path = self.workdir / f"{name.replace(' ', '-')}-{len(self._processes)}.log"
         popen = self._spawn([sys.executable, *arguments], log_path)
         process = ManagedProcess(name, popen, log_path)
         self._processes.append(process)
         worker = Worker(process)
         wait_until(lambda: any(e.get("event") == "worker_started" for e in worker.log.read_new()),
-                   timeout=STARTUP_TIMEOUT_S, what=f"the {name}'s worker_started line", interval=0.05,
+                   timeout=timeout, what=f"the {name}'s worker_started line", interval=0.05,
                    alive=[process])
         return worker
 
