@@ -13,6 +13,7 @@ from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.store import RunRecord
 from runbrake.shared.timeline import Lang, label, outcome_label, step_outcome
+from runbrake.shared.tool_result import SideEffects
 
 _DETAIL_WIDTH = 60
 MAX_ARGUMENTS_CHARS: Final = 4000
@@ -78,6 +79,7 @@ def _when(epoch: float | None) -> str:
 
 
 _STEP_REASONS = frozenset(reason.value for reason in StepReason)
+_SIDE_EFFECTS = frozenset(effects.value for effects in SideEffects)
 
 
 def _detail(step: RunStep, lang: Lang = "en") -> str:
@@ -87,6 +89,9 @@ def _detail(step: RunStep, lang: Lang = "en") -> str:
         reason = step.detail.get("reason")
         if reason in _STEP_REASONS:
             name = f"{name} ({label(f'step_reason.{reason}', lang)})"
+        side_effects = step.detail.get("side_effects")
+        if side_effects in _SIDE_EFFECTS:
+            name = f"{name} ({label(f'side_effects.{side_effects}', lang)})"
         text = f"{name}: {step.content}"
     elif step.kind is StepKind.MODEL:
         calls = step.detail.get("tool_calls") or []
