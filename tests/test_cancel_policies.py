@@ -1,0 +1,127 @@
+"""Per-tool cancel policies and what a cut-off call may have done (docs/architecture.md, "Cancel policies:
+finish" and "Side effects of a cut-off call").
+
+Real worker processes, the toolbox MCP server over HTTP (its events file says when each call started, finished
+or was cancelled on the server), real Redis and RabbitMQ; the model is the scripted provider. The catalog names
+the toolbox twice where a turn mixes policies: ``toolbox`` with ``slow`` set to ``finish``, ``cut`` (the same
+server) with the default ``interrupt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from runbrake.shared import RunRecord, RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.spec import OnCancel
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.worker_helpers import WorkerProcess, call, spec
+
+pytestmark = pytest.mark.integration
+
+WAIT_S = 30.0
+
+
+@pytest.fixture(name="publisher")
+def publisher_fixture(rabbitmq: Settings) -> Iterator[CancelPublisher]:
+    publisher = CancelPublisher(rabbitmq)
+    yield publisher
+    publisher.close()
+
+
+def _tools_by_call(record: RunRecord) -> dict[str, Any]:
+    return {s.tool_call_id or "": s for s in record.steps if s.kind is StepKind.TOOL}
+
+
+def _servers_json() -> list[dict[str, Any]]:
+    shown = subprocess.run([sys.executable, "-c", "from runbrake.broker.cli import main; main()", "servers", "--json"],
+                           env=dict(os.environ), capture_output=True, text=True, timeout=30, check=False)
+    assert shown.returncode == 0, shown.stderr
+    health: list[dict[str, Any]] = json.loads(shown.stdout)
+    return health
+
+
+def _cancelled(worker: WorkerProcess, store: RunStore, publisher: CancelPublisher, run_id: str) -> RunRecord:
+    assert cancel_run(store, publisher, run_id, reason="stop", requested_by="test").won
+    assert worker.wait_for_log("run_segment_ended", run_id=run_id, timeout=WAIT_S)[0]["outcome"] == "cancelled"
+    record = store.get(run_id)
+    assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
+    return record
+
+
+def test_a_finish_call_completes_after_a_cancel_and_the_run_stops_right_after_it_while_its_sibling_is_cut_off(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, publisher: CancelPublisher,
+) -> None:
+    finishing = toolbox_http.spec.model_copy(update={"tools_on_cancel": {"slow": OnCancel.FINISH}})
+    run = producer.enqueue(spec({"toolbox": finishing, "cut": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=3, note="finish"), call("slow", server="cut", seconds=60, note="cut")]},
+        {"tool_calls": [call("echo", text="never called")]},
+        {"content": "never reached"},
+    ]))
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=2, timeout=WAIT_S)
+
+    record = _cancelled(worker, store, publisher, run.run_id)
+
+    tools = _tools_by_call(record)
+    finished, cut = tools["call_0_0"], tools["call_0_1"]
+    assert finished.tool_outcome is ToolOutcome.OK
+    assert "side_effects" not in finished.detail
+    assert cut.tool_outcome is ToolOutcome.CANCELLED
+    assert cut.detail["side_effects"] == "unknown"
+    # The interrupt call was cut off at once, before the finish call's real result came back.
+    assert cut.sequence < finished.sequence
+    # The run stopped right after the finish call: no further model or tool call.
+    assert [s.kind for s in record.steps] == [StepKind.MODEL, StepKind.TOOL, StepKind.TOOL]
+    assert worker.logged("call_interrupted", run_id=run.run_id, calls=1, finishing=1)
+    assert len(matching_events(toolbox_http.events, "finished", tool="slow")) == 1
+    assert matching_events(toolbox_http.events, "started", tool="echo") == []
+
+
+def test_a_finish_call_past_its_grace_is_interrupted_and_recorded_cancelled_with_unknown_side_effects(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, publisher: CancelPublisher,
+) -> None:
+    finishing = toolbox_http.spec.model_copy(update={"on_cancel": OnCancel.FINISH, "cancel_grace_s": 1.0})
+    run = producer.enqueue(spec({"toolbox": finishing}, [
+        {"tool_calls": [call("slow", seconds=30)]},
+        {"content": "never reached"},
+    ]))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+
+    record = _cancelled(worker, store, publisher, run.run_id)
+
+    step = _tools_by_call(record)["call_0_0"]
+    assert step.tool_outcome is ToolOutcome.CANCELLED
+    assert step.detail["side_effects"] == "unknown"
+    assert [s.kind for s in record.steps] == [StepKind.MODEL, StepKind.TOOL]
+    assert worker.logged("call_interrupted", run_id=run.run_id, calls=0, finishing=1)
+    wait_for_event(toolbox_http.events, "cancelled", tool="slow", timeout=WAIT_S)
+    assert matching_events(toolbox_http.events, "finished") == []
+
+
+def test_a_call_cut_off_waiting_for_a_max_concurrency_slot_had_no_side_effects_and_one_in_flight_unknown_ones(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, publisher: CancelPublisher,
+) -> None:
+    one_at_a_time = toolbox_http.spec.model_copy(update={"max_concurrency": 1})
+    run = producer.enqueue(spec({"toolbox": one_at_a_time}, [
+        {"tool_calls": [call("slow", seconds=60, note="in flight"), call("slow", seconds=60, note="waiting")]},
+        {"content": "never reached"},
+    ]))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+
+    record = _cancelled(worker, store, publisher, run.run_id)
+
+    tools = _tools_by_call(record)
+    assert [tools[c].tool_outcome for c in ("call_0_0", "call_0_1")] == [ToolOutcome.CANCELLED] * 2
+    assert tools["call_0_0"].detail["side_effects"] == "unknown"
+    assert tools["call_0_1"].detail["side_effects"] == "none"
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 1  # the server never saw the second
+    [health] = [h for h in _servers_json() if h["server"] == "toolbox"]
+    assert (health["cancelled"], health["side_effects_unknown"]) == (2, 1)
