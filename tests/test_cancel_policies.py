@@ -31,7 +31,6 @@ from runbrake.shared.tool_result import SideEffects, ToolResult
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec
 
-
 WAIT_S = 30.0
 
 
