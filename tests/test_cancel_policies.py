@@ -9,17 +9,12 @@ server) with the default ``interrupt``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from runbrake.broker.render import render_run
-from runbrake.shared import RunRecord, RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
 from runbrake.shared.catalog import Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
@@ -29,28 +24,13 @@ from runbrake.shared.steps import RunStep
 from runbrake.shared.timeline import Lang, label
 from runbrake.shared.tool_result import SideEffects, ToolResult
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
-from tests.worker_helpers import WorkerProcess, call, spec
+from tests.worker_helpers import WorkerProcess, call, servers_json, spec
 
 WAIT_S = 30.0
 
 
-@pytest.fixture(name="publisher")
-def publisher_fixture(rabbitmq: Settings) -> Iterator[CancelPublisher]:
-    publisher = CancelPublisher(rabbitmq)
-    yield publisher
-    publisher.close()
-
-
 def _tools_by_call(record: RunRecord) -> dict[str, Any]:
     return {s.tool_call_id or "": s for s in record.steps if s.kind is StepKind.TOOL}
-
-
-def _servers_json() -> list[dict[str, Any]]:
-    shown = subprocess.run([sys.executable, "-c", "from runbrake.broker.cli import main; main()", "servers", "--json"],
-                           env=dict(os.environ), capture_output=True, text=True, timeout=30, check=False)
-    assert shown.returncode == 0, shown.stderr
-    health: list[dict[str, Any]] = json.loads(shown.stdout)
-    return health
 
 
 def _cancelled(worker: WorkerProcess, store: RunStore, publisher: CancelPublisher, run_id: str) -> RunRecord:
@@ -130,7 +110,7 @@ def test_a_call_cut_off_waiting_for_a_max_concurrency_slot_had_no_side_effects_a
     assert tools["call_0_0"].detail["side_effects"] == "unknown"
     assert tools["call_0_1"].detail["side_effects"] == "none"
     assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 1  # the server never saw the second
-    [health] = [h for h in _servers_json() if h["server"] == "toolbox"]
+    [health] = [h for h in servers_json() if h["server"] == "toolbox"]
     assert (health["cancelled"], health["side_effects_unknown"]) == (2, 1)
 
 
