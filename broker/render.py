@@ -8,11 +8,12 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from runbrake.shared.outcome import ToolOutcome
-from runbrake.shared.records import ARGUMENT_ERROR
+from runbrake.shared.records import ARGUMENT_ERROR, CANCELLED_SIDE_EFFECTS_UNKNOWN
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.store import RunRecord
 from runbrake.shared.timeline import Lang, label, outcome_label, step_outcome
+from runbrake.shared.tool_result import SideEffects
 
 _DETAIL_WIDTH = 60
 MAX_ARGUMENTS_CHARS: Final = 4000
@@ -79,6 +80,7 @@ def _when(epoch: float | None) -> str:
 
 
 _STEP_REASONS = frozenset(reason.value for reason in StepReason)
+_SIDE_EFFECTS = frozenset(effects.value for effects in SideEffects)
 
 
 def _detail(step: RunStep, lang: Lang = "en") -> str:
@@ -88,6 +90,9 @@ def _detail(step: RunStep, lang: Lang = "en") -> str:
         reason = step.detail.get("reason")
         if reason in _STEP_REASONS:
             name = f"{name} ({label(f'step_reason.{reason}', lang)})"
+        side_effects = step.detail.get("side_effects")
+        if side_effects in _SIDE_EFFECTS:
+            name = f"{name} ({label(f'side_effects.{side_effects}', lang)})"
         text = f"{name}: {step.content}"
     elif step.kind is StepKind.MODEL:
         calls = step.detail.get("tool_calls") or []
@@ -175,16 +180,19 @@ def server_health(counts: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
     health = []
     for server in sorted(counts):
         by_outcome = {outcome.value: counts[server].get(outcome.value, 0) for outcome in ToolOutcome}
+        unknown = counts[server].get(CANCELLED_SIDE_EFFECTS_UNKNOWN, 0)
+        by_outcome[ToolOutcome.CANCELLED.value] += unknown
         decided = by_outcome["ok"] + by_outcome["failed"]
         rate = by_outcome["failed"] / decided if decided else None
         health.append({"server": server, **by_outcome, "argument_errors": counts[server].get(ARGUMENT_ERROR, 0),
-                       "failure_rate": rate})
+                       "side_effects_unknown": unknown, "failure_rate": rate})
     return health
 
 
 def render_servers(health: list[dict[str, Any]]) -> str:
-    headers = ["server", "ok", "failed", "argument errors", "cancelled", "failure rate"]
+    headers = ["server", "ok", "failed", "argument errors", "cancelled", "side effects unknown", "failure rate"]
     rows = [[h["server"], str(h["ok"]), str(h["failed"]), str(h["argument_errors"]), str(h["cancelled"]),
+             str(h["side_effects_unknown"]),
              "-" if h["failure_rate"] is None else f"{h['failure_rate']:.1%}"] for h in health]
     return "\n".join(_table(headers, rows)) if rows else "(no tool calls recorded)"
 

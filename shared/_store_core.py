@@ -48,6 +48,7 @@ from runbrake.shared._scripts import Script
 from runbrake.shared.errors import NotReplicated, OwnershipLost, RunNotFound, StoreError
 from runbrake.shared.records import (
     ARGUMENT_ERROR,
+    CANCELLED_SIDE_EFFECTS_UNKNOWN,
     Appended,
     CancelRequest,
     Claim,
@@ -63,6 +64,7 @@ from runbrake.shared.records import (
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.tool_result import SideEffects
 
 log = structlog.get_logger("runbrake.shared.store")
 
@@ -633,6 +635,8 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
         # Argument errors are the caller's mistake: counted apart, so they do not make a server look flaky.
         # A call to no server of the run (a name a model made up: server "") is counted nowhere.
         outcome = ARGUMENT_ERROR if step.detail.get("failure") == "arguments" else step.tool_outcome.value
+        if step.detail.get("side_effects") == SideEffects.UNKNOWN.value:
+            outcome = CANCELLED_SIDE_EFFECTS_UNKNOWN  # cut off after its request was sent: counted apart
         counter = f"{step.tool_server}|{outcome}"
 
     answered = step.kind is StepKind.MODEL and not step.error and not step.interrupted

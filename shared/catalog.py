@@ -189,7 +189,10 @@ class Catalog(SpecModel):
         shown = _Shown(os.environ if environ is None else environ, show_secrets=show_secrets)
         servers = {
             name: {"transport": server.transport, "tools": server.tools, "max_concurrency": server.max_concurrency,
-                   "timeout_s": server.timeout_s, **TRANSPORTS.of(server).describe(server, shown)}
+                   "timeout_s": server.timeout_s, "on_cancel": server.on_cancel.value,
+                   "cancel_grace_s": server.cancel_grace_s,
+                   "tools_on_cancel": {tool: policy.value for tool, policy in server.tools_on_cancel.items()},
+                   **TRANSPORTS.of(server).describe(server, shown)}
             for name, server in self.mcp_servers.items()
         }
         models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown),

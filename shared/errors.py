@@ -327,8 +327,12 @@ class ToolCallCancelled(ToolTransportError):
     """Raised when an MCP call was cut off because its run was cancelled; the tool records it as a
     *cancelled* result, never a failed one (worker/mcp_tool.py)."""
 
-    def __init__(self, *, server: str, tool: str) -> None:
-        super().__init__(f"call to {server}.{tool} was cancelled", server=server, tool=tool)
+    def __init__(self, *, server: str, tool: str, sent: bool = True) -> None:
+        super().__init__(f"call to {server}.{tool} was cancelled"
+                         + ("" if sent else " before its request was sent"), server=server, tool=tool)
+        self.sent = sent
+        """Whether the request may have reached the server (docs/architecture.md, "Side effects of a cut-off
+        call"); False only when it certainly did not."""
 
 
 class ToolArgumentsRefused(ToolTransportError):

@@ -19,6 +19,9 @@ from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 
 ARGUMENT_ERROR: Final = "argument_error"
+CANCELLED_SIDE_EFFECTS_UNKNOWN: Final = "cancelled_side_effects_unknown"
+"""The per-server counter of cancelled calls cut off after their request was sent (``detail.side_effects =
+"unknown"``); ``runbrake servers`` adds them to the cancelled calls and shows them apart."""
 """The per-server counter (``RunStore.server_outcomes``) of failed calls whose arguments were at fault, beside
 the counters named by the outcomes; public because the CLI and the API show it (broker/render.py)."""
 

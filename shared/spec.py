@@ -17,6 +17,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal, Protocol, Self, TypeAlias, Union
 
 from pydantic import (
@@ -56,6 +57,7 @@ __all__ = [
     "McpServerSpec",
     "ModelSettingsSpec",
     "ModelSpec",
+    "OnCancel",
     "OpenAIModel",
     "ProviderSpec",
     "RunSpec",
@@ -417,6 +419,19 @@ CatalogModelSpec: TypeAlias = Annotated[ProviderSpec, _tagged_union(PROVIDERS, i
 """A model an operator's catalog defines: a provider whose entry allows it in a catalog."""
 
 
+class OnCancel(StrEnum):
+    """What a cancel does to a tool call in flight (a catalog server's ``on_cancel``)."""
+
+    INTERRUPT = "interrupt"
+    """Cut off at once (the default)."""
+    FINISH = "finish"
+    """Let complete, up to the server's ``cancel_grace_s``; the run stops right after it."""
+
+
+DEFAULT_CANCEL_GRACE_S: Final = 30.0
+MAX_CANCEL_GRACE_S: Final = 3_600.0
+
+
 class ServerSpec(SpecModel):
     """What every MCP server spec has: its name, filled in from its key in mcp_servers, and what only an
     operator's catalog may say about it (docs/security.md): which tools are allowed, how many calls
@@ -434,6 +449,15 @@ class ServerSpec(SpecModel):
     """Catalog only: calls in flight to this server per worker process."""
     timeout_s: SkipJsonSchema[Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)] | None] = None
     """Catalog only: the default time one call may take, in seconds."""
+    on_cancel: SkipJsonSchema[OnCancel] = OnCancel.INTERRUPT
+    """Catalog only: what a cancel does to a call in flight: ``interrupt`` cuts it off at once; ``finish``
+    lets it complete (up to ``cancel_grace_s``), records its real result, and the run stops right after it
+    (docs/usage.md, "Cancel policies")."""
+    cancel_grace_s: SkipJsonSchema[Annotated[float, Field(gt=0, le=MAX_CANCEL_GRACE_S, allow_inf_nan=False)]] = (
+        DEFAULT_CANCEL_GRACE_S)
+    """Catalog only: how long a ``finish`` call may go on after a cancel before it is interrupted, in seconds."""
+    tools_on_cancel: SkipJsonSchema[dict[_NonEmpty, OnCancel]] = Field(default_factory=dict)
+    """Catalog only: ``on_cancel`` per tool of this server, over the server's own (``{slow = "finish"}``)."""
 
     @field_validator("name", mode="before")
     @classmethod
@@ -443,7 +467,8 @@ class ServerSpec(SpecModel):
         return value
 
     # check_fields=False: 'headers' belongs to the HTTP server only.
-    @field_validator("tools", "max_concurrency", "timeout_s", "headers", mode="before", check_fields=False)
+    @field_validator("tools", "max_concurrency", "timeout_s", "on_cancel", "cancel_grace_s", "tools_on_cancel",
+                     "headers", mode="before", check_fields=False)
     @classmethod
     def _catalog_only(cls, value: object, info: ValidationInfo) -> object:
         if _in_a_whole_spec(info):
@@ -453,6 +478,11 @@ class ServerSpec(SpecModel):
     def where(self) -> str:
         """Where the server is, for messages: its URL, its command."""
         raise NotImplementedError
+
+    def cancel_grace(self, tool: str) -> float | None:
+        """How long a call of ``tool`` may go on after a cancel: None when it is interrupted at once."""
+        policy = self.tools_on_cancel.get(tool, self.on_cancel)
+        return self.cancel_grace_s if policy is OnCancel.FINISH else None
 
 
 class HttpServerSpec(ServerSpec):

@@ -105,6 +105,8 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "event.dropped": "dropped (too far behind)",
         "event.resync": "read again",
         "step_reason.invalid_call": "invalid call, handed back to the model",
+        "side_effects.none": "not sent, no side effects",
+        "side_effects.unknown": "sent, side effects unknown",
     },
     "de": {
         "column.outcome": "Ergebnis",
@@ -171,6 +173,8 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "event.dropped": "getrennt (zu weit zurück)",
         "event.resync": "neu lesen",
         "step_reason.invalid_call": "ungültiger Aufruf, an das Modell zurückgegeben",
+        "side_effects.none": "nicht gesendet, keine Nebenwirkungen",
+        "side_effects.unknown": "gesendet, Nebenwirkungen unbekannt",
     },
 }
 

@@ -18,6 +18,15 @@ class Failure(StrEnum):
     """The call was wrong: arguments the server refused (JSON-RPC -32602), a tool it does not offer."""
 
 
+class SideEffects(StrEnum):
+    """What the server may have done for a call cut off (a cancelled tool step's ``detail.side_effects``)."""
+
+    NONE = "none"
+    """Cut off before its request was sent: the server never saw it."""
+    UNKNOWN = "unknown"
+    """Cut off after its request was sent: the server may have acted, in part or in full."""
+
+
 _TRUNCATION_MARK = "\n…[truncated {dropped} chars]"
 
 
@@ -42,12 +51,16 @@ class ToolResult:
     """Where the call wrote, when it did; None unless ok."""
     failure: Failure | None = None
     """Whose mistake a failed call was (the server's, or the arguments'); None unless failed."""
+    side_effects: SideEffects | None = None
+    """What the server may have done, for a call cut off: None unless cancelled."""
 
     def __post_init__(self) -> None:
         if self.outcome is not ToolOutcome.OK and (self.artifacts or self.write_target is not None):
             raise ValueError(f"a {self.outcome.value} tool result carries no artifacts and no write target")
         if (self.failure is not None) != (self.outcome is ToolOutcome.FAILED):
             raise ValueError("a failed tool result says whose failure it was, and only a failed one does")
+        if self.side_effects is not None and self.outcome is not ToolOutcome.CANCELLED:
+            raise ValueError("only a cancelled tool result says what side effects it may have had")
 
     @classmethod
     def ok(
@@ -68,9 +81,11 @@ class ToolResult:
         return cls(ToolOutcome.FAILED, message, failure=failure or Failure.SERVER)
 
     @classmethod
-    def cancelled(cls, message: str) -> ToolResult:
-        """A call cut off because its run was cancelled. Not a failure."""
-        return cls(ToolOutcome.CANCELLED, message)
+    def cancelled(cls, message: str, *, sent: bool = True) -> ToolResult:
+        """A call cut off because its run was cancelled. Not a failure. ``sent``: whether its request may have
+        reached the server (side effects ``unknown``); False when it certainly did not (``none``)."""
+        return cls(ToolOutcome.CANCELLED, message,
+                   side_effects=SideEffects.UNKNOWN if sent else SideEffects.NONE)
 
     @property
     def is_error(self) -> bool:

@@ -17,6 +17,7 @@ import redis
 from hypothesis import settings as hypothesis_settings
 
 from runbrake.shared import RunStore, Settings
+from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.wire import delete_topology
 
 # Fixtures for real MCP servers, real worker processes and the local OpenAI-compatible server.
@@ -79,6 +80,14 @@ def store(settings: Settings) -> Iterator[RunStore]:
     yield run_store
     run_store.delete_namespace()
     run_store.close()
+
+
+@pytest.fixture(name="publisher")
+def publisher_fixture(rabbitmq: Settings) -> Iterator[CancelPublisher]:
+    """A cancel publisher on the real RabbitMQ (a test module may define its own)."""
+    publisher = CancelPublisher(rabbitmq)
+    yield publisher
+    publisher.close()
 
 
 @pytest.fixture

@@ -8,11 +8,7 @@ receives does not matter, and PyPI ``llm-mock-api`` (tests/llm_mock.py) where it
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +21,7 @@ from runbrake.shared.operations import approve_run
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
-from tests.worker_helpers import WorkerProcess, call, has_step, spec, wait_for_run
+from tests.worker_helpers import WorkerProcess, call, has_step, servers_json, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -55,14 +51,6 @@ def _model_run(mock: LlmMock, toolbox: Toolbox, text: str, *, tools: list[str] |
     add_to_catalog({"toolbox": server},
                    models={"mock": {"provider": "openai", "base_url": mock.openai_url, "model": "gpt-mock"}})
     return RunSpec.parse({"input": text, "model": "mock", "mcp_servers": ["toolbox"], **extra})
-
-
-def _servers_json() -> list[dict[str, Any]]:
-    shown = subprocess.run([sys.executable, "-c", "from runbrake.broker.cli import main; main()", "servers", "--json"],
-                           env=dict(os.environ), capture_output=True, text=True, timeout=30, check=False)
-    assert shown.returncode == 0, shown.stderr
-    health: list[dict[str, Any]] = json.loads(shown.stdout)
-    return health
 
 
 # -- concurrent calls ---------------------------------------------------------------------------
@@ -246,7 +234,7 @@ def test_a_call_to_a_tool_the_run_does_not_have_goes_back_to_the_model_and_the_r
     assert second[-2]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert (second[-1]["role"], second[-1]["tool_call_id"], second[-1]["content"]) == ("tool", "call_w", tool.content)
     assert record.steps[-1].content == "I cannot look up the weather."
-    assert _servers_json() == []  # a made-up name is no server's failure, nor anyone's argument error
+    assert servers_json() == []  # a made-up name is no server's failure, nor anyone's argument error
 
 
 def test_arguments_that_are_not_an_object_and_a_tool_outside_the_allowlist_are_handed_back_as_argument_errors(
@@ -273,8 +261,9 @@ def test_arguments_that_are_not_an_object_and_a_tool_outside_the_allowlist_are_h
     assert [e["tool"] for e in matching_events(toolbox_http.events, "started")] == ["get-sum"]
     sent = [(m["tool_call_id"], m["content"]) for m in llm_mock.bodies()[1]["messages"] if m["role"] == "tool"]
     assert sent == [(k, by_call[k].content) for k in ("call_args", "call_echo", "call_ok")]
-    assert _servers_json() == [
-        {"server": "toolbox", "ok": 1, "failed": 0, "argument_errors": 2, "cancelled": 0, "failure_rate": 0.0}]
+    assert servers_json() == [
+        {"server": "toolbox", "ok": 1, "failed": 0, "argument_errors": 2, "cancelled": 0, "side_effects_unknown": 0,
+         "failure_rate": 0.0}]
 
 
 def test_a_model_that_keeps_making_invalid_calls_ends_at_max_rounds(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from runbrake.shared import ToolOutcome, ToolResult
-from runbrake.shared.tool_result import Failure
+from runbrake.shared.tool_result import Failure, SideEffects
 
 # The content channels the bounding transform may shorten; every other field must pass through as is.
 CHANNELS = frozenset({"content", "structured"})
@@ -17,9 +17,11 @@ CHANNELS = frozenset({"content", "structured"})
 # Every field of ToolResult. When this test fails because a field was added, check that
 # ``with_bounded_channels`` carries it (or bounds it, if it is a content channel), then add it here
 # and to ``NON_DEFAULT`` below.
-EXPECTED_FIELDS = frozenset({"outcome", "content", "structured", "artifacts", "write_target", "failure"})
-FAILED_ONLY = frozenset({"failure"})
-"""Fields only a failed result sets; the failed carry test below covers them."""
+EXPECTED_FIELDS = frozenset({"outcome", "content", "structured", "artifacts", "write_target", "failure",
+                             "side_effects"})
+FAILED_ONLY = frozenset({"failure", "side_effects"})
+"""Fields only a failed (``failure``) or cancelled (``side_effects``) result sets; the carry tests below for
+those outcomes cover them."""
 
 # A non-default value for every field the transform must carry unchanged (an ok result, so that
 # artifacts and write target are allowed).
@@ -147,6 +149,21 @@ def test_bounding_a_failed_result_carries_whose_failure_it_was() -> None:
 
     assert (bounded.outcome, bounded.failure) == (ToolOutcome.FAILED, Failure.ARGUMENTS)
     assert ToolResult.error("x").failure is Failure.SERVER
+
+
+@pytest.mark.parametrize("sent", [True, False])
+def test_bounding_a_cancelled_result_carries_its_side_effects(sent: bool) -> None:
+    bounded = ToolResult.cancelled("c" * 50, sent=sent).with_bounded_channels(10)
+
+    assert (bounded.outcome, bounded.side_effects) == (
+        ToolOutcome.CANCELLED, SideEffects.UNKNOWN if sent else SideEffects.NONE)
+
+
+@pytest.mark.parametrize("outcome", [ToolOutcome.OK, ToolOutcome.FAILED])
+def test_only_a_cancelled_result_says_what_side_effects_it_may_have_had(outcome: ToolOutcome) -> None:
+    with pytest.raises(ValueError, match="only a cancelled"):
+        ToolResult(outcome, "x", failure=Failure.SERVER if outcome is ToolOutcome.FAILED else None,
+                   side_effects=SideEffects.NONE)
 
 
 @pytest.mark.parametrize("outcome", [ToolOutcome.OK, ToolOutcome.CANCELLED])

@@ -211,3 +211,12 @@ def take_messages(settings: Settings, queue: str, count: int, *,
     finally:
         connection.close()
     return taken
+
+
+def servers_json() -> list[dict[str, Any]]:
+    """What ``runbrake servers --json`` prints in this test's environment (its namespace)."""
+    shown = subprocess.run([sys.executable, "-c", "from runbrake.broker.cli import main; main()", "servers", "--json"],
+                           env=dict(os.environ), capture_output=True, text=True, timeout=30, check=False)
+    assert shown.returncode == 0, shown.stderr
+    health: list[dict[str, Any]] = json.loads(shown.stdout)
+    return health

@@ -10,6 +10,7 @@ inside a scope the hooks hand out, so a cancel message can interrupt it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.tool_result import Failure, ToolResult, bound
 from runbrake.worker.conversation import NO_SETTINGS, Message, ModelSettings, ModelTurn, ToolCall, ToolInfo
 from runbrake.worker.models import ModelProvider
+from runbrake.worker.registry import cut_off_after
 from runbrake.worker.structured import AnswerCheck, hand_back
 
 
@@ -39,8 +41,9 @@ class LoopHooks(Protocol):
     async def checkpoint(self) -> None:
         """Probe the cancel key before a model call (raises CancelRequested when set)."""
 
-    def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
-        """A fresh, unentered scope registered as one of the run's calls in flight while the block runs."""
+    def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
+        """A fresh, unentered scope registered as one of the run's calls in flight while the block runs;
+        with ``grace_s``, a cancel lets the call go on that long before it cuts it off."""
 
     @property
     def handing_over(self) -> bool:
@@ -55,6 +58,9 @@ class ToolRunner(Protocol):
 
     def problem(self, call: ToolCall) -> str | None:
         """Why the run cannot make ``call`` (no such tool, not allowed), for the model; None when it can."""
+
+    def cancel_grace(self, call: ToolCall) -> float | None:
+        """How long a cancel lets ``call`` go on (its tool says ``on_cancel = "finish"``); None: cut off at once."""
 
     async def execute(self, call: ToolCall, *, interrupt: anyio.CancelScope) -> ToolResult: ...
 
@@ -304,12 +310,13 @@ class ToolLoop:
             if problem is not None:
                 step = self._invalid_call(turn.round, call, problem)
             else:
-                with self._hooks.in_flight() as interrupt:
-                    turn.scopes.add(interrupt)
+                grace_s = self._runner.cancel_grace(call)
+                with self._hooks.in_flight(grace_s) as interrupt:
+                    turn.scopes[interrupt] = grace_s
                     try:
                         result = await self._runner.execute(call, interrupt=interrupt)
                     finally:
-                        turn.scopes.discard(interrupt)
+                        turn.release(interrupt)
                 step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result,
                                     call_id=call.id, duration_ms=_ms(self._clock() - started))
                 if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
@@ -352,18 +359,34 @@ class _Turn:
     started: int = 0
     """How many of ``calls`` were started: always the first ones."""
     results: dict[int, Message] = field(default_factory=dict)
-    scopes: set[anyio.CancelScope] = field(default_factory=set)
-    """The scopes of the calls in flight, to cut them off when the turn stops."""
+    scopes: dict[anyio.CancelScope, float | None] = field(default_factory=dict)
+    """The scopes of the calls in flight, to cut them off when the turn stops, with each one's grace (its tool
+    says ``on_cancel = "finish"``) or None."""
+    timers: dict[anyio.CancelScope, asyncio.TimerHandle] = field(default_factory=dict)
+    """The grace timers of ``finish`` calls a cancel reached."""
     stopped_by: BaseException | None = None
     """The first thing that ended the run while the calls ran; raised once every call is back."""
 
     def stop(self, exc: BaseException) -> None:
         """Keep the first reason to stop and cut off the calls still in flight: a cancel found by one call's
-        probe interrupts its siblings at once, and each is recorded cancelled (none left unrecorded)."""
+        probe interrupts its siblings at once, and each is recorded cancelled (none left unrecorded). A
+        ``finish`` call is let go on for its grace by a cancel, cut off at once by anything else."""
         if self.stopped_by is None:
             self.stopped_by = exc
-        for scope in self.scopes:
-            scope.cancel()
+        graceful = isinstance(exc, CancelRequested)
+        for scope, grace_s in self.scopes.items():
+            if graceful and grace_s is not None:
+                if scope not in self.timers:
+                    self.timers[scope] = cut_off_after(scope, grace_s)
+            else:
+                scope.cancel()
+
+    def release(self, scope: anyio.CancelScope) -> None:
+        """A call's scope is done: forget it, and its grace timer."""
+        self.scopes.pop(scope, None)
+        timer = self.timers.pop(scope, None)
+        if timer is not None:
+            timer.cancel()
 
     def messages(self) -> list[Message]:
         """The tool messages of the calls started, in call order (not in the order they completed)."""

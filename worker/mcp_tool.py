@@ -49,7 +49,7 @@ async def execute(
         answer = await connection.call(call.tool, call.arguments, timeout_s=timeout_s, interrupt=interrupt,
                                        progress=progress)
     except ToolCallCancelled as exc:
-        result = ToolResult.cancelled(str(exc))
+        result = ToolResult.cancelled(str(exc), sent=exc.sent)
     except ToolArgumentsRefused as exc:
         result = ToolResult.error(str(exc), failure=Failure.ARGUMENTS)
     except ToolTransportError as exc:

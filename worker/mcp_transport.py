@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanag
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 import httpx2
 import structlog
 from anyio.abc import TaskGroup
@@ -225,6 +226,7 @@ class McpConnection:
         """
         client = self._live_client(f"call to {tool}", tool=tool)
         result: CallToolResult | None = None
+        sent = False
         try:
             # The interrupt scope is the outer one: when the deadline and the interrupt both
             # fire, the interrupt catches the cancellation and the call counts as cancelled.
@@ -232,6 +234,12 @@ class McpConnection:
             # or on 2026-07-28 HTTP, closing the request's stream (docs/architecture.md,
             # "Pitfalls: mcp 2.x cancellation").
             with interrupt, anyio.move_on_after(timeout_s), self._progress_meta(progress) as meta:
+                # A scope cancelled before this point (a cancel that came while the call waited for a
+                # max_concurrency slot) raises here: the request was never sent, the server did nothing.
+                # Past it, the request may reach the server (docs/architecture.md, "Side effects of a
+                # cut-off call"): a cut-off call's side effects are unknown from here on.
+                await anyio.lowlevel.checkpoint()
+                sent = True
                 result = await client.call_tool(tool, dict(arguments), meta=meta)
         except Exception as exc:
             if not _is_transport_fault(exc):
@@ -247,7 +255,7 @@ class McpConnection:
             # answer is reported as it is, not as a cancellation.
             return result
         if interrupt.cancelled_caught:
-            raise ToolCallCancelled(server=self.server, tool=tool)
+            raise ToolCallCancelled(server=self.server, tool=tool, sent=sent)
         # No result, no exception, not interrupted: only the deadline's scope swallows a
         # cancellation here, an outer one propagates through both scopes.
         raise ToolTransportError(

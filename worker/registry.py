@@ -34,6 +34,10 @@ class RunHandle:
     loop: asyncio.AbstractEventLoop
     scopes: set[anyio.CancelScope] = field(default_factory=set)
     """The scopes of the calls in flight: one model call, or the tool calls of a turn running at once."""
+    graces: dict[anyio.CancelScope, float] = field(default_factory=dict)
+    """The scopes in flight of calls whose tool says ``on_cancel = "finish"``: how long a cancel lets each go on."""
+    timers: dict[anyio.CancelScope, asyncio.TimerHandle] = field(default_factory=dict)
+    """The grace timers running: a ``finish`` call a cancel reached, cut off when its grace runs out."""
     cancel_seen: bool = False
     """A verified cancel reached this run on the loop (anyio's *cancel requested*, not *interrupted*)."""
     lost: bool = False
@@ -46,36 +50,49 @@ class RunHandle:
     cancel that comes after still interrupts, and still wins."""
 
     @contextmanager
-    def in_flight(self) -> Iterator[anyio.CancelScope]:
+    def in_flight(self, grace_s: float | None = None) -> Iterator[anyio.CancelScope]:
         """A fresh scope for the next call, in flight beside any other; cancelled at once when a cancel (or
-        the loss of the run) already reached it."""
+        the loss of the run) already reached it. ``grace_s``: the call's tool says ``on_cancel = "finish"``,
+        a cancel lets it go on that long (docs/architecture.md, "Cancel policies: finish")."""
         scope = anyio.CancelScope()
         if self.cancel_seen or self.lost or self.handing_over:
             scope.cancel()
         self.scopes.add(scope)
+        if grace_s is not None:
+            self.graces[scope] = grace_s
         try:
             yield scope
         finally:
             self.scopes.discard(scope)
+            self.graces.pop(scope, None)
+            timer = self.timers.pop(scope, None)
+            if timer is not None:
+                timer.cancel()
 
     def _interrupt_on_loop(self, lost: bool) -> None:
         if lost:
             self.lost = True
         else:
             self.cancel_seen = True
-        self._cut_off("lease_lost" if lost else "cancelled")
+        self._cut_off("lease_lost" if lost else "cancelled", graceful=not lost)
 
     def _hand_over_on_loop(self) -> None:
         self.handing_over = True
         self._cut_off("worker_shutdown")
 
-    def _cut_off(self, reason: str) -> None:
-        """Cancel every call in flight, all at once (the flag just set cancels any later one on entry)."""
-        cut = [scope for scope in self.scopes if not scope.cancel_called]
+    def _cut_off(self, reason: str, *, graceful: bool = False) -> None:
+        """Cancel every call in flight, all at once (the flag just set cancels any later one on entry). A
+        cancel (``graceful``) lets each ``finish`` call go on for its grace instead; a lost lease or a
+        hand-over cuts off those too."""
+        cut = [scope for scope in self.scopes if not scope.cancel_called
+               and not (graceful and (scope in self.graces or scope in self.timers))]
         for scope in cut:
             scope.cancel()
-        if cut:
-            log.info("call_interrupted", run_id=self.run_id, reason=reason, calls=len(cut))
+        finishing = [scope for scope in self.graces if graceful and scope not in self.timers]
+        for scope in finishing:
+            self.timers[scope] = cut_off_after(scope, self.graces[scope])
+        if cut or finishing:
+            log.info("call_interrupted", run_id=self.run_id, reason=reason, calls=len(cut), finishing=len(finishing))
 
 
 class ActiveRuns:
@@ -142,6 +159,12 @@ class ActiveRuns:
             self._handing_over = True
             handles = list(self._runs.values())
         return sum(_on_loop(handle, handle._hand_over_on_loop) for handle in handles)
+
+
+def cut_off_after(scope: anyio.CancelScope, grace_s: float) -> asyncio.TimerHandle:
+    """Cancel ``scope`` once ``grace_s`` seconds have passed (a ``finish`` call a cancel reached); on the
+    running loop, whose thread alone touches the scope."""
+    return asyncio.get_running_loop().call_later(grace_s, scope.cancel)
 
 
 def _on_loop(handle: RunHandle, action: Callable[..., None], *args: object) -> bool:

@@ -119,9 +119,9 @@ class RunHooks:
     def run_id(self) -> str:
         return self._handle.run_id
 
-    def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
+    def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
         self._probed = False
-        return self._handle.in_flight()
+        return self._handle.in_flight(grace_s)
 
     @property
     def handing_over(self) -> bool:

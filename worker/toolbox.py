@@ -104,6 +104,11 @@ class Toolbox:
             return f"{call.server} offers no tool {call.tool!r}"
         return None
 
+    def cancel_grace(self, call: ToolCall) -> float | None:
+        """How long a cancel lets ``call`` go on: its server's or tool's ``on_cancel = "finish"`` grace."""
+        server = self._servers.get(call.server)
+        return None if server is None else server.cancel_grace(call.tool)
+
     async def execute(self, call: ToolCall, *, interrupt: anyio.CancelScope) -> ToolResult:
         problem = self.problem(call)
         if problem is not None:  # the loop hands such a call back before it gets here; never sent
