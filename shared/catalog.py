@@ -35,10 +35,10 @@ import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import structlog
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from runbrake.shared import redaction
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
@@ -57,21 +57,67 @@ from runbrake.shared.spec import (
     variables_in,
 )
 
-__all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "expand", "variables_in"]
+__all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "WebhookSpec", "expand",
+           "variables_in"]
 
 log = structlog.get_logger(__name__)
 
 _DEFAULTS: Final = Settings()
 
 
+_ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_EVENT_PATTERN: Final = re.compile(r"\*|(run|step)\.(\*|[a-z][a-z0-9_]{0,63})")
+
+
+class WebhookSpec(SpecModel):
+    """A webhook the operator names (``[webhooks.NAME]``): where a run's events go, signed (docs/webhooks.md)."""
+
+    url: Annotated[str, Field(min_length=1, max_length=2048)]
+    """Where the events are POSTed: an http:// or https:// URL of the operator's (never of a spec's)."""
+    secret_env: Annotated[str, Field(min_length=1, max_length=128)]
+    """The environment variable on the worker that holds the signing secret (Standard Webhooks' whsec_<base64>)."""
+    events: Annotated[tuple[str, ...], Field(strict=False, min_length=1, max_length=64)]
+    """The event types it wants: run.completed, step.tool…, a kind's wildcard run.* or step.*, or * for all."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parsed = urllib.parse.urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return value
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, value: str) -> str:
+        if not _ENV_NAME.fullmatch(value):
+            raise ValueError("must be an environment variable's name (letters, digits, '_')")
+        return value
+
+    @field_validator("events")
+    @classmethod
+    def _events(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for event in value:
+            if not _EVENT_PATTERN.fullmatch(event):
+                raise ValueError(f"{event!r} is no event type: run.<status>, step.<kind>, run.*, step.* or *")
+        return value
+
+    def wants(self, event_type: str) -> bool:
+        """Whether this webhook wants events of ``event_type`` (``run.completed``, ``step.tool``…)."""
+        kind = event_type.partition(".")[0]
+        return any(p in ("*", event_type, f"{kind}.*") for p in self.events)
+
+
 class Catalog(SpecModel):
-    """What the operator allows: MCP servers and models by name."""
+    """What the operator allows: MCP servers and models by name, and the webhooks a spec may notify."""
 
     mcp_servers: dict[str, CatalogServerSpec] = Field(default_factory=dict)
     """The MCP servers a spec may name (of the transports whose registry entry allows a catalog)."""
     models: dict[str, CatalogModelSpec] = Field(default_factory=dict)
     """The models a spec may name (of the providers whose entry allows a catalog: ``scripted`` needs no entry,
     it reaches nothing)."""
+    webhooks: dict[str, WebhookSpec] = Field(default_factory=dict)
+    """The webhooks a spec may name in ``notify`` (docs/webhooks.md)."""
 
     @classmethod
     def empty(cls) -> Catalog:
@@ -115,6 +161,7 @@ class Catalog(SpecModel):
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: {problems}") from exc
         names = [f"mcp_servers.{n}" for n in catalog.mcp_servers if not _plain(n)]
         names += [f"models.{n}" for n in catalog.models if not _plain(n)]
+        names += [f"webhooks.{n}" for n in catalog.webhooks if not _plain(n)]
         if names:
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: names use 1 to 64 letters, digits, '-' or '_' "
                                                   f"(no '__'): {', '.join(names)}")
@@ -132,6 +179,7 @@ class Catalog(SpecModel):
         for registry, specs in ((PROVIDERS, self.models.values()), (TRANSPORTS, self.mcp_servers.values())):
             for spec in specs:
                 names.update(registry.of(spec).variables(spec))
+        names.update(hook.secret_env for hook in self.webhooks.values())
         return names
 
     def remember_secrets(self, environ: Mapping[str, str]) -> None:
@@ -152,7 +200,10 @@ class Catalog(SpecModel):
         }
         models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown)}
                   for name, model in self.models.items()}
-        return {"mcp_servers": servers, "models": models}
+        webhooks = {name: {"url": shown.url(hook.url), "secret_env": hook.secret_env,
+                           "secret_set": shown.is_set(hook.secret_env), "events": list(hook.events)}
+                    for name, hook in self.webhooks.items()}
+        return {"mcp_servers": servers, "models": models, "webhooks": webhooks}
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +386,9 @@ class Admission:
         catalog = self.catalog
         servers = self._servers(spec, catalog, refuse)
         model = self._model(spec, catalog, refuse)
+        for i, name in enumerate(spec.notify):
+            if name not in catalog.webhooks:
+                refuse(("notify", i), f"{name!r} is not a webhook of the catalog ({_known(catalog.webhooks)})")
         if isinstance(model, ScriptedModel):
             for i, turn in enumerate(model.turns):
                 if len(turn.tool_calls) > self.max_tool_calls_per_turn:

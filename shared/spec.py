@@ -155,6 +155,9 @@ _ApprovalEntry = Annotated[
 ]
 
 
+MAX_NOTIFY: Final = 8
+"""Webhooks one spec may name in ``notify``."""
+
 _LIST_AS_TUPLE: Final = Field(strict=False)
 """For tuple fields: the before-validators of the model and server unions hand JSON arrays on as Python
 lists, which a strict tuple refuses; only the container is lax, its items stay strict."""
@@ -545,6 +548,9 @@ class RunSpec(SpecModel):
     max_steps: Annotated[int, Field(ge=1, le=1_000_000)] = DEFAULT_MAX_STEPS
     """Steps the run may record, all segments together (at most RUNBRAKE_MAX_STEPS_CAP); reaching it fails
     the run with reason max_steps."""
+    notify: Annotated[tuple[_ServerName, ...], _LIST_AS_TUPLE, Field(max_length=MAX_NOTIFY)] = ()
+    """Webhooks of the operator's catalog ([webhooks.NAME]) told of this run's events, by name; a spec never
+    gives a URL (docs/webhooks.md)."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 

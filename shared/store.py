@@ -371,6 +371,10 @@ class RunStore:
         event id kept."""
         return self.execute(core.outbox_after(self.keys, after, count=count))
 
+    def webhook_deliveries(self, *, failing: bool = False, count: int = 100) -> list[dict[str, str]]:
+        """The latest webhook deliveries (or only those retrying or given up), newest first (docs/webhooks.md)."""
+        return self.execute(core.webhook_deliveries(self.keys, failing=failing, count=count))
+
     def persistence(self) -> list[tuple[str, dict[str | None, str | None]]]:
         """Each node's ``appendonly`` and ``save`` (every primary of a cluster), for the worker's warning
         about a Redis that keeps nothing on disk."""
