@@ -1066,8 +1066,8 @@ def _webhook_keys(keys: Keys, webhook: str, run_id: str, event_id: str) -> tuple
 
 
 def webhook_member(webhook: str, run_id: str) -> str:
-    """A line's member in the due set: the webhook and the run (a webhook's name has no space)."""
-    return f"{webhook} {run_id}"
+    """A line's member in the due set: the webhook and the run (a webhook's name has no '|')."""
+    return f"{webhook}|{run_id}"
 
 
 def run_requests(keys: Keys, run_ids: Sequence[str]) -> Op[list[str | None]]:
@@ -1114,7 +1114,7 @@ def webhook_heads(keys: Keys, members: Sequence[str]) -> Op[list[dict[str, str]]
 
     calls = []
     for member in members:
-        webhook, _, run_id = member.partition(" ")
+        webhook, _, run_id = member.partition("|")
         line = keys.webhook_key(f"webhook-line:{webhook}:{run_id}")
         calls.append(ScriptCall(_scripts.WEBHOOK_HEAD, (line,), ()))
     return Op("read webhook deliveries", tuple(calls), parse)
