@@ -196,7 +196,7 @@ def test_a_spec_naming_an_unknown_webhook_is_refused_naming_the_field_and_nothin
     answer = httpx2.post(f"{api.url}/v1/runs", json=spec, timeout=10)
     assert answer.status_code == 422
     assert [e["loc"] for e in answer.json()["errors"]] == [["notify", 1]]
-    assert not [k for k in store.redis.scan_iter(match=f"{store.namespace}:run:*")]
+    assert not list(store.redis.scan_iter(match=f"{store.namespace}:run:*"))
 
 
 def test_admission_and_the_catalog_check_webhooks() -> None:

@@ -69,7 +69,7 @@ class Receiver:
                 self.end_headers()
                 self.wfile.write(b"no")
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         http.server.ThreadingHTTPServer.allow_reuse_address = True

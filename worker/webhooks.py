@@ -38,7 +38,6 @@ import httpx2
 import standardwebhooks
 import structlog
 
-from runbrake.shared import _store_core as core
 from runbrake.shared.catalog import Catalog, CatalogFile, WebhookSpec
 from runbrake.shared.errors import StoreError
 from runbrake.shared.messaging.wire import encode_run_event
@@ -96,7 +95,6 @@ class WebhookDispatcher(PartThread):
         super().__init__("runbrake-webhooks")
         self._settings = settings
         self._store = store
-        self._keys = store.keys
         self._catalog = catalog if catalog is not None else (
             CatalogFile(settings.catalog) if settings.catalog else Catalog.empty())
         host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60]
@@ -108,7 +106,6 @@ class WebhookDispatcher(PartThread):
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
         self._next_sweep = 0.0
-        self._lease_key = self._keys.webhook_key("webhook-lease")
 
     def health(self) -> Health:
         if not self.is_alive():
@@ -126,7 +123,7 @@ class WebhookDispatcher(PartThread):
             while not self._stopping.is_set():
                 try:
                     if not groups_made:
-                        self._store.execute(core.outbox_groups(self._keys, core.WEBHOOK_GROUP))
+                        self._store.webhook_groups()
                         groups_made = True
                     self._round(client, pool)
                     wait = 0.2
@@ -144,14 +141,13 @@ class WebhookDispatcher(PartThread):
             pool.shutdown(wait=True, cancel_futures=True)
             client.close()
             with contextlib.suppress(StoreError):
-                self._store.execute(core.relay_release(self._keys, self.name_in_group, key=self._lease_key))
+                self._store.webhook_release(self.name_in_group)
             log.info("webhooks_stopped", delivered=self.delivered)
 
     # -- one round ----------------------------------------------------------------------------------
 
     def _round(self, client: httpx2.Client, pool: ThreadPoolExecutor) -> None:
-        leading = self._store.execute(core.relay_lease(self._keys, self.name_in_group, lease_s=LEASE_S,
-                                                       key=self._lease_key))
+        leading = self._store.webhook_lease(self.name_in_group, lease_s=LEASE_S)
         if leading != self.leading:
             log.info("webhooks_delivering" if leading else "webhooks_standing_by", dispatcher=self.name_in_group)
             self.leading = leading
@@ -172,15 +168,12 @@ class WebhookDispatcher(PartThread):
 
     def _queue_new(self, catalog: Catalog, *, block: bool) -> int:
         """Queue the deliveries of the outbox's next events; answers how many entries were read."""
-        group = core.WEBHOOK_GROUP
-        entries, trimmed = self._store.execute(
-            core.outbox_pending(self._keys, self.name_in_group, count=BATCH, group=group))
+        entries, trimmed = self._store.webhook_outbox_pending(self.name_in_group, count=BATCH)
         if trimmed:
             log.error("webhooks_events_trimmed_unqueued", events=trimmed)
         if not entries:
             wait = BLOCK_MS if block and not self._store.cluster else None
-            entries = self._store.execute(
-                core.outbox_new(self._keys, self.name_in_group, count=BATCH, block_ms=wait, group=group))
+            entries = self._store.webhook_outbox_new(self.name_in_group, count=BATCH, block_ms=wait)
         if not entries:
             return 0
         if catalog.webhooks:
@@ -188,14 +181,14 @@ class WebhookDispatcher(PartThread):
             now = time.time()
             for entry in entries:
                 self._queue_entry(entry, catalog, now)
-        self._store.execute(core.outbox_ack(self._keys, entries, group))
+        self._store.webhook_outbox_ack(entries)
         return len(entries)
 
     def _learn_notify(self, entries: Sequence[OutboxEntry]) -> None:
         unknown = list(dict.fromkeys(e.run_id for e in entries if e.run_id not in self._notify))
         if not unknown:
             return
-        requests = self._store.execute(core.run_requests(self._keys, unknown))
+        requests = self._store.run_requests(unknown)
         for run_id, request in zip(unknown, requests, strict=True):
             self._notify[run_id] = notify_of(request)
             if len(self._notify) > MAX_SPEC_CACHE:
@@ -216,12 +209,8 @@ class WebhookDispatcher(PartThread):
         for name in names:
             if not catalog.webhooks[name].wants(message.routing_key):
                 continue
-            fields: dict[str, core.Arg] = {
-                "webhook": core.Ident(name), "run_id": core.Ident(entry.run_id), "event_id": core.Ident(event_id),
-                "type": core.Ident(message.routing_key), "body": core.Verbatim(message.body.decode()),
-                "status": core.Ident("pending"), "attempts": 0, "created_at": now, "occurred_at": position[0] / 1000,
-            }
-            self._store.execute(core.webhook_queue(self._keys, name, entry.run_id, event_id, fields, now=now))
+            self._store.webhook_queue(name, entry.run_id, event_id, event_type=message.routing_key,
+                                      body=message.body.decode(), occurred_at=position[0] / 1000, now=now)
 
     def _send_due(self, client: httpx2.Client, pool: ThreadPoolExecutor, catalog: Catalog) -> int:
         """Start sending the head of each due line not in flight; answers how many were started."""
@@ -231,11 +220,10 @@ class WebhookDispatcher(PartThread):
         if room <= 0:
             self._stopping.wait(0.01)
             return 1  # busy: do not block on the outbox
-        due = [m for m in self._store.execute(core.webhooks_due(self._keys, now=time.time(),
-                                                                count=room + len(busy))) if m not in busy][:room]
+        due = [m for m in self._store.webhooks_due(now=time.time(), count=room + len(busy)) if m not in busy][:room]
         if not due:
             return 0
-        heads = self._store.execute(core.webhook_heads(self._keys, due))
+        heads = self._store.webhook_heads(due)
         started = 0
         for member, head in zip(due, heads, strict=True):
             if not head.get("event_id"):
@@ -268,11 +256,8 @@ class WebhookDispatcher(PartThread):
             ok, code, error = self._post(client, hook, event_id, head.get("body", ""))
         now = time.time()
         created = float(head.get("created_at", now) or now)
-        fields: dict[str, core.Arg] = {"attempts": attempts, "last_attempt_at": now, "status_code": code,
-                                       "error": error[:EXCERPT_CHARS]}
         if ok:
             outcome, next_at = "delivered", now
-            fields["delivered_at"] = now
             self.delivered += 1
         else:
             next_at = now + backoff_s(attempts, self._settings)
@@ -280,10 +265,8 @@ class WebhookDispatcher(PartThread):
             if outcome == "gave_up":
                 log.warning("webhook_gave_up", webhook=name, run_id=run_id, event_id=event_id, attempts=attempts,
                             error=error[:EXCERPT_CHARS])
-        fields["status"] = core.Ident(outcome)
-        fields["next_attempt_at"] = next_at if outcome == "retrying" else 0
-        self._store.execute(core.webhook_result(self._keys, name, run_id, event_id, outcome=outcome, fields=fields,
-                                                now=now, next_at=next_at))
+        self._store.webhook_result(name, run_id, event_id, outcome=outcome, attempts=attempts, status_code=code,
+                                   error=error[:EXCERPT_CHARS], now=now, next_at=next_at)
 
     def _post(self, client: httpx2.Client, hook: WebhookSpec, event_id: str, body: str) -> tuple[bool, int, str]:
         """POST one delivery; answers (2xx?, the status code or 0, what went wrong: a short excerpt)."""
@@ -320,9 +303,6 @@ class WebhookDispatcher(PartThread):
         if not self._settings.retention_s:
             return
         before = time.time() - self._settings.retention_s
-        while not self._stopping.is_set():
-            expired = self._store.execute(core.webhook_expired(self._keys, before=before, count=500))
-            if not expired:
-                return
-            self._store.execute(core.webhook_forget(self._keys, expired))
+        while not self._stopping.is_set() and self._store.webhook_sweep(before=before):
+            pass
 
