@@ -38,7 +38,7 @@ from tests.mcp_helpers import free_port
 from tests.webhook_helpers import Receiver, new_secret
 
 RESULTS = Path(__file__).parent / "results" / "webhooks.json"
-SECRET_ENV = "RUNBRAKE_BENCH_WEBHOOK_SECRET"
+SECRET_ENV = "RUNBRAKE_BENCH_WEBHOOK_SECRET"  # noqa: S105 - the name of a variable, not a secret
 
 
 def measure(rate: float, down_s: float, bound_s: float) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import redis.sentinel
 
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
+from runbrake.shared.outcome import DeliveryStatus
 from runbrake.shared.records import CancelRequest, Claim, Created, OutboxEntry, RunRecord, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -409,21 +410,23 @@ class RunStore:
         already."""
         fields: dict[str, core.Arg] = {
             "webhook": core.Ident(webhook), "run_id": core.Ident(run_id), "event_id": core.Ident(event_id),
-            "type": core.Ident(event_type), "body": body, "status": core.Ident("pending"), "attempts": 0,
+            "type": core.Ident(event_type), "body": body, "status": core.Ident(DeliveryStatus.PENDING.value),
+            "attempts": 0,
             "created_at": now, "occurred_at": occurred_at,
         }
         return self.execute(core.webhook_queue(self.keys, webhook, run_id, event_id, fields, now=now))
 
-    def webhook_result(self, webhook: str, run_id: str, event_id: str, *, outcome: str, attempts: int,
+    def webhook_result(self, webhook: str, run_id: str, event_id: str, *, outcome: DeliveryStatus, attempts: int,
                        status_code: int, error: str, now: float, next_at: float) -> bool:
         """Record an attempt (``delivered``, ``retrying`` until ``next_at``, or ``gave_up``)."""
+        retrying = outcome is DeliveryStatus.RETRYING
         fields: dict[str, core.Arg] = {
-            "status": core.Ident(outcome), "attempts": attempts, "status_code": status_code, "error": error,
-            "last_attempt_at": now, "next_attempt_at": next_at if outcome == "retrying" else 0,
+            "status": core.Ident(outcome.value), "attempts": attempts, "status_code": status_code, "error": error,
+            "last_attempt_at": now, "next_attempt_at": next_at if retrying else 0,
         }
-        if outcome == "delivered":
+        if outcome is DeliveryStatus.DELIVERED:
             fields["delivered_at"] = now
-        return self.execute(core.webhook_result(self.keys, webhook, run_id, event_id, outcome=outcome,
+        return self.execute(core.webhook_result(self.keys, webhook, run_id, event_id, outcome=outcome.value,
                                                 fields=fields, now=now, next_at=next_at))
 
     def webhooks_due(self, *, now: float, count: int) -> list[str]:

@@ -41,6 +41,7 @@ import structlog
 from runbrake.shared.catalog import Catalog, CatalogFile, WebhookSpec
 from runbrake.shared.errors import StoreError
 from runbrake.shared.messaging.wire import encode_run_event
+from runbrake.shared.outcome import DeliveryStatus
 from runbrake.shared.records import OutboxEntry, stream_position
 from runbrake.shared.redaction import remember, scrub
 from runbrake.shared.settings import Settings
@@ -257,12 +258,13 @@ class WebhookDispatcher(PartThread):
         now = time.time()
         created = float(head.get("created_at", now) or now)
         if ok:
-            outcome, next_at = "delivered", now
+            outcome, next_at = DeliveryStatus.DELIVERED, now
             self.delivered += 1
         else:
             next_at = now + backoff_s(attempts, self._settings)
-            outcome = "gave_up" if hook is None or next_at - created > self._settings.webhook_retry_s else "retrying"
-            if outcome == "gave_up":
+            late = hook is None or next_at - created > self._settings.webhook_retry_s
+            outcome = DeliveryStatus.GAVE_UP if late else DeliveryStatus.RETRYING
+            if outcome is DeliveryStatus.GAVE_UP:
                 log.warning("webhook_gave_up", webhook=name, run_id=run_id, event_id=event_id, attempts=attempts,
                             error=error[:EXCERPT_CHARS])
         self._store.webhook_result(name, run_id, event_id, outcome=outcome, attempts=attempts, status_code=code,
