@@ -32,7 +32,7 @@ from runbrake.broker.render import (
     server_health,
     webhook_deliveries,
 )
-from runbrake.shared import operations
+from runbrake.shared import operations, tracing
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
     ConfigError,
@@ -121,7 +121,10 @@ def user_errors(command: F) -> F:
 
 
 def settings_from_env() -> Settings:
-    return Settings.from_env()
+    """The settings of this command, read once; tracing turned on when they say so (docs/operating.md, "Traces")."""
+    settings = Settings.from_env()
+    tracing.configure(settings, service="runbrake")
+    return settings
 
 
 @contextmanager
@@ -360,14 +363,16 @@ def deny(run_id: str, reason: str, decided_by: str | None) -> None:
 
 
 @main.command()
-@click.option("--processes", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Worker processes, each with its own event loop and cancel listener.")
+@click.option("--processes", type=click.IntRange(1, 64), default=None,
+              help="Worker processes, each with its own event loop and cancel listener  [default: one per CPU "
+                   "this process may use; set it in a container, which sees the node's CPUs]. "
+                   "docs/deploying.md, 'Sizing processes and concurrency'.")
 @click.option("--concurrency", "--threads", "concurrency", type=click.IntRange(1, 10_000), default=8,
               show_default=True,
               help="Runs in flight per process, all on its one event loop (--threads is its former name, "
                    "deprecated). docs/benchmarks.md, 'Sizing'.")
 @user_errors
-def worker(processes: int, concurrency: int) -> None:
+def worker(processes: int | None, concurrency: int) -> None:
     """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C.
 
     Each process takes runs on a few consumer threads and runs up to --concurrency of them at once on its

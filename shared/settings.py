@@ -226,6 +226,21 @@ class Settings(BaseSettings):
     deployments (or two test runs) on one broker never see each other's runs."""
     max_tool_result_chars: Annotated[int, _integer(1)] = 16_000
     """Bound on each content channel of a tool result, in characters."""
+    mcp_progress: Annotated[str, _choice("always", "off")] = "always"
+    """Whether the worker asks MCP servers for progress of its tool calls (`_meta.progressToken`): `always`
+    (each call's latest report is kept for `runbrake show`, the runs page and the events stream), or
+    `off` (no call asks, so servers send none and the worker's loop handles none). A report cost the
+    worker's loop 0.2–0.35 ms of CPU on a shared 2-core machine (docs/benchmarks.md, "Notifications per
+    process")."""
+    event_loop: Annotated[str, _choice("uvloop", "asyncio")] = "uvloop"
+    """The worker's event loop: `uvloop` (libuv's, under the same asyncio and anyio API) or `asyncio`
+    (the standard library's). uvloop took 13–18 % off the loop's CPU per MCP progress notification
+    with the SDK alone, and up to 13 % more on top of the worker's own handling (docs/benchmarks.md,
+    "Notifications per process")."""
+    switch_interval_ms: Annotated[float, _number(float, 0.1, 100.0)] = 1.0
+    """How long the worker's event loop may hold Python's GIL while another thread waits for it, in
+    milliseconds (`sys.setswitchinterval`; Python's own default is 5): a cancel reaches the cancel
+    listener's thread while the loop is busy, and waits this long at most before it is handled."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600
@@ -259,6 +274,10 @@ class Settings(BaseSettings):
     most models, while a step stays small enough to send whole on every events replay."""
     max_tool_calls_per_turn: Annotated[int, _integer(1, 1000)] = 32
     """Most tool calls one model turn may ask for; more fails the run (`too_many_tool_calls`)."""
+    max_parallel_tool_calls: Annotated[int, _integer(1, 1000)] = 8
+    """Most tool calls of one turn a run has in flight at once (the others of the turn wait for a free
+    place, in call order); a catalog server's `max_concurrency` bounds its calls per worker process too.
+    1 runs a turn's calls one after another."""
     max_steps_cap: Annotated[int, _integer(1, 1_000_000)] = 1000
     """Highest `max_steps` a spec may ask for (its default is 200)."""
     retention_s: Annotated[int, _integer(0)] = 7 * 24 * 3600
@@ -312,6 +331,12 @@ class Settings(BaseSettings):
     redis_replica_ack_timeout_s: Annotated[float, _SECONDS] = 1.0
     """How long a transition waits for `RUNBRAKE_REDIS_MIN_REPLICAS_ACK` replicas, in seconds; below
     `RUNBRAKE_REDIS_TIMEOUT_S`."""
+    otel: Annotated[bool, _BOOL] = False
+    """Traces (OpenTelemetry): spans for the enqueue, each run segment, model call, tool call and cancel,
+    exported over OTLP/HTTP as the standard `OTEL_EXPORTER_OTLP_*` variables say, and the W3C `traceparent`
+    carried in the run and cancel messages and every MCP HTTP request (docs/operating.md, "Traces"). Needs
+    the `otel` extra (`pip install "runbrake[otel]"`); off, runbrake imports neither OpenTelemetry's tracing SDK
+    nor its exporter."""
     queue_type: Annotated[str, _choice("classic", "quorum")] = "classic"
     """How the run and cancel-request queues are declared: `quorum` declares `<ns>.runs` and its
     `.DQ`/`.XQ` twins, and `<ns>.cancel-requests` and its dead-letter queue, as quorum queues."""

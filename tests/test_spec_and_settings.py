@@ -71,6 +71,7 @@ def test_settings_defaults_for_the_bounds() -> None:
         ("RUNBRAKE_MAX_INPUT_CHARS", "500", "max_input_chars", 500),
         ("RUNBRAKE_MAX_ARGUMENT_CHARS", "300", "max_argument_chars", 300),
         ("RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", "4", "max_tool_calls_per_turn", 4),
+        ("RUNBRAKE_MAX_PARALLEL_TOOL_CALLS", "1", "max_parallel_tool_calls", 1),
         ("RUNBRAKE_MAX_STEPS_CAP", "50", "max_steps_cap", 50),
         ("RUNBRAKE_RETENTION_S", "0", "retention_s", 0),
         ("RUNBRAKE_REDRIVE_S", "5", "redrive_s", 5),
@@ -144,6 +145,7 @@ def test_settings_read_the_process_environment_when_given_none(monkeypatch: pyte
         ("RUNBRAKE_MAX_SPEC_BYTES", "10"),
         ("RUNBRAKE_RETENTION_S", "-1"),
         ("RUNBRAKE_REDRIVE_S", "0"),
+        ("RUNBRAKE_MAX_PARALLEL_TOOL_CALLS", "0"),
         ("RUNBRAKE_HEALTH_PORT", "70000"),
         ("RUNBRAKE_REDIS_CLUSTER", "2"),
         ("RUNBRAKE_QUEUE_TYPE", "stream"),
@@ -174,10 +176,12 @@ def test_the_settings_read_exactly_these_variables() -> None:
     """Names are a contract (docs/configuration.md): a field renamed renames its variable, and fails here."""
     assert sorted(Settings.variables.values()) == sorted([
         "RUNBRAKE_RABBITMQ_URL", "RUNBRAKE_REDIS_URL", "RUNBRAKE_NAMESPACE", "RUNBRAKE_MAX_TOOL_RESULT_CHARS",
+        "RUNBRAKE_MCP_PROGRESS", "RUNBRAKE_EVENT_LOOP", "RUNBRAKE_SWITCH_INTERVAL_MS",
         "RUNBRAKE_CANCEL_POLL_MS", "RUNBRAKE_RUN_TIME_LIMIT_S", "RUNBRAKE_LEASE_S", "RUNBRAKE_METRICS_PORT",
         "RUNBRAKE_REDIS_TIMEOUT_S", "RUNBRAKE_CATALOG", "RUNBRAKE_ALLOW_INLINE", "RUNBRAKE_MAX_SPEC_BYTES",
         "RUNBRAKE_MAX_INPUT_CHARS", "RUNBRAKE_MAX_ARGUMENT_CHARS", "RUNBRAKE_MAX_MODEL_CONTENT_CHARS",
-        "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", "RUNBRAKE_MAX_STEPS_CAP", "RUNBRAKE_RETENTION_S", "RUNBRAKE_REDRIVE_S",
+        "RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", "RUNBRAKE_MAX_PARALLEL_TOOL_CALLS", "RUNBRAKE_MAX_STEPS_CAP",
+        "RUNBRAKE_RETENTION_S", "RUNBRAKE_REDRIVE_S", "RUNBRAKE_OTEL",
         "RUNBRAKE_DRAIN_S", "RUNBRAKE_API_TOKENS", "RUNBRAKE_HEALTH_PORT", "RUNBRAKE_HEALTH_HOST",
         "RUNBRAKE_REDIS_CLUSTER", "RUNBRAKE_REDIS_SENTINELS", "RUNBRAKE_REDIS_SENTINEL_MASTER",
         "RUNBRAKE_REDIS_MIN_REPLICAS_ACK", "RUNBRAKE_REDIS_REPLICA_ACK_TIMEOUT_S", "RUNBRAKE_QUEUE_TYPE",
@@ -873,3 +877,13 @@ def test_runbrake_schema_prints_the_json_schema() -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == run_spec_json_schema()
     assert result.stdout.startswith('{\n  "$schema"')  # indented
+
+
+@pytest.mark.parametrize(("variable", "value"), [("RUNBRAKE_MCP_PROGRESS", "sometimes"),
+                                                 ("RUNBRAKE_EVENT_LOOP", "trio"),
+                                                 ("RUNBRAKE_SWITCH_INTERVAL_MS", "0")])
+def test_the_worker_loop_settings_refuse_what_they_do_not_know_naming_the_variable(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({variable: value})
+
+    assert raised.value.variable == variable

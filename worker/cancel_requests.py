@@ -25,10 +25,17 @@ import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
+from runbrake.shared import tracing
 from runbrake.shared.errors import StoreError
 from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
-from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, MalformedCancelRequest, Topology, decode_cancel_request
+from runbrake.shared.messaging.wire import (
+    DEAD_REASON_HEADER,
+    MalformedCancelRequest,
+    Topology,
+    cancel_traceparent,
+    decode_cancel_request,
+)
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker._consumer import ConsumerThread
@@ -77,8 +84,11 @@ class CancelRequestConsumer(ConsumerThread):
         if verified and request.requested_by:
             requested_by = f"{request.requested_by} (amqp:{verified})"
         try:
-            result = cancel_run(self._store, self._publisher, request.run_id,
-                                reason=request.reason or DEFAULT_REASON, requested_by=requested_by)
+            # A traced publisher's trace goes on through the fence and the wake-up (docs/operating.md, "Traces").
+            with tracing.current().span("runbrake.cancel_request", {"runbrake.run_id": request.run_id},
+                                        parent=cancel_traceparent(properties), kind="consumer"):
+                result = cancel_run(self._store, self._publisher, request.run_id,
+                                    reason=request.reason or DEFAULT_REASON, requested_by=requested_by)
         except StoreError as exc:
             # Not the request's fault: keep it, and try again after a pause (the connection stays serviced).
             log.warning("cancel_request_store_unavailable", run_id=request.run_id, error=str(exc),

@@ -27,25 +27,29 @@ import os
 import ssl
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from typing import Any, Final
 
 import anyio
 import httpx2
 import structlog
+from anyio.abc import TaskGroup
 from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
 from mcp.client import Transport
-from mcp.client.stdio import get_default_environment
+from mcp.client.stdio import get_default_environment, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.dispatcher import ProgressFnT
-from mcp_types import INVALID_PARAMS, CallToolResult
+from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta
 from pydantic import ValidationError
 
+from runbrake.shared import tracing
 from runbrake.shared.catalog import expand
 from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 from runbrake.shared.registry import TRANSPORTS
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
+from runbrake.shared.tracing import TRACEPARENT
 from runbrake.worker.conversation import ToolInfo
+from runbrake.worker.mcp_progress import ProgressRoutes, ProgressTap
 
 __all__ = ["McpConnection"]
 
@@ -81,6 +85,8 @@ class McpConnection:
         self._fault: Exception | None = None
         self._ready = anyio.Event()
         self._closing = anyio.Event()
+        self._progress = ProgressRoutes()
+        self._tasks: TaskGroup | None = None
 
     @property
     def server(self) -> str:
@@ -107,7 +113,7 @@ class McpConnection:
         # instead of being wrapped in an ExceptionGroup by the task group. The client task
         # never raises (it keeps its fault for the calls), so the task group has nothing
         # of its own to report.
-        task_group = anyio.create_task_group()
+        task_group = connection._tasks = anyio.create_task_group()
         await task_group.__aenter__()
         try:
             task_group.start_soon(connection._serve, connect_timeout_s)
@@ -135,7 +141,7 @@ class McpConnection:
             # client's own task groups are still open, which anyio refuses.
             with anyio.CancelScope(deadline=anyio.current_time() + connect_timeout_s) as connecting:
                 async with AsyncExitStack() as stack:
-                    client = await stack.enter_async_context(Client(_target(self.spec)))
+                    client = await stack.enter_async_context(Client(_target(self.spec, self._progress)))
                     connecting.deadline = math.inf
                     self._client = client
                     self._ready.set()
@@ -225,8 +231,8 @@ class McpConnection:
             # Cancelling the scope makes the SDK tell the server: notifications/cancelled,
             # or on 2026-07-28 HTTP, closing the request's stream (docs/architecture.md,
             # "Pitfalls: mcp 2.x cancellation").
-            with interrupt, anyio.move_on_after(timeout_s):
-                result = await client.call_tool(tool, dict(arguments), progress_callback=progress)
+            with interrupt, anyio.move_on_after(timeout_s), self._progress_meta(progress) as meta:
+                result = await client.call_tool(tool, dict(arguments), meta=meta)
         except Exception as exc:
             if not _is_transport_fault(exc):
                 raise
@@ -248,6 +254,14 @@ class McpConnection:
             f"call to {self.server}.{tool} timed out after {timeout_s:g} s", server=self.server, tool=tool
         )
 
+    def _progress_meta(self, progress: ProgressFnT | None) -> AbstractContextManager[RequestParamsMeta | None]:
+        """The call's request ``_meta``: a progress token routed to ``progress`` (worker/mcp_progress.py),
+        or none, and then the server is not asked for progress at all."""
+        if progress is None or self._tasks is None:
+            return nullcontext()
+        routed: AbstractContextManager[RequestParamsMeta | None] = self._progress.route(progress, self._tasks)
+        return routed
+
     def _live_client(self, what: str, *, tool: str = "") -> Client:
         if self._client is not None:
             return self._client
@@ -267,11 +281,14 @@ class McpConnection:
         )
 
 
-def _target(spec: McpServerSpec) -> Transport | StdioServerParameters:
+def _target(spec: McpServerSpec, progress: ProgressRoutes) -> Transport:
     """What the SDK's client connects with: the implementation the server's transport entry names
-    (shared/registry.py); one not implemented here fails the server's connect, never falls back."""
+    (shared/registry.py), its progress notifications for ``progress`` taken out where they come in
+    (worker/mcp_progress.py); one not implemented here fails the server's connect, never falls back."""
     implementation: Callable[[McpServerSpec], Transport | StdioServerParameters] = TRANSPORTS.implementation(spec)
-    return implementation(spec)
+    target = implementation(spec)
+    transport: Transport = stdio_client(target) if isinstance(target, StdioServerParameters) else target
+    return ProgressTap(transport, progress)
 
 
 def http_target(spec: HttpServerSpec) -> Transport:
@@ -316,8 +333,18 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
         client = clients[key] = httpx2.AsyncClient(
             verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers,
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=_KEEPALIVE_CONNECTIONS),
+            event_hooks={"request": [_carry_traceparent]} if tracing.current().enabled else None,
         )
     return client
+
+
+async def _carry_traceparent(request: httpx2.Request) -> None:
+    """With tracing on, every MCP HTTP request carries the current span's W3C ``traceparent``, so a traced MCP
+    server continues the run's trace (docs/operating.md, "Traces"). The SDK sends each request in the
+    context of the call that made it: the tool call's span (worker/tracing.py) is the current one."""
+    traceparent = tracing.current().traceparent()
+    if traceparent is not None:
+        request.headers[TRACEPARENT] = traceparent
 
 
 _KEEPALIVE_CONNECTIONS: Final = 64
