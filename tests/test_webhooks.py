@@ -22,7 +22,7 @@ from runbrake.shared.catalog import Admission, Catalog, CatalogFile
 from runbrake.shared.errors import SpecError
 from runbrake.shared.spec import RunSpec
 from runbrake.worker.webhooks import WebhookDispatcher, backoff_s
-from tests.api_helpers import ApiProcess
+from tests.api_helpers import ApiProcess, bearer
 from tests.catalog_helpers import catalog_path, to_toml
 from tests.events_helpers import position
 from tests.mcp_helpers import free_port
@@ -100,7 +100,7 @@ def _cli_deliveries(*args: str) -> list[dict[str, object]]:
 
 def test_runs_that_complete_are_delivered_signed_in_order_per_run_and_listed(
     dispatchers: list[WebhookDispatcher], receiver: Receiver, store: RunStore, rabbitmq: Settings,
-    start_api: Callable[..., ApiProcess],
+    start_api: Callable[..., ApiProcess], tokens_file: Path,
 ) -> None:
     run_ids = [_finish(store, ["orders"]) for _ in range(RUNS)]
     unnotified = _finish(store, [])
@@ -126,11 +126,15 @@ def test_runs_that_complete_are_delivered_signed_in_order_per_run_and_listed(
     assert "delivered" in human.stdout
     assert run_ids[0] in human.stdout
 
-    api = start_api()
-    answer = httpx2.get(f"{api.url}/v1/webhooks", params={"limit": 5}, timeout=10)
+    api = start_api(tokens=tokens_file)
+    url = f"{api.url}/v1/webhooks"
+    assert httpx2.get(url, timeout=10).status_code == 401  # the read role
+    answer = httpx2.get(url, params={"limit": 5}, headers=bearer("reader"), timeout=10)
     assert answer.status_code == 200
     assert [d["event_id"] for d in answer.json()] == [d["event_id"] for d in listed[:5]]
-    assert httpx2.get(f"{api.url}/v1/webhooks", params={"limit": 0}, timeout=10).status_code == 422
+    failing = httpx2.get(url, params={"failing": "true"}, headers=bearer("reader"), timeout=10)
+    assert failing.json() == []
+    assert httpx2.get(url, params={"limit": 0}, headers=bearer("reader"), timeout=10).status_code == 422
 
 
 def test_a_receiver_down_then_up_gets_every_delivery_afterwards_and_failing_shows_it_meanwhile(

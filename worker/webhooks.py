@@ -25,10 +25,8 @@ import datetime
 import json
 import os
 import random
-import socket
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +45,7 @@ from runbrake.shared.redaction import remember, scrub
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker.parts import Health, PartThread
+from runbrake.worker.relay import consumer_name
 
 log = structlog.get_logger(__name__)
 
@@ -98,8 +97,7 @@ class WebhookDispatcher(PartThread):
         self._store = store
         self._catalog = catalog if catalog is not None else (
             CatalogFile(settings.catalog) if settings.catalog else Catalog.empty())
-        host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60]
-        self.name_in_group = f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.name_in_group = consumer_name()
         self.leading = False
         self.delivered = 0
         """Deliveries this dispatcher got a 2xx for since it started."""
