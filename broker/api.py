@@ -32,6 +32,7 @@ import structlog
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -61,7 +62,7 @@ from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.shared.messaging.wire import connection_parameters, declare_events
 from runbrake.shared.settings import Settings
-from runbrake.shared.spec import RunSpec, run_spec_json_schema
+from runbrake.shared.spec import RunSpec, parse_label_filters, run_spec_json_schema
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
 from runbrake.shared.timeline import LABELS
@@ -241,6 +242,41 @@ def _cursor(value: str | None) -> tuple[float, str] | None:
         {"loc": ["query", "cursor"], "msg": "pass next_cursor from the previous page unchanged"}])
 
 
+def _label_filter(given: list[str]) -> dict[str, str]:
+    """``label=KEY:VALUE`` parameters as the labels a run must carry (docs/http-api.md, "Runs: reading")."""
+    try:
+        return parse_label_filters(given, separator=":")
+    except SpecError as exc:
+        raise ApiError.answer(422, "invalid label filter", errors=[
+            {"loc": ["query", "label"], "msg": p.msg} for p in exc.problems]) from exc
+
+
+async def no_unknown_query(request: Request) -> None:
+    """A dependency of every route: a GET with a query parameter its route does not take is refused (422,
+    naming it), never silently ignored: ``?tenant=acme`` must not answer every run."""
+    if request.method not in ("GET", "HEAD"):
+        return
+    route = request.scope.get("route")
+    known = _query_names(route) if isinstance(route, APIRoute) else frozenset()
+    unknown = sorted({name for name in request.query_params if name not in known})
+    if unknown:
+        takes = ", ".join(sorted(known)) or "none"
+        raise ApiError.answer(422, "unknown query parameter", errors=[
+            {"loc": ["query", name[:100]], "msg": f"unknown query parameter; this endpoint takes: {takes}"}
+            for name in unknown[:10]])
+
+
+def _query_names(route: APIRoute) -> frozenset[str]:
+    """The query parameters a route takes, its dependencies' included (a walk of a few objects: no cache)."""
+    names: set[str] = set()
+    pending = [route.dependant]
+    while pending:
+        dependant = pending.pop()
+        names.update(param.alias for param in dependant.query_params)
+        pending.extend(dependant.dependencies)
+    return frozenset(names)
+
+
 def _next_cursor(position: tuple[float, str] | None) -> str | None:
     if position is None:
         return None
@@ -298,6 +334,7 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     app = FastAPI(
         title="runbrake", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
         description="Runs, their events, cancel and approval (docs/http-api.md).",
+        dependencies=[Depends(no_unknown_query)],
     )
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts(settings, tokens))
     app.add_middleware(MetricsMiddleware)  # outside the guard: refused requests are counted too
@@ -361,8 +398,13 @@ def _routes(app: FastAPI) -> None:
 
     @app.get("/v1/runs", tags=["runs"])
     async def list_runs(request: Request, _who: Reader, status: str | None = None, limit: int = 20,
-                        cursor: str | None = None) -> dict[str, Any]:
-        """Runs newest first, one page at a time; ``next_cursor`` is null on the last page."""
+                        cursor: str | None = None,
+                        label: Annotated[list[str] | None, Query(
+                            description="KEY:VALUE; repeat it: a run must carry every label given")] = None,
+                        ) -> dict[str, Any]:
+        """Runs newest first, one page at a time; ``next_cursor`` is null on the last page. Filtered by
+        ``status`` and by ``label=KEY:VALUE`` (repeatable: all must match)."""
+        labels = _label_filter(label or [])
         wanted = None
         if status:
             if status not in {s.value for s in RunStatus if s is not RunStatus.UNKNOWN}:
@@ -371,7 +413,8 @@ def _routes(app: FastAPI) -> None:
             wanted = RunStatus(status)
         if not 1 <= limit <= 1000:
             raise ApiError.answer(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
-        records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor))
+        records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor),
+                                                             labels=labels)
         return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
 
     @app.get("/v1/runs/{run_id}", tags=["runs"])

@@ -52,7 +52,7 @@ from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.records import check_run_id
 from runbrake.shared.settings import Settings
-from runbrake.shared.spec import RunSpec, run_spec_json_schema
+from runbrake.shared.spec import RunSpec, parse_label_filters, run_spec_json_schema
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
 
@@ -273,13 +273,19 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
 @main.command()
 @click.option("--status", "status", type=click.Choice([s.value for s in RunStatus if s is not RunStatus.UNKNOWN]),
               default=None, help="Only runs in this status.")
+@click.option("--label", "label_filters", multiple=True, metavar="KEY=VALUE",
+              help="Only runs with this label; repeat it: a run must carry every label given.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @user_errors
-def runs(status: str | None, limit: int, as_json: bool) -> None:
-    """List recent runs, newest first."""
+def runs(status: str | None, label_filters: tuple[str, ...], limit: int, as_json: bool) -> None:
+    """List recent runs, newest first (filters look at the last 1000 runs)."""
+    try:
+        labels = parse_label_filters(label_filters, separator="=")
+    except SpecError as exc:
+        raise click.BadParameter("; ".join(p.msg for p in exc.problems), param_hint="'--label'") from exc
     with open_store(settings_from_env()) as store:
-        records = store.recent(limit=limit, status=RunStatus(status) if status else None)
+        records = store.recent(limit=limit, status=RunStatus(status) if status else None, labels=labels)
     if as_json:
         emit_json([run_summary(r) for r in records])
     else:

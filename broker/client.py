@@ -80,11 +80,15 @@ class Client:
         """The run and its steps, as ``runbrake show --json`` prints it."""
         return self._answer(self._http.get(f"/v1/runs/{run_id}"))  # type: ignore[no-any-return]
 
-    def runs(self, *, status: str | None = None, limit: int = 20, cursor: str | None = None) -> dict[str, Any]:
-        """One page of runs, newest first: ``{runs: [...], next_cursor}``."""
+    def runs(self, *, status: str | None = None, labels: Mapping[str, str] | None = None, limit: int = 20,
+             cursor: str | None = None) -> dict[str, Any]:
+        """One page of runs, newest first: ``{runs: [...], next_cursor}``; only those carrying every one of
+        ``labels`` when given."""
         params: dict[str, Any] = {"limit": limit}
         if status:
             params["status"] = status
+        if labels:
+            params["label"] = [f"{key}:{value}" for key, value in labels.items()]
         if cursor:
             params["cursor"] = cursor
         return self._answer(self._http.get("/v1/runs", params=params))  # type: ignore[no-any-return]

@@ -31,8 +31,9 @@ def run_json(record: RunRecord) -> dict[str, Any]:
 
 
 def run_summary(record: RunRecord) -> dict[str, Any]:
-    """A run in a listing (``runbrake runs --json``, ``GET /v1/runs``): ``show --json`` without the steps."""
-    return {k: v for k, v in record.to_dict().items() if k != "steps"}
+    """A run in a listing (``runbrake runs --json``, ``GET /v1/runs``): ``show --json`` without the steps, the
+    input, the instructions and the answer; with ``input_preview`` instead."""
+    return record.summary()
 
 
 def pending_call(record: RunRecord) -> dict[str, Any] | None:
@@ -113,6 +114,15 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
         f"  {label('run.created', lang)}: {_when(record.created_at)}   {label('run.started', lang)}: "
         f"{_when(record.started_at)}   {label('run.finished', lang)}: {_when(record.finished_at)}",
     ]
+    if record.model is not None:
+        usage = record.usage
+        lines.append(f"  {label('run.model', lang)}: {record.model}   {label('run.tokens', lang)}: "
+                     f"{usage.total_tokens} ({usage.input_tokens} {label('run.tokens_in', lang)}, "
+                     f"{usage.output_tokens} {label('run.tokens_out', lang)}, "
+                     f"{usage.model_calls} {label('run.model_calls', lang)})")
+    if record.labels:
+        lines.append(f"  {label('run.labels', lang)}: "
+                     + ", ".join(f"{key}={value}" for key, value in sorted(record.labels.items())))
     if record.cancel is not None:
         lines.append(
             f"  {label('run.cancel', lang)}: {record.cancel.reason!r} {label('run.by', lang)} "

@@ -125,7 +125,11 @@ end
 
 # KEYS: run, idempotency (may be a dummy key), index, unclaimed, outbox.
 # ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, request digest,
-#   retention_s, events channel
+#   labels_json, model, input preview, retention_s, events channel (the last two, as outbox() and announce()
+#   read them)
+# The labels, the model's name and the start of the input are kept beside the request as fields of their
+# own, so that a listing reads them without the request, which can be large (shared/_store_core.py,
+# SUMMARY_FIELDS).
 # The idempotency key holds "<run_id> <digest of the request>": the same key with another request is a
 # conflict, answered {0, run_id, 'conflict'}, never silently the other run.
 CREATE = _script("create", _ANNOUNCE + """
@@ -138,7 +142,8 @@ if ARGV[4] == '1' then
   end
 end
 redis.call('HSET', KEYS[1], 'run_id', ARGV[1], 'status', '$status_queued', 'termination_reason', '',
-  'created_at', ARGV[3], 'request', ARGV[2], 'seq', 0, 'idempotency_key', ARGV[5])
+  'created_at', ARGV[3], 'request', ARGV[2], 'seq', 0, 'idempotency_key', ARGV[5], 'labels', ARGV[7],
+  'model', ARGV[8], 'input_preview', ARGV[9])
 if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[6]) end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
@@ -276,8 +281,10 @@ return {1, st}
 # ARGV: step_body_json (an object without sequence/recorded_at), now, server_outcome_field ('' when
 #   the step is not a tool step with an outcome), run_id, step token, owner ('' = the
 #   step is not a worker's, e.g. a denial; otherwise the claim's owner token, the fence against a worker
-#   whose run was reaped or taken over: its writes are refused with {0, 0, 'owner'}), retention_s,
-#   events channel
+#   whose run was reaped or taken over: its writes are refused with {0, 0, 'owner'}), model calls (1 for a
+#   model step that answered, else 0), input tokens, output tokens, retention_s, events channel
+# The run's usage (hash fields model_calls, input_tokens, output_tokens) is summed here, with the step: a
+# step appended once counts once, whichever segment or worker appends it and however often it is retried.
 # Answers {sequence, cancelled}. A token already appended answers its sequence again and appends
 # nothing: a write retried after a lost answer (docs/architecture.md, "Store outages") is recorded once.
 # The append and the probe of the boundary it makes are one round
@@ -299,6 +306,11 @@ if body == '{}' then sep = '' end
 local record = '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[2] .. sep .. string.sub(body, 2)
 redis.call('RPUSH', KEYS[2], record)
 outbox(ARGV[4], '{"event":"step","run_id":"' .. ARGV[4] .. '","step":' .. record .. '}')
+if ARGV[7] ~= '0' then
+  redis.call('HINCRBY', KEYS[1], 'model_calls', ARGV[7])
+  redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[8])
+  redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[9])
+end
 if ARGV[3] ~= '' then
   redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
   redis.call('HINCRBY', KEYS[5], ARGV[3], 1)

@@ -10,7 +10,8 @@ translation of ``redis`` errors into :class:`StoreError` (:func:`failed`).
 
 Keys on a single Redis, all under the namespace (``{run_id}`` is a hash tag, so a run's keys share one slot):
 
-    <ns>:run:{<id>}           hash   the run: status, reason, times, owner, request, pending turn
+    <ns>:run:{<id>}           hash   the run: status, reason, times, owner, request, pending turn, labels,
+                                     model, input preview, usage (input/output tokens, model calls)
     <ns>:run:{<id>}:steps     list   the steps as JSON, in sequence order
     <ns>:run:{<id>}:cancel    string the cancel request as JSON; lives as long as the run, no TTL
     <ns>:runs                 zset   run ids by creation time
@@ -61,7 +62,7 @@ from runbrake.shared.records import (
 )
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import RunStep
+from runbrake.shared.steps import RunStep, StepKind
 
 log = structlog.get_logger("runbrake.shared.store")
 
@@ -489,8 +490,15 @@ def _read_transition(name: str, run_id: str, answer: Sequence[Any]) -> Transitio
     return result
 
 
+INPUT_PREVIEW_CHARS: Final = 200
+"""How much of a run's input its listing shows (``input_preview``)."""
+
+
 def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | None) -> Op[Created]:
-    """Write a queued run with its request; the same idempotency key answers the run it created."""
+    """Write a queued run with its request; the same idempotency key answers the run it created.
+
+    The request is a validated spec's (shared/spec.py): its labels, its model's name (a catalog name, or an
+    inline model's provider) and the start of its input are also kept as fields of their own."""
     run_id = keys.new_run_id(idempotency_key)
     shard = keys.shard(run_id)
     now = time.time()
@@ -512,9 +520,22 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
     return durable(_script(
         _scripts.CREATE, (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard), keys.outbox(shard)),
         (Ident(run_id), request_json, now, Ident("1" if idempotency_key else "0"), Verbatim(idempotency_key or ""),
-         Ident(digest), keys.retention_s, Ident(keys.events)),
+         Ident(digest), _labels(request), _model_name(request), str(request.get("input", ""))[:INPUT_PREVIEW_CHARS],
+         keys.retention_s, Ident(keys.events)),
         "create a run", parse,
     ))
+
+
+def _labels(request: Mapping[str, Any]) -> dict[str, str]:
+    labels = request.get("labels")
+    return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {}
+
+
+def _model_name(request: Mapping[str, Any]) -> str:
+    model = request.get("model")
+    if isinstance(model, str):
+        return model
+    return str(model.get("provider", "")) if isinstance(model, Mapping) else ""
 
 
 def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
@@ -618,6 +639,10 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
         outcome = ARGUMENT_ERROR if step.detail.get("failure") == "arguments" else step.tool_outcome.value
         counter = f"{step.tool_server}|{outcome}"
 
+    answered = step.kind is StepKind.MODEL and not step.error and not step.interrupted
+    usage = step.detail.get("usage") if answered else None
+    tokens = [_tokens(usage, "input_tokens"), _tokens(usage, "output_tokens")]
+
     def parse(answers: list[Any]) -> Appended:
         sequence, cancelled, *refused = answers[0]
         if refused:
@@ -631,9 +656,15 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
          keys.servers_hour(recorded_at, keys.shard(run_id)), keys.outbox_of(run_id)),
         (body, recorded_at, counter, Ident(run_id), Ident(token or uuid.uuid4().hex), Ident(owner),
-         keys.retention_s, Ident(keys.events)),
+         1 if answered else 0, *tokens, keys.retention_s, Ident(keys.events)),
         f"append a step to run {run_id}", parse,
     )
+
+
+def _tokens(usage: object, kind: str) -> int:
+    """A count of a model step's ``detail.usage`` (0 when absent or not a count: the provider said nothing)."""
+    value = usage.get(kind) if isinstance(usage, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
 
 
 def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str = "") -> Op[tuple[Appended, Transition]]:
@@ -735,15 +766,24 @@ def recent_ids(keys: Keys, *, count: int) -> Op[list[str]]:
                                  for shard in keys.shards), parse)
 
 
-def records(keys: Keys, run_ids: Sequence[str], *, limit: int, status: RunStatus | None) -> Op[list[RunRecord]]:
-    """These runs without their steps, in the given order, filtered by ``status``, at most ``limit``."""
+def matches(record: RunRecord, status: RunStatus | None, labels: Mapping[str, str] | None) -> bool:
+    """Whether a run is in ``status`` (any, when None) and carries every one of ``labels``."""
+    if status is not None and record.status is not status:
+        return False
+    return not labels or all(record.labels.get(key) == value for key, value in labels.items())
+
+
+def records(keys: Keys, run_ids: Sequence[str], *, limit: int, status: RunStatus | None,
+            labels: Mapping[str, str] | None = None) -> Op[list[RunRecord]]:
+    """These runs without their steps, in the given order, filtered by ``status`` and ``labels`` (all must
+    match), at most ``limit``."""
     def parse(answers: list[Any]) -> list[RunRecord]:
         found = []
         for run_id, fields, raw_cancel in zip(run_ids, answers[::2], answers[1::2], strict=True):
             if not fields:
                 continue
             record = read_record(run_id, fields, (), read_cancel_request(raw_cancel))
-            if status is None or record.status is status:
+            if matches(record, status, labels):
                 found.append(record)
             if len(found) >= limit:
                 break
@@ -855,7 +895,8 @@ def ping() -> Op[None]:
 # -- the HTTP API and progress reports (docs/http-api.md) ----------------------------------------
 
 SUMMARY_FIELDS: Final = ("status", "termination_reason", "created_at", "started_at", "finished_at", "owner",
-                         "lease_expires_at", "error", "segments")
+                         "lease_expires_at", "error", "segments", "labels", "model", "input_preview", "model_calls",
+                         "input_tokens", "output_tokens")
 """The hash fields a run listing reads: not the request or the pending turn, which can be large."""
 
 

@@ -272,9 +272,10 @@ class AsyncRunStore:
 
     async def page(
         self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,
-        scan: int = 1000,
+        labels: Mapping[str, str] | None = None, scan: int = 1000,
     ) -> tuple[list[RunRecord], tuple[float, str] | None]:
-        """Runs newest first (without steps), after the position ``after``; filtered by ``status``.
+        """Runs newest first (without steps), after the position ``after``; filtered by ``status`` and
+        ``labels`` (all must match).
 
         Examines at most ``scan`` runs, so a rare status costs a bounded amount of work per call. Answers
         the runs and the position to continue from, or None when the index is exhausted.
@@ -291,7 +292,7 @@ class AsyncRunStore:
             for (run_id, score), record in zip(ids, records, strict=True):
                 examined += 1
                 position = (score, run_id)
-                if record is not None and (status is None or record.status is status):
+                if record is not None and core.matches(record, status, labels):
                     found.append(record)
                     if len(found) >= limit:
                         return found, position

@@ -16,6 +16,8 @@ secrets (docs/security.md). So the operator names the servers and models in a TO
     base_url = "https://api.openai.com/v1"
     model = "gpt-4.1-mini"
     api_key_env = "OPENAI_API_KEY"
+    defaults = { temperature = 0.2 }      # model_settings a spec leaves out
+    caps = { max_output_tokens = 4096 }   # upper bounds: a spec above one is refused
 
 ``${VAR}`` in header and env values is expanded from the worker's environment when it
 connects (:func:`expand`), never before: the values are never written to Redis, logged or
@@ -33,12 +35,13 @@ import re
 import tomllib
 import urllib.parse
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Final
 
 import structlog
 from pydantic import Field, ValidationError, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from runbrake.shared import redaction
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
@@ -48,6 +51,7 @@ from runbrake.shared.spec import (
     VARIABLE_PATTERN,
     CatalogModelSpec,
     CatalogServerSpec,
+    ModelSettingsSpec,
     ModelSpec,
     RunSpec,
     ScriptedModel,
@@ -57,8 +61,8 @@ from runbrake.shared.spec import (
     variables_in,
 )
 
-__all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "WebhookSpec", "expand",
-           "variables_in"]
+__all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "ModelCaps", "ModelPolicy",
+           "WebhookSpec", "expand", "variables_in"]
 
 log = structlog.get_logger(__name__)
 
@@ -108,6 +112,29 @@ class WebhookSpec(SpecModel):
         return any(p in ("*", event_type, f"{kind}.*") for p in self.events)
 
 
+class ModelCaps(SpecModel):
+    """Upper bounds a catalog model puts on a spec's model_settings (``[models.NAME.caps]``)."""
+
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """Also the value sent when neither the spec nor the defaults set one: every call is bounded."""
+
+
+class ModelPolicy(SpecModel):
+    """What a catalog model says about the settings it is asked with: defaults and caps."""
+
+    defaults: ModelSettingsSpec | None = None
+    """The model_settings a spec leaves out."""
+    caps: ModelCaps | None = None
+    """Upper bounds on temperature, top_p and max_output_tokens."""
+
+
+_POLICY_KEYS: Final = ("defaults", "caps")
+"""The keys of a catalog model entry that are not its provider's: read into :class:`ModelPolicy` (one shape for
+every provider, so a provider's spec need not carry them)."""
+
+
 class Catalog(SpecModel):
     """What the operator allows: MCP servers and models by name, and the webhooks a spec may notify."""
 
@@ -118,6 +145,8 @@ class Catalog(SpecModel):
     it reaches nothing)."""
     webhooks: dict[str, WebhookSpec] = Field(default_factory=dict)
     """The webhooks a spec may name in ``notify`` (docs/webhooks.md)."""
+    policies: SkipJsonSchema[dict[str, ModelPolicy]] = Field(default_factory=dict)
+    """Per model: the ``defaults`` and ``caps`` of its entry (read apart from its provider's fields)."""
 
     @classmethod
     def empty(cls) -> Catalog:
@@ -154,11 +183,23 @@ class Catalog(SpecModel):
             # TOML has dates, times and nan/inf; a catalog has no field for them (found by tests/test_fuzz_inputs.py).
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: " + "; ".join(
                 f"{'.'.join(map(str, loc))}: {what}, which no catalog field takes" for loc, what in unusable))
+        data, policies = _policies_apart(data)
         try:
             catalog = cls.model_validate_json(json.dumps(dict(data), allow_nan=False))
         except ValidationError as exc:
             problems = "; ".join(f"{p.field}: {p.msg}" for p in problems_of(exc))
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: {problems}") from exc
+        checked: dict[str, ModelPolicy] = {}
+        for name, policy in policies.items():
+            try:
+                checked[name] = ModelPolicy.model_validate_json(json.dumps(policy))
+            except ValidationError as exc:
+                problems = "; ".join(f"models.{name}.{p.field}: {p.msg}" for p in problems_of(exc))
+                raise ConfigError("RUNBRAKE_CATALOG", f"{where}: {problems}") from exc
+        above = [f"models.{n}.defaults.{setting}" for n, p in checked.items() for setting in _above_caps(p)]
+        if above:
+            raise ConfigError("RUNBRAKE_CATALOG", f"{where}: a default above its cap: {', '.join(above)}")
+        catalog = catalog.model_copy(update={"policies": checked})
         names = [f"mcp_servers.{n}" for n in catalog.mcp_servers if not _plain(n)]
         names += [f"models.{n}" for n in catalog.models if not _plain(n)]
         names += [f"webhooks.{n}" for n in catalog.webhooks if not _plain(n)]
@@ -198,12 +239,18 @@ class Catalog(SpecModel):
                    "timeout_s": server.timeout_s, **TRANSPORTS.of(server).describe(server, shown)}
             for name, server in self.mcp_servers.items()
         }
-        models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown)}
-                  for name, model in self.models.items()}
+        models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown),
+                         **self._policy(name)} for name, model in self.models.items()}
         webhooks = {name: {"url": shown.url(hook.url), "secret_env": hook.secret_env,
                            "secret_set": shown.is_set(hook.secret_env), "events": list(hook.events)}
                     for name, hook in self.webhooks.items()}
         return {"mcp_servers": servers, "models": models, "webhooks": webhooks}
+
+
+    def _policy(self, model: str) -> dict[str, Any]:
+        """A model's defaults and caps as ``describe`` shows them (nothing when it sets none)."""
+        policy = self.policies.get(model)
+        return {} if policy is None else policy.model_dump(mode="json", exclude_none=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +272,33 @@ class _Shown:
 
     def secret_name(self, name: str) -> bool:
         return bool(_SECRET_NAME.search(name))
+
+
+def _policies_apart(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The catalog without the ``defaults`` and ``caps`` of its model entries, and those by model name."""
+    if "policies" in data:
+        raise ConfigError("RUNBRAKE_CATALOG", "policies: unknown field (a model's defaults and caps go in its "
+                                              "own entry: [models.NAME.defaults], [models.NAME.caps])")
+    models = data.get("models")
+    if not isinstance(models, Mapping):
+        return dict(data), {}
+    entries: dict[str, Any] = {}
+    policies: dict[str, dict[str, Any]] = {}
+    for name, entry in models.items():
+        entries[name] = entry
+        if isinstance(entry, Mapping) and any(key in entry for key in _POLICY_KEYS):
+            policies[name] = {key: entry[key] for key in _POLICY_KEYS if key in entry}
+            entries[name] = {key: value for key, value in entry.items() if key not in _POLICY_KEYS}
+    return {**data, "models": entries}, policies
+
+
+def _above_caps(policy: ModelPolicy) -> list[str]:
+    """The defaults of a policy that exceed its own caps."""
+    if policy.defaults is None or policy.caps is None:
+        return []
+    return [name for name in ModelSettingsSpec.CAPPED
+            if (cap := getattr(policy.caps, name)) is not None
+            and (value := getattr(policy.defaults, name)) is not None and value > cap]
 
 
 def _rebuild() -> None:
@@ -329,6 +403,10 @@ class AdmittedRun:
     spec: RunSpec
     servers: Mapping[str, ServerSpec]
     model: ModelSpec
+    model_settings: ModelSettingsSpec = field(default_factory=ModelSettingsSpec)
+    """The spec's model_settings with the catalog model's defaults (and its max_output_tokens cap) applied."""
+    model_name: str = ""
+    """The catalog model's name, or the inline model's provider tag (the run record's ``model``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +419,10 @@ class Admission:
     allow_inline: bool = False
     max_spec_bytes: int = _DEFAULTS.max_spec_bytes
     max_input_chars: int = _DEFAULTS.max_input_chars
+    max_messages: int = _DEFAULTS.max_messages
+    max_history_chars: int = _DEFAULTS.max_history_chars
+    max_output_schema_bytes: int = _DEFAULTS.max_output_schema_bytes
+    max_argument_chars: int = _DEFAULTS.max_argument_chars
     max_tool_calls_per_turn: int = _DEFAULTS.max_tool_calls_per_turn
     max_steps_cap: int = _DEFAULTS.max_steps_cap
 
@@ -355,6 +437,10 @@ class Admission:
             allow_inline=settings.allow_inline,
             max_spec_bytes=settings.max_spec_bytes,
             max_input_chars=settings.max_input_chars,
+            max_messages=settings.max_messages,
+            max_history_chars=settings.max_history_chars,
+            max_output_schema_bytes=settings.max_output_schema_bytes,
+            max_argument_chars=settings.max_argument_chars,
             max_tool_calls_per_turn=settings.max_tool_calls_per_turn,
             max_steps_cap=settings.max_steps_cap,
         )
@@ -381,14 +467,31 @@ class Admission:
         if len(spec.input) > self.max_input_chars:
             refuse(("input",), f"is {len(spec.input)} characters; the limit is {self.max_input_chars} "
                                "(RUNBRAKE_MAX_INPUT_CHARS)")
+        if spec.instructions is not None and len(spec.instructions) > self.max_input_chars:
+            refuse(("instructions",), f"is {len(spec.instructions)} characters; the limit is {self.max_input_chars} "
+                                      "(RUNBRAKE_MAX_INPUT_CHARS)")
         if spec.max_steps > self.max_steps_cap:
             refuse(("max_steps",), f"is {spec.max_steps}; the limit is {self.max_steps_cap} (RUNBRAKE_MAX_STEPS_CAP)")
+        self._bound_history(spec, refuse)
+        if spec.output_schema is not None:
+            schema_bytes = len(json.dumps(spec.output_schema, separators=(",", ":")).encode())
+            if schema_bytes > self.max_output_schema_bytes:
+                refuse(("output_schema",), f"is {schema_bytes} bytes; the limit is {self.max_output_schema_bytes} "
+                                           "(RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES)")
         catalog = self.catalog
         servers = self._servers(spec, catalog, refuse)
         model = self._model(spec, catalog, refuse)
         for i, name in enumerate(spec.notify):
             if name not in catalog.webhooks:
                 refuse(("notify", i), f"{name!r} is not a webhook of the catalog ({_known(catalog.webhooks)})")
+        for i, message in enumerate(spec.messages):
+            for j, earlier in enumerate(message.tool_calls):
+                allowed = servers.get(earlier.server)
+                if allowed is not None and allowed.tools is not None and earlier.tool not in allowed.tools:
+                    refuse(("messages", i, "tool_calls", j, "tool"),
+                           f"{earlier.server} allows only {', '.join(allowed.tools)}")
+        policy = catalog.policies.get(spec.model) if isinstance(spec.model, str) else None
+        settings = self._settings(spec, policy, refuse)
         if isinstance(model, ScriptedModel):
             for i, turn in enumerate(model.turns):
                 if len(turn.tool_calls) > self.max_tool_calls_per_turn:
@@ -403,7 +506,46 @@ class Admission:
         if problems:
             raise SpecError.from_problems(problems)
         assert model is not None
-        return AdmittedRun(spec=spec, servers=servers, model=model)
+        name = spec.model if isinstance(spec.model, str) else model.provider
+        return AdmittedRun(spec=spec, servers=servers, model=model, model_settings=settings, model_name=name)
+
+    def _bound_history(self, spec: RunSpec, refuse: Any) -> None:
+        """``messages`` within RUNBRAKE_MAX_MESSAGES and RUNBRAKE_MAX_HISTORY_CHARS, each call's arguments
+        within RUNBRAKE_MAX_ARGUMENT_CHARS."""
+        if len(spec.messages) > self.max_messages:
+            refuse(("messages",), f"has {len(spec.messages)} messages; the limit is {self.max_messages} "
+                                  "(RUNBRAKE_MAX_MESSAGES)")
+        chars = 0
+        for i, message in enumerate(spec.messages):
+            chars += len(message.content or "")
+            for j, call in enumerate(message.tool_calls):
+                size = len(json.dumps(call.arguments, separators=(",", ":")))
+                chars += size
+                if size > self.max_argument_chars:
+                    refuse(("messages", i, "tool_calls", j, "arguments"),
+                           f"is {size} characters as JSON; the limit is {self.max_argument_chars} "
+                           "(RUNBRAKE_MAX_ARGUMENT_CHARS)")
+        if chars > self.max_history_chars:
+            refuse(("messages",), f"holds {chars} characters; the limit is {self.max_history_chars} "
+                                  "(RUNBRAKE_MAX_HISTORY_CHARS)")
+
+    @staticmethod
+    def _settings(spec: RunSpec, policy: ModelPolicy | None, refuse: Any) -> ModelSettingsSpec:
+        """The spec's model_settings over the catalog model's defaults; a setting above the model's cap is
+        refused naming both. Without a max_output_tokens from either, the cap's is sent."""
+        if policy is None:
+            return spec.model_settings
+        caps = policy.caps
+        if caps is not None:
+            for name in ModelSettingsSpec.CAPPED:
+                cap, value = getattr(caps, name), getattr(spec.model_settings, name)
+                if cap is not None and value is not None and value > cap:
+                    refuse(("model_settings", name), f"is {value}; the catalog model {spec.model!r} caps it at "
+                                                     f"{cap} (models.{spec.model}.caps.{name})")
+        settings = spec.model_settings.merged(policy.defaults)
+        if settings.max_output_tokens is None and caps is not None and caps.max_output_tokens is not None:
+            settings = settings.model_copy(update={"max_output_tokens": caps.max_output_tokens})
+        return settings
 
     def _servers(self, spec: RunSpec, catalog: Catalog, refuse: Any) -> dict[str, ServerSpec]:
         if isinstance(spec.mcp_servers, dict):

@@ -101,6 +101,24 @@ class Appended:
 
 
 @dataclass(frozen=True, slots=True)
+class RunUsage:
+    """The tokens a run used, summed over every model call that answered, in every segment (the store sums
+    them as the model steps are appended: shared/_scripts.py, APPEND_STEP)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    model_calls: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "total_tokens": self.total_tokens, "model_calls": self.model_calls}
+
+
+@dataclass(frozen=True, slots=True)
 class RunRecord:
     """A run as stored, with its steps in sequence order."""
 
@@ -120,6 +138,43 @@ class RunRecord:
     steps: tuple[RunStep, ...] = field(default=())
     progress: Mapping[str, Any] | None = None
     """The latest MCP progress report of the call in flight, as the worker stored it (docs/http-api.md)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None
+    """The catalog model's name, or an inline model's provider tag (None for a run stored before it was kept)."""
+    input_preview: str = ""
+    """The first characters of the input (a listing does not read the request)."""
+    usage: RunUsage = field(default_factory=RunUsage)
+
+    @property
+    def input(self) -> str | None:
+        """The user's message that started the run (from its request)."""
+        value = self.request.get("input")
+        return value if isinstance(value, str) else None
+
+    @property
+    def instructions(self) -> str | None:
+        value = self.request.get("instructions")
+        return value if isinstance(value, str) else None
+
+    @property
+    def final_step(self) -> RunStep | None:
+        """The model step that answered a completed run (derived, so that it cannot disagree with the steps)."""
+        if self.status is not RunStatus.COMPLETED:
+            return None
+        last = next((step for step in reversed(self.steps) if step.kind is StepKind.MODEL), None)
+        return last if last is not None and not last.error and not last.interrupted else None
+
+    @property
+    def output(self) -> str | None:
+        """The final answer's text; None until the run completed."""
+        step = self.final_step
+        return None if step is None else step.content
+
+    @property
+    def output_json(self) -> Any:
+        """The final answer as parsed and validated against the spec's output_schema (None without one)."""
+        step = self.final_step
+        return None if step is None else step.detail.get("output_json")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields ``runbrake show --json`` promises, steps without outcomes."""
@@ -132,8 +187,25 @@ class RunRecord:
             "finished_at": self.finished_at,
             "error": self.error,
             "cancel": None if self.cancel is None else self.cancel.to_dict(),
+            "input": self.input,
+            "instructions": self.instructions,
+            "labels": dict(self.labels),
+            "model": self.model,
+            "output": self.output,
+            "output_json": self.output_json,
+            "usage": self.usage.to_dict(),
             "steps": [step.to_dict() for step in self.steps],
         }
+
+    def summary(self) -> dict[str, Any]:
+        """The run in a listing: without steps, request or answer (a listing reads none of them), with the
+        start of its input instead."""
+        data = {k: v for k, v in self.to_dict().items() if k not in _NOT_IN_A_LISTING}
+        data["input_preview"] = self.input_preview
+        return data
+
+
+_NOT_IN_A_LISTING: Final = frozenset({"steps", "input", "instructions", "output", "output_json"})
 
 
 # -- reading stored values -----------------------------------------------------------------------
@@ -197,7 +269,29 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
         cancel=cancel,
         steps=steps,
         progress=_progress(fields.get("progress")),
+        labels=_labels(fields.get("labels")),
+        model=fields.get("model") or None,
+        input_preview=fields.get("input_preview", ""),
+        usage=RunUsage(input_tokens=_count(fields.get("input_tokens")),
+                       output_tokens=_count(fields.get("output_tokens")),
+                       model_calls=_count(fields.get("model_calls"))),
     )
+
+
+def _labels(value: str | None) -> dict[str, str]:
+    """The stored labels; unreadable ones count as none (the request keeps them as given)."""
+    try:
+        data = json.loads(value) if value else {}
+    except (ValueError, RecursionError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _count(value: str | None) -> int:
+    try:
+        return max(0, int(value)) if value else 0
+    except ValueError:
+        return 0
 
 
 def _progress(value: str | None) -> Mapping[str, Any] | None:

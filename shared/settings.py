@@ -246,6 +246,13 @@ class Settings(BaseSettings):
     run_time_limit_s: Annotated[int, _integer(1)] = 3600
     """Wall-clock limit of one segment of a run, in seconds; hitting it fails the run with reason
     `time_limit`."""
+    model_retries: Annotated[int, _integer(0, 20)] = 4
+    """Retries of a model call that failed with 429, 408, 409, a 5xx, a timeout or a connection error, after
+    its first attempt (0: none), with exponential backoff and full jitter; a catalog model's `max_retries`
+    overrides it (docs/architecture.md, "Retries")."""
+    model_retry_max_s: Annotated[float, _number(float, 0, 3600.0)] = 60.0
+    """Most time one model call may spend waiting between its attempts, in seconds; a wait (a backoff, or
+    the endpoint's `Retry-After`) that would go past it gives up instead."""
     lease_s: Annotated[int, _integer(5)] = 60
     """How long a worker's claim on a run is good for without renewal, in seconds; the holding worker renews
     it every third of that, and any worker fails a run whose lease expired (`lease_lost`)."""
@@ -265,6 +272,13 @@ class Settings(BaseSettings):
     answer `413`."""
     max_input_chars: Annotated[int, _integer(1, 10_000_000)] = 100_000
     """Longest `input` accepted, in characters."""
+    max_messages: Annotated[int, _integer(0, 100_000)] = 1000
+    """Most `messages` (the conversation before `input`) a spec may carry."""
+    max_history_chars: Annotated[int, _integer(1, 100_000_000)] = 500_000
+    """Bound on the `messages` of a spec: their `content` and tool-call arguments (as JSON) together, in
+    characters."""
+    max_output_schema_bytes: Annotated[int, _integer(2, 10_485_760)] = 65_536
+    """Largest `output_schema` a spec may carry, in bytes of compact JSON (64 KiB)."""
     max_argument_chars: Annotated[int, _integer(100, 10_000_000)] = 16_000
     """Bound on a tool call's arguments as stored (JSON characters)."""
     max_model_content_chars: Annotated[int, _integer(1000, 10_000_000)] = 100_000

@@ -17,7 +17,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, Self, TypeAlias, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal, Protocol, Self, TypeAlias, Union
 
 from pydantic import (
     AfterValidator,
@@ -47,10 +47,14 @@ __all__ = [
     "DEFAULT_MAX_ROUNDS",
     "DEFAULT_TOOL_TIMEOUT_S",
     "VARIABLE_PATTERN",
+    "AnthropicModel",
     "CatalogModelSpec",
     "CatalogServerSpec",
+    "HistoryMessage",
+    "HistoryToolCall",
     "HttpServerSpec",
     "McpServerSpec",
+    "ModelSettingsSpec",
     "ModelSpec",
     "OpenAIModel",
     "ProviderSpec",
@@ -60,9 +64,17 @@ __all__ = [
     "ScriptedTurn",
     "ServerSpec",
     "StdioServerSpec",
+    "parse_label_filters",
     "run_spec_json_schema",
     "variables_in",
 ]
+
+MAX_LABELS: Final = 16
+LABEL_KEY: Final = re.compile(r"[a-z0-9_.-]{1,63}")
+"""A label's key (docs/usage.md, "Labels"): lowercase letters, digits, '_', '.', '-'; never ':' or '=', which
+split a filter (``runbrake runs --label K=V``, ``GET /v1/runs?label=K:V``)."""
+MAX_LABEL_VALUE_CHARS: Final = 256
+MAX_STOP_SEQUENCES: Final = 4
 
 DEFAULT_MAX_ROUNDS: Final = 8
 DEFAULT_TOOL_TIMEOUT_S: Final = 60.0
@@ -262,6 +274,19 @@ class ScriptedModel:
     """Deterministic turns, for tests and demos."""
 
 
+def _only_in_a_catalog(value: object, info: ValidationInfo) -> object:
+    if _in_a_whole_spec(info):
+        raise _refuse("unknown field (only an operator's catalog sets it)")
+    return value
+
+
+# A catalog model's retry and timeout overrides (docs/architecture.md, "Retries"); in a run spec they are
+# refused like a server's catalog-only fields: how long a worker waits on an endpoint is the operator's call.
+_MaxRetries = SkipJsonSchema[Annotated[Annotated[int, Field(ge=0, le=20)] | None, BeforeValidator(_only_in_a_catalog)]]
+_ModelTimeout = SkipJsonSchema[Annotated[
+    Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None, BeforeValidator(_only_in_a_catalog)]]
+
+
 @dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
 class OpenAIModel:
     """The 'openai' provider: any OpenAI-compatible chat-completions endpoint."""
@@ -274,14 +299,37 @@ class OpenAIModel:
     """The environment variable (on the worker) that holds the API key."""
     provider: Literal["openai"] = "openai"
     """Any OpenAI-compatible chat-completions endpoint."""
+    max_retries: _MaxRetries = None
+    """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
+    timeout_s: _ModelTimeout = None
+    """Catalog only: seconds one request to the model may take (default 120)."""
 
 
-def _describe_openai(model: OpenAIModel, shown: Shown) -> dict[str, Any]:
+@dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
+class AnthropicModel:
+    """The 'anthropic' provider: Anthropic's Messages API, or an endpoint compatible with it."""
+
+    model: _NonEmpty
+    """The model's name, e.g. claude-sonnet-4-5."""
+    api_key_env: _NonEmpty | None = None
+    """The environment variable (on the worker) that holds the API key."""
+    base_url: _HttpUrl = "https://api.anthropic.com"
+    """The API's base URL (without /v1)."""
+    provider: Literal["anthropic"] = "anthropic"
+    """Anthropic's Messages API."""
+    max_retries: _MaxRetries = None
+    """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
+    timeout_s: _ModelTimeout = None
+    """Catalog only: seconds one request to the model may take (default 120)."""
+
+
+def _describe_endpoint(model: OpenAIModel | AnthropicModel, shown: Shown) -> dict[str, Any]:
     return {"base_url": shown.url(model.base_url), "model": model.model, "api_key_env": model.api_key_env,
-            "api_key_set": None if model.api_key_env is None else shown.is_set(model.api_key_env)}
+            "api_key_set": None if model.api_key_env is None else shown.is_set(model.api_key_env),
+            "max_retries": model.max_retries, "timeout_s": model.timeout_s}
 
 
-def _openai_variables(model: OpenAIModel) -> tuple[str, ...]:
+def _endpoint_variables(model: OpenAIModel | AnthropicModel) -> tuple[str, ...]:
     return () if model.api_key_env is None else (model.api_key_env,)
 
 
@@ -290,7 +338,10 @@ PROVIDERS.register(Entry(
     title="deterministic turns", inline=True, catalog=False))  # it reaches nothing: inline, never in a catalog
 PROVIDERS.register(Entry(
     tag="openai", spec=OpenAIModel, implementation="runbrake.worker.models:OpenAIProvider",
-    title="OpenAI-compatible endpoint", describe=_describe_openai, variables=_openai_variables))
+    title="OpenAI-compatible endpoint", describe=_describe_endpoint, variables=_endpoint_variables))
+PROVIDERS.register(Entry(
+    tag="anthropic", spec=AnthropicModel, implementation="runbrake.worker.anthropic_provider:AnthropicProvider",
+    title="Anthropic Messages API", describe=_describe_endpoint, variables=_endpoint_variables))
 
 
 # -- the tagged unions, from the registries ---------------------------------------------------------
@@ -511,8 +562,8 @@ ModelRef: TypeAlias = Annotated[
     Annotated[_CatalogName, Tag("catalog")] | Annotated[ModelSpec, Tag("inline")],
     Discriminator(_form),
 ]
-"""A model: the name of one in the operator's catalog, or inline (``scripted``; ``openai`` only where
-inline definitions are allowed)."""
+"""A model: the name of one in the operator's catalog, or inline (``scripted``; ``openai`` and ``anthropic``
+only where inline definitions are allowed)."""
 
 ServersRef: TypeAlias = Annotated[
     Annotated[tuple[_CatalogName, ...], Tag("catalog"), _LIST_AS_TUPLE]
@@ -530,6 +581,206 @@ _TAGGED_UNIONS: Final[tuple[tuple[tuple[str | None, ...], frozenset[str] | Regis
 """Where the spec has a tagged union, and its tags: pydantic puts a member's tag into an error's loc
 (``model.scripted.turns``), a level the JSON does not have."""
 
+# -- the conversation before the input, how the model is asked, what it answers with --------------
+
+
+def _label_key(value: str) -> str:
+    if not LABEL_KEY.fullmatch(value):
+        raise _refuse("label keys are 1 to 63 of a-z, 0-9, '_', '.', '-'")
+    return value
+
+
+_LabelKey = Annotated[
+    str, AfterValidator(_label_key),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 63, "not": {"pattern": "[^a-z0-9_.-]"}}),
+]
+_LabelValue = Annotated[str, Field(max_length=MAX_LABEL_VALUE_CHARS)]
+
+
+def _few_labels(labels: dict[str, str]) -> dict[str, str]:
+    if len(labels) > MAX_LABELS:
+        raise _refuse(f"has {len(labels)} labels; at most {MAX_LABELS}")
+    return labels
+
+
+def parse_label_filters(given: Iterable[str], *, separator: str) -> dict[str, str]:
+    """Label filters (``KEY=VALUE`` on the command line, ``KEY:VALUE`` in a query) as the labels a run must
+    carry, each key and value held to the rules of a spec's labels.
+
+    Raises:
+        SpecError: naming every filter that is malformed, and a key given twice.
+    """
+    labels: dict[str, str] = {}
+    problems: list[FieldProblem] = []
+    for index, text in enumerate(given):
+        if index >= MAX_LABELS:
+            problems.append(FieldProblem(loc=("label",), msg=f"at most {MAX_LABELS} label filters"))
+            break
+        key, found, value = text.partition(separator)
+        shown = repr(text[:80])
+        if not found or not LABEL_KEY.fullmatch(key):
+            problems.append(FieldProblem(loc=("label", index), msg=(
+                f"{shown} is not KEY{separator}VALUE with a key of 1 to 63 of a-z, 0-9, '_', '.', '-'")))
+        elif len(value) > MAX_LABEL_VALUE_CHARS:
+            problems.append(FieldProblem(loc=("label", index),
+                                         msg=f"the value of {key!r} is longer than {MAX_LABEL_VALUE_CHARS} characters"))
+        elif key in labels and labels[key] != value:
+            problems.append(FieldProblem(loc=("label", index), msg=f"{key!r} is given twice with different values"))
+        else:
+            labels[key] = value
+    if problems:
+        raise SpecError.from_problems(problems)
+    return labels
+
+
+class ModelSettingsSpec(SpecModel):
+    """How the model is asked; each setting is passed to the provider where it has the notion, and one left
+    out takes the catalog model's default (``[models.NAME.defaults]``), else the provider's own."""
+
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    """Sampling temperature, 0 to 2."""
+    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    """Nucleus sampling: the probability mass of the tokens considered, 0 to 1."""
+    max_output_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    """Most tokens one model call may answer with (at most the catalog model's cap)."""
+    stop: Annotated[
+        tuple[Annotated[str, Field(min_length=1, max_length=256)], ...], Field(max_length=MAX_STOP_SEQUENCES),
+        _LIST_AS_TUPLE,
+    ] | None = None
+    """Up to 4 strings at which the model stops answering."""
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    """Asks for deterministic sampling where the provider offers it."""
+    tool_choice: Literal["auto", "none", "required"] | None = None
+    """Whether the model may ('auto'), must not ('none') or must ('required') call a tool."""
+    parallel_tool_calls: bool | None = None
+    """Whether the model may ask for several tool calls in one turn."""
+
+    CAPPED: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "max_output_tokens")
+    """The settings a catalog model may cap (an upper bound); a spec above a cap is refused."""
+
+    def merged(self, defaults: ModelSettingsSpec | None) -> ModelSettingsSpec:
+        """These settings, each one left out taken from ``defaults``."""
+        if defaults is None:
+            return self
+        given = self.model_dump(exclude_none=True)
+        return defaults.model_copy(update=given)
+
+
+def _output_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    # A JSON Schema the answer is validated against (worker/structured.py): checked here as the Draft 2020-12
+    # schema it says it is, so that a broken one is refused before the run, naming the problem.
+    from jsonschema import Draft202012Validator, SchemaError  # noqa: PLC0415 - only specs that have one pay for it
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.absolute_path) or "the schema"
+        raise _refuse(f"is not a valid JSON Schema (Draft 2020-12) at {where}: {exc.message[:200]}") from exc
+    remote = _remote_refs(schema)
+    if remote:
+        # Nothing is fetched for a run (docs/security.md, "Bounds"): a reference points into the schema itself.
+        raise _refuse(f"refers outside itself ({remote[0][:100]!r}): only local references ('#/...') are allowed")
+    return schema
+
+
+def _remote_refs(value: object) -> list[str]:
+    """The ``$ref`` and ``$dynamicRef`` values in a schema that do not point into it (``#…``)."""
+    if isinstance(value, dict):
+        found = [ref for key in ("$ref", "$dynamicRef")
+                 if isinstance(ref := value.get(key), str) and not ref.startswith("#")]
+        return found + [ref for item in value.values() for ref in _remote_refs(item)]
+    if isinstance(value, list):
+        return [ref for item in value for ref in _remote_refs(item)]
+    return []
+
+
+class HistoryToolCall(SpecModel):
+    """A tool call an earlier assistant turn asked for."""
+
+    id: Annotated[str, Field(min_length=1, max_length=200)]
+    """The call's id, which the tool message that answers it names as its tool_call_id."""
+    server: _ServerRef
+    """The MCP server it called: one of the run's mcp_servers."""
+    tool: Annotated[str, Field(min_length=1, max_length=200)]
+    """The tool's name on that server."""
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    """Its arguments (a JSON object)."""
+
+
+class HistoryMessage(SpecModel):
+    """One message of the conversation before ``input``: what the user said, what the assistant answered
+    (and the tool calls it asked for), and what a tool answered."""
+
+    role: Literal["user", "assistant", "tool"]
+    """Who speaks: 'user', 'assistant' or 'tool' (a tool's result; the instructions are their own field)."""
+    content: str | None = None
+    """The text (a user's and a tool's message need one; an assistant's may be left out when it calls tools)."""
+    tool_calls: Annotated[tuple[HistoryToolCall, ...], _LIST_AS_TUPLE, Field(max_length=128)] = ()
+    """An assistant message only: the tool calls it asked for; each is answered by a tool message after it."""
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    """A tool message only: the id of the call it answers."""
+
+    @model_validator(mode="after")
+    def _shaped_for_its_role(self) -> Self:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.role != "assistant" and self.tool_calls:
+            problems.append((("tool_calls",), "only an assistant message asks for tool calls"))
+        if self.role != "tool" and self.tool_call_id is not None:
+            problems.append((("tool_call_id",), "only a tool message answers a call"))
+        if self.role == "tool" and self.tool_call_id is None:
+            problems.append((("tool_call_id",), "Field required: a tool message names the call it answers"))
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            problems.append((("content",), "an assistant message needs content or tool_calls"))
+        if self.role != "assistant" and self.content is None:
+            problems.append((("content",), f"Field required: a {self.role} message needs content"))
+        if problems:
+            raise _refuse_all(problems, self)
+        return self
+
+
+def _refuse_all(problems: list[tuple[tuple[str | int, ...], str]], value: object) -> ValidationError:
+    """Several of runbrake's own rules broken below the value: one error each, all reported at once."""
+    return ValidationError.from_exception_data("RunSpec", [
+        {"type": "value_error", "loc": loc, "input": value, "ctx": {"error": problem}} for loc, problem in problems
+    ])
+
+
+def _consistent(messages: tuple[HistoryMessage, ...]) -> tuple[HistoryMessage, ...]:
+    """The history as a provider accepts it: each call id used once; the tool messages after an assistant's
+    calls answer those calls, each once, before the conversation goes on; no call left unanswered."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    seen: set[str] = set()
+    open_calls: dict[str, int] = {}  # id -> index of the assistant message that asked, while unanswered
+    for index, message in enumerate(messages):
+        if message.role == "tool":
+            if message.tool_call_id in open_calls:
+                del open_calls[message.tool_call_id]
+            elif message.tool_call_id in seen:
+                problems.append(((index, "tool_call_id"), f"{message.tool_call_id!r} is answered already"))
+            else:
+                problems.append(((index, "tool_call_id"), f"{message.tool_call_id!r} answers no tool call of an "
+                                                          "assistant message before it"))
+            continue
+        problems += _unanswered(open_calls, f" before message {index}")
+        open_calls.clear()
+        for j, call in enumerate(message.tool_calls):
+            if call.id in seen:
+                problems.append(((index, "tool_calls", j, "id"), f"{call.id!r} is used by another call already"))
+            seen.add(call.id)
+            open_calls[call.id] = index
+    problems += _unanswered(open_calls, " (input comes after the last message)")
+    if problems:
+        raise _refuse_all(problems, messages)
+    return messages
+
+
+def _unanswered(open_calls: dict[str, int], where: str) -> list[tuple[tuple[str | int, ...], str]]:
+    """A problem at each assistant message whose calls are not all answered yet."""
+    return [((asked, "tool_calls"), f"not answered by a tool message{where}: "
+             + ", ".join(repr(call) for call, i in open_calls.items() if i == asked))
+            for asked in sorted(set(open_calls.values()))]
+
+
 
 class RunSpec(SpecModel):
     """A run spec: the input, the model, the MCP servers and the bounds of one run.
@@ -542,7 +793,8 @@ class RunSpec(SpecModel):
     """The user's message that starts the run."""
     model: ModelRef
     """The model: the name of one in the operator's catalog, or inline: 'scripted' (deterministic turns), or
-    'openai' (an OpenAI-compatible endpoint; inline only where RUNBRAKE_ALLOW_INLINE=true)."""
+    'openai' (an OpenAI-compatible endpoint) or 'anthropic' (the Messages API), these two inline only where
+    RUNBRAKE_ALLOW_INLINE=true."""
     mcp_servers: ServersRef = ()
     """The MCP servers the run may call: names in the operator's catalog (a list), or, only where
     RUNBRAKE_ALLOW_INLINE=true, inline definitions by name: streamable HTTP ('url') or stdio ('command')."""
@@ -564,6 +816,25 @@ class RunSpec(SpecModel):
     notify: Annotated[tuple[_WebhookName, ...], _LIST_AS_TUPLE, Field(max_length=MAX_NOTIFY)] = ()
     """Webhooks of the operator's catalog ([webhooks.NAME]) told of this run's events, by name; a spec never
     gives a URL (docs/webhooks.md)."""
+    instructions: _Text | None = None
+    """The system prompt: how the model should behave (bounded like input, RUNBRAKE_MAX_INPUT_CHARS)."""
+    messages: Annotated[
+        tuple[HistoryMessage, ...], _LIST_AS_TUPLE, AfterValidator(_consistent), Field(max_length=100_000)
+    ] = ()
+    """The conversation before input, oldest first (at most RUNBRAKE_MAX_MESSAGES messages of
+    RUNBRAKE_MAX_HISTORY_CHARS characters together); every tool message answers a call of an assistant
+    message before it."""
+    model_settings: ModelSettingsSpec = Field(default_factory=ModelSettingsSpec)
+    """How the model is asked: temperature, top_p, max_output_tokens, stop, seed, tool_choice,
+    parallel_tool_calls."""
+    output_schema: Annotated[dict[str, Any], AfterValidator(_output_schema)] | None = None
+    """A JSON Schema (Draft 2020-12) the final answer must match: the answer is parsed as JSON and
+    validated; a mismatch is handed back to the model (bounded by max_rounds). The run's output_json holds
+    the parsed answer."""
+    labels: Annotated[dict[_LabelKey, _LabelValue], AfterValidator(_few_labels),
+                      Field(json_schema_extra={"maxProperties": MAX_LABELS})] = Field(default_factory=dict)
+    """Up to 16 key: value strings stored with the run (keys [a-z0-9_.-]{1,63}, values at most 256
+    characters), e.g. a tenant or a user; runs are filtered by them."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 

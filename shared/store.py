@@ -294,10 +294,12 @@ class RunStore:
         db = self._client.connection_pool.connection_kwargs.get("db", 0)
         return f"namespace {self.namespace!r} in Redis {self.where}/{db}"
 
-    def recent(self, *, limit: int = 20, status: RunStatus | None = None, scan: int = 1000) -> list[RunRecord]:
-        """The most recent runs (without steps), newest first; filtered by status among the last ``scan``."""
-        ids = self.execute(core.recent_ids(self.keys, count=scan if status else limit))
-        return self.execute(core.records(self.keys, ids, limit=limit, status=status)) if ids else []
+    def recent(self, *, limit: int = 20, status: RunStatus | None = None, labels: Mapping[str, str] | None = None,
+               scan: int = 1000) -> list[RunRecord]:
+        """The most recent runs (without steps), newest first; filtered by status and labels (all must match)
+        among the last ``scan``."""
+        ids = self.execute(core.recent_ids(self.keys, count=scan if status or labels else limit))
+        return self.execute(core.records(self.keys, ids, limit=limit, status=status, labels=labels)) if ids else []
 
     def server_outcomes(self, *, since: float | None = None) -> dict[str, dict[str, int]]:
         """Tool calls per server and outcome; with ``since`` (epoch seconds), those of the hours since then."""

@@ -39,7 +39,9 @@ _DEAD_SERVER = {"url": "http://127.0.0.1:9/mcp"}
 
 # The fields `show --json` promises (docs/usage.md, "Using it").
 RUN_FIELDS = {"run_id", "status", "termination_reason", "created_at", "started_at", "finished_at", "error",
-              "cancel", "steps"}
+              "cancel", "input", "instructions", "labels", "model", "output", "output_json", "usage", "steps"}
+LISTED_FIELDS = RUN_FIELDS - {"steps", "input", "instructions", "output", "output_json"} | {"input_preview"}
+"""A run in a listing: without what a listing does not read (docs/http-api.md, "Runs: reading")."""
 STEP_FIELDS = {"sequence", "kind", "round", "duration_ms", "recorded_at", "content", "detail", "outcome"}
 TOOL_STEP_FIELDS = STEP_FIELDS | {"tool_server", "tool_name", "tool_call_id", "tool_is_error", "tool_outcome"}
 
@@ -174,7 +176,7 @@ def test_enqueue_persists_a_queued_run_sends_one_message_and_prints_the_run_id(
 @pytest.mark.parametrize(("text", "field"), [
     ('{"input": "x", ', "spec"),
     (json.dumps({k: v for k, v in valid_spec().items() if k != "input"}), "input"),
-    (json.dumps({**valid_spec(), "model": {"provider": "anthropic", "model": "claude"}}), "model.provider"),
+    (json.dumps({**valid_spec(), "model": {"provider": "gemini", "model": "gemini-pro"}}), "model.provider"),
     (json.dumps({**valid_spec(), "model": {"provider": "scripted", "turns": [
         {"tool_calls": [{"server": "nowhere", "tool": "get-sum"}]}]}}), "model.turns[0].tool_calls[0].server"),
     (json.dumps({**valid_spec(), "max_rounds": 0}), "max_rounds"),
@@ -349,7 +351,7 @@ def test_runs_json_lists_recent_runs_newest_first_and_filters_by_status(store: R
     runs = json.loads(listed.stdout)
     assert [(r["run_id"], r["status"]) for r in runs] == [
         (cancelled, "cancelled"), (completed, "completed"), (queued, "queued")]
-    assert all(set(r) == RUN_FIELDS - {"steps"} for r in runs)
+    assert all(set(r) == LISTED_FIELDS for r in runs)
     assert [r["run_id"] for r in json.loads(only_cancelled.stdout)] == [cancelled]
 
 

@@ -20,13 +20,14 @@ from typing import Any, Protocol
 
 import anyio
 
-from runbrake.shared.errors import CancelRequested, OwnershipLost, ProviderError, RunBoundReached
+from runbrake.shared.errors import CancelRequested, OwnershipLost, ProviderError, RetriedAttempt, RunBoundReached
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.tool_result import Failure, ToolResult, bound
 from runbrake.worker.conversation import NO_SETTINGS, Message, ModelSettings, ModelTurn, ToolCall, ToolInfo
 from runbrake.worker.models import ModelProvider
+from runbrake.worker.structured import AnswerCheck, hand_back
 
 
 class LoopHooks(Protocol):
@@ -136,6 +137,7 @@ class ToolLoop:
         max_argument_chars: int = 16_000,
         max_model_content_chars: int = 100_000,
         settings: ModelSettings = NO_SETTINGS,
+        model_name: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._provider = provider
@@ -148,6 +150,10 @@ class ToolLoop:
         self._max_argument_chars = max_argument_chars
         self._max_model_content_chars = max_model_content_chars
         self._settings = settings
+        self._answer = None if settings.output_schema is None else AnswerCheck(settings.output_schema)
+        self._model_name = model_name
+        """Which model answers (the catalog name, or an inline provider's tag): each model step's
+        ``detail.model``, the label of its tokens in the metrics."""
         self._clock = clock
 
     async def run(self, state: LoopState) -> LoopEnd:
@@ -174,7 +180,16 @@ class ToolLoop:
             state.model_calls += 1
             state.messages.append(Message(role="assistant", content=turn.content, tool_calls=turn.tool_calls))
             if not turn.tool_calls:
-                return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
+                if self._answer is None:
+                    return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
+                checked = self._answer.check(turn.content)
+                if checked.problem is None:
+                    step = replace(step, detail={**step.detail, "output_json": checked.value})
+                    return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
+                # Handed back like a tool's error (docs/usage.md, "Structured output"); max_rounds bounds it.
+                await self._hooks.record(replace(step, detail={**step.detail, "output_error": checked.problem}))
+                state.messages.append(Message(role="user", content=hand_back(checked.problem)))
+                continue
             await self._hooks.record(step)
             if len(turn.tool_calls) > self._max_tool_calls_per_turn:
                 raise RunBoundReached(
@@ -221,6 +236,8 @@ class ToolLoop:
             raise error
         assert turn is not None
         detail: dict[str, Any] = _attempts(turn.attempts, turn.retried)
+        if self._model_name:
+            detail["model"] = self._model_name
         if turn.usage is not None:
             detail["usage"] = turn.usage.to_dict()
         if turn.content is not None and len(turn.content) > self._max_model_content_chars:
@@ -353,9 +370,9 @@ class _Turn:
         return [self.results[i] for i in range(self.started)]
 
 
-def _attempts(attempts: int, retried: tuple[str, ...]) -> dict[str, Any]:
-    """A model step's ``detail.attempts`` (always) and ``detail.retried`` (the errors retried, when any)."""
-    return {"attempts": attempts, "retried": list(retried)} if retried else {"attempts": attempts}
+def _attempts(attempts: int, retried: tuple[RetriedAttempt, ...]) -> dict[str, Any]:
+    """A model step's ``detail.attempts`` (always) and ``detail.retried`` (the attempts retried, when any)."""
+    return {"attempts": attempts, "retried": [r.to_dict() for r in retried]} if retried else {"attempts": attempts}
 
 
 def _bounded(call: dict[str, Any], max_chars: int) -> dict[str, Any]:

@@ -23,6 +23,12 @@ TOOL_CALLS = Counter(
     "runbrake_tool_calls_total", "Tool calls by MCP server and outcome (ok, failed, cancelled).",
     ["server", "outcome"], registry=REGISTRY,
 )
+MODEL_TOKENS = Counter(
+    "runbrake_model_tokens_total",
+    "Tokens the model calls used, as the providers reported them, by model (the catalog name, or an inline "
+    "model's provider) and kind (input, output).",
+    ["model", "kind"], registry=REGISTRY,
+)
 RUNS_FINISHED = Counter(
     "runbrake_runs_finished_total", "Run segments this worker ended, by the run's status.",
     ["status"], registry=REGISTRY,
@@ -86,6 +92,13 @@ class MetricsSubscriber(Subscriber):
         outcome = step_outcome(step)
         if step.kind is StepKind.TOOL and step.tool_server:  # "": a call to no server of the run
             TOOL_CALLS.labels(server=step.tool_server, outcome=outcome).inc()
+        usage = step.detail.get("usage") if step.kind is StepKind.MODEL else None
+        if isinstance(usage, dict):
+            model = str(step.detail.get("model", ""))
+            for kind in ("input", "output"):
+                tokens = usage.get(f"{kind}_tokens")
+                if isinstance(tokens, int) and tokens > 0:
+                    MODEL_TOKENS.labels(model=model, kind=kind).inc(tokens)
         if outcome == ToolOutcome.CANCELLED.value:
             request = await self._store.cancel_request(run_id)
             if request is not None:

@@ -43,8 +43,9 @@ from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import metrics
+from runbrake.worker.conversation import Message, ModelSettings, ToolCall
 from runbrake.worker.loop import HANDOFF_REASON, LoopEnd, LoopEndKind, LoopState, ToolLoop
-from runbrake.worker.models import provider_for
+from runbrake.worker.models import ModelProvider, RetryPolicy, provider_for
 from runbrake.worker.progress import ProgressSubscriber
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
@@ -148,6 +149,30 @@ async def durably(write: Callable[[], Awaitable[T]], *, within_s: float, what: s
             log.warning("store_write_retrying", write=what, error=str(exc), retry_in_s=backoff)
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+
+def opening(spec: RunSpec) -> list[Message]:
+    """The conversation a run starts with: its instructions (a system message), the messages before its
+    input, then the input as the new user message."""
+    messages = [Message(role="system", content=spec.instructions)] if spec.instructions is not None else []
+    for message in spec.messages:
+        calls = tuple(ToolCall(id=c.id, server=c.server, tool=c.tool, arguments=c.arguments)
+                      for c in message.tool_calls)
+        messages.append(Message(role=message.role, content=message.content, tool_calls=calls,
+                                tool_call_id=message.tool_call_id))
+    messages.append(Message(role="user", content=spec.input))
+    return messages
+
+
+def model_settings(admitted: AdmittedRun) -> ModelSettings:
+    """How the run's model is asked: the admitted model_settings (the catalog's defaults applied) and the
+    spec's output_schema."""
+    given = admitted.model_settings
+    return ModelSettings(
+        temperature=given.temperature, top_p=given.top_p, max_output_tokens=given.max_output_tokens,
+        stop=given.stop, seed=given.seed, tool_choice=given.tool_choice,
+        parallel_tool_calls=given.parallel_tool_calls, output_schema=admitted.spec.output_schema,
+    )
 
 
 def default_subscribers(store: AsyncRunStore, settings: Settings) -> list[Subscriber]:
@@ -350,17 +375,25 @@ class Runtime:
         spec = admitted.spec
         # An explicit tool_timeout_s applies up to each server's catalog timeout; without one, the catalog's.
         timeout_s = spec.tool_timeout_s if "tool_timeout_s" in spec.raw else None
+        # The segment's model calls share one client (docs/benchmarks.md, "Model call overhead").
+        async with provider_for(admitted.model, RetryPolicy.from_settings(self._settings)) as provider:
+            return await self._run_tools(admitted, state, hooks, provider, timeout_s)
+
+    async def _run_tools(self, admitted: AdmittedRun, state: LoopState, hooks: RunHooks, provider: ModelProvider,
+                         timeout_s: float | None) -> LoopEnd:
+        spec = admitted.spec
         async with Toolbox.open(
             admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars,
             calls=self.subscribers.tool_calls(hooks.run_id),
         ) as toolbox:
             loop = ToolLoop(
-                provider_for(admitted.model), toolbox, hooks,
+                provider, toolbox, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
                 max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
                 max_parallel_tool_calls=self._settings.max_parallel_tool_calls,
                 max_argument_chars=self._settings.max_argument_chars,
                 max_model_content_chars=self._settings.max_model_content_chars,
+                settings=model_settings(admitted), model_name=admitted.model_name,
             )
             # An exception (CancelRequested too) leaves the toolbox unwrapped: each MCP client lives in
             # a task of its own, so no task group of the SDK's lies between the loop and the ladder.
@@ -372,7 +405,7 @@ class Runtime:
             if isinstance(pending, dict) and pending.get("messages"):
                 # A queued run with a pending turn was handed over: continue where its last worker stopped.
                 return LoopState.from_dict(pending)
-            return LoopState.start(spec.input)
+            return LoopState(messages=opening(spec))
         if not isinstance(pending, dict) or not pending.get("pending_calls"):
             raise RunbrakeError("resumed run has no pending turn")
         state = LoopState.from_dict(pending)
