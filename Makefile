@@ -119,6 +119,7 @@ bench: setup services
 	$(PY) -m bench.api
 	$(PY) -m bench.model_overhead
 	$(PY) -m bench.relay
+	$(PY) -m bench.webhooks
 	$(PY) -m bench.run_requests
 	$(PY) -m bench.replica_ack
 

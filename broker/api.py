@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runbrake.broker.auth import Tokens
 from runbrake.broker.connections import Connections
 from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
-from runbrake.broker.render import run_json, run_summary, server_health
+from runbrake.broker.render import run_json, run_summary, server_health, webhook_deliveries
 from runbrake.shared import operations, tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
@@ -487,6 +487,14 @@ def _routes(app: FastAPI) -> None:
     async def servers(request: Request, _who: Reader) -> list[dict[str, Any]]:
         """Per MCP server: ok, failed and cancelled tool calls (``runbrake servers --json``)."""
         return server_health(await _state(request).store.server_outcomes())
+
+    @app.get("/v1/webhooks", tags=["operations"])
+    async def webhooks(request: Request, _who: Reader,
+                       failing: Annotated[bool, Query(description="Only deliveries retrying or given up.")] = False,
+                       limit: Annotated[int, Query(ge=1, le=1000, description="Deliveries at most.")] = 100,
+                       ) -> list[dict[str, Any]]:
+        """Webhook deliveries, newest first (``runbrake webhooks --json``; docs/webhooks.md)."""
+        return webhook_deliveries(await _state(request).store.webhook_deliveries(failing=failing, count=limit))
 
     @app.get("/v1/schema/run-spec", tags=["runs"])
     async def schema(_who: Reader) -> dict[str, Any]:

@@ -22,7 +22,16 @@ from typing import Any, ClassVar, Final, NoReturn, TypeVar, cast
 
 import click
 
-from runbrake.broker.render import render_run, render_runs, render_servers, run_json, run_summary, server_health
+from runbrake.broker.render import (
+    render_run,
+    render_runs,
+    render_servers,
+    render_webhooks,
+    run_json,
+    run_summary,
+    server_health,
+    webhook_deliveries,
+)
 from runbrake.shared import operations, tracing
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
@@ -311,6 +320,22 @@ def servers(since: float | None, as_json: bool) -> None:
         emit_json(health)
     else:
         click.echo(render_servers(health))
+
+
+@main.command()
+@click.option("--failing", is_flag=True, help="Only deliveries retrying or given up.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True, help="Deliveries shown at most.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+@user_errors
+def webhooks(failing: bool, limit: int, as_json: bool) -> None:
+    """Webhook deliveries, newest first: each event sent to each webhook a run names (docs/webhooks.md),
+    delivered, retrying (with the last error) or given up."""
+    with open_store(settings_from_env()) as store:
+        deliveries = webhook_deliveries(store.webhook_deliveries(failing=failing, count=limit))
+    if as_json:
+        emit_json(deliveries)
+    else:
+        click.echo(render_webhooks(deliveries))
 
 
 @main.command()

@@ -197,6 +197,35 @@ def render_servers(health: list[dict[str, Any]]) -> str:
     return "\n".join(_table(headers, rows)) if rows else "(no tool calls recorded)"
 
 
+WEBHOOK_FIELDS: Final = ("webhook", "run_id", "event_id", "type", "status", "attempts", "status_code", "error",
+                          "occurred_at", "created_at", "last_attempt_at", "next_attempt_at", "delivered_at")
+"""What a delivery shows (``runbrake webhooks --json``, ``GET /v1/webhooks``): never its body or signature."""
+
+
+def webhook_deliveries(stored: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Deliveries as stored, as shown: numbers as numbers, times as epoch seconds (None when not yet)."""
+    shown = []
+    for delivery in stored:
+        item: dict[str, Any] = {}
+        for name in WEBHOOK_FIELDS:
+            value = delivery.get(name, "")
+            if name in ("attempts", "status_code"):
+                item[name] = int(float(value or 0))
+            elif name.endswith("_at"):
+                item[name] = float(value) if value and float(value) > 0 else None
+            else:
+                item[name] = value
+        shown.append(item)
+    return shown
+
+
+def render_webhooks(deliveries: list[dict[str, Any]]) -> str:
+    headers = ["webhook", "run", "event", "type", "status", "attempts", "last answer"]
+    rows = [[d["webhook"], d["run_id"], d["event_id"], d["type"], d["status"], str(d["attempts"]),
+             d["error"] or (str(d["status_code"]) if d["status_code"] else "-")] for d in deliveries]
+    return "\n".join(_table(headers, rows)) if rows else "(no webhook deliveries recorded)"
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     def line(cells: list[str]) -> str:

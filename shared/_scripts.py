@@ -412,6 +412,67 @@ redis.call('DEL', KEYS[1])
 return 1
 """)
 
+
+# -- webhooks (docs/webhooks.md, "How delivery works") ------------------------------------------------
+
+# KEYS: delivery hash, the line of its (webhook, run), due set, log.  ARGV: member, now, then field/value pairs
+# A delivery of one event to one webhook, queued behind the run's earlier ones for that webhook. Answers 0 when
+# it exists already (the outbox handed the event out again: at least once, queued once).
+WEBHOOK_QUEUE = _script("webhook_queue", """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local fields = {}
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('RPUSH', KEYS[2], KEYS[1])
+redis.call('ZADD', KEYS[3], 'NX', ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], KEYS[1])
+return 1
+""")
+
+# KEYS: delivery hash, its line, due set, log, failing set.  ARGV: member, outcome (delivered|retrying|
+# gave_up), now, next attempt at, then field/value pairs to record. Delivered or given up: the line moves on
+# to its next delivery (due now), or leaves the due set when empty. Retrying: the line waits until ``next``.
+WEBHOOK_RESULT = _script("webhook_result", """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+if #fields > 0 then redis.call('HSET', KEYS[1], unpack(fields)) end
+redis.call('ZADD', KEYS[4], ARGV[3], KEYS[1])
+if ARGV[2] == 'retrying' then
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+  redis.call('ZADD', KEYS[5], ARGV[3], KEYS[1])
+  return 1
+end
+if ARGV[2] == 'delivered' then
+  redis.call('ZREM', KEYS[5], KEYS[1])
+else
+  redis.call('ZADD', KEYS[5], ARGV[3], KEYS[1])
+end
+if redis.call('LINDEX', KEYS[2], 0) == KEYS[1] then redis.call('LPOP', KEYS[2]) end
+if redis.call('LLEN', KEYS[2]) > 0 then
+  redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
+else
+  redis.call('ZREM', KEYS[3], ARGV[1])
+end
+return 1
+""")
+# KEYS: a line.  The delivery at its head, as field/value pairs (empty when the line is empty).
+WEBHOOK_HEAD = _script("webhook_head", """
+local head = redis.call('LINDEX', KEYS[1], 0)
+if not head then return {} end
+return redis.call('HGETALL', head)
+""")
+
+# KEYS: an index (the log or the failing set).  ARGV: count.  The newest deliveries' fields, newest first.
+WEBHOOK_LIST = _script("webhook_list", """
+local found = {}
+for _, key in ipairs(redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
+  found[#found + 1] = redis.call('HGETALL', key)
+end
+return found
+""")
+
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE)
+       REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT,
+       WEBHOOK_HEAD, WEBHOOK_LIST)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

@@ -139,6 +139,10 @@ class Keys:
         """Which relay publishes the outbox now (its name, expiring): one per namespace."""
         return self._sharded("relay", 0)
 
+    def webhook_key(self, name: str) -> str:
+        """A webhook structure (docs/webhooks.md, "Keys"): all in shard 0's slot, so each script touches one."""
+        return self._sharded(name, 0)
+
     def outbox_of(self, run_id: str) -> str:
         """The outbox a run's events go to: its shard's."""
         return self.outbox(self.shard(run_id))
@@ -1014,26 +1018,33 @@ def _entries(shard: int, raw: Any) -> list[OutboxEntry]:
     return found
 
 
-def outbox_groups(keys: Keys) -> Op[int]:
-    """Make the relay's consumer group on every outbox where it is missing; answers how many were made."""
-    return Op("make the relay's consumer group", tuple(
-        ScriptCall(_scripts.OUTBOX_GROUP, (keys.outbox(shard),), (Ident(RELAY_GROUP),)) for shard in keys.shards
+WEBHOOK_GROUP: Final = "webhooks"
+"""The consumer group the webhook dispatcher reads the outbox through (its own cursor, beside the relay's)."""
+
+
+def outbox_groups(keys: Keys, group: str = RELAY_GROUP) -> Op[int]:
+    """Make a consumer group (the relay's unless named) on every outbox where it is missing; answers how many
+    were made."""
+    return Op(f"make the consumer group {group}", tuple(
+        ScriptCall(_scripts.OUTBOX_GROUP, (keys.outbox(shard),), (Ident(group),)) for shard in keys.shards
     ), lambda answers: sum(int(a) for a in answers))
 
 
-def relay_lease(keys: Keys, relay: str, *, lease_s: float) -> Op[bool]:
-    """Take or renew the lease of the one relay that publishes; answers whether ``relay`` holds it."""
-    return _script(_scripts.RELAY_LEASE, (keys.relay_lease,), (Ident(relay), int(lease_s * 1000)),
+def relay_lease(keys: Keys, relay: str, *, lease_s: float, key: str | None = None) -> Op[bool]:
+    """Take or renew the lease of the one relay that publishes (or of the lease ``key``: the webhook
+    dispatcher's); answers whether ``relay`` holds it."""
+    return _script(_scripts.RELAY_LEASE, (key or keys.relay_lease,), (Ident(relay), int(lease_s * 1000)),
                    "take the relay's lease", lambda answers: bool(answers[0]))
 
 
-def relay_release(keys: Keys, relay: str) -> Op[bool]:
+def relay_release(keys: Keys, relay: str, *, key: str | None = None) -> Op[bool]:
     """Give the lease up, if ``relay`` holds it (a relay that stops: the next one need not wait it out)."""
-    return _script(_scripts.RELAY_RELEASE, (keys.relay_lease,), (Ident(relay),),
+    return _script(_scripts.RELAY_RELEASE, (key or keys.relay_lease,), (Ident(relay),),
                    "give the relay's lease up", lambda answers: bool(answers[0]))
 
 
-def outbox_pending(keys: Keys, relay: str, *, count: int) -> Op[tuple[list[OutboxEntry], int]]:
+def outbox_pending(keys: Keys, relay: str, *, count: int,
+                   group: str = RELAY_GROUP) -> Op[tuple[list[OutboxEntry], int]]:
     """Take over every entry the group holds unacknowledged, oldest first (at most ``count`` per shard): a
     relay that died, or this one before RabbitMQ refused a batch. Answers them and how many pending entries
     were trimmed away before anyone published them (Redis drops those from the group as it answers)."""
@@ -1046,11 +1057,12 @@ def outbox_pending(keys: Keys, relay: str, *, count: int) -> Op[tuple[list[Outbo
         return entries, trimmed
 
     return Op("read the outbox's pending events", tuple(
-        Command(("XAUTOCLAIM", keys.outbox(shard), RELAY_GROUP, relay, 0, "0-0", "COUNT", count))
+        Command(("XAUTOCLAIM", keys.outbox(shard), group, relay, 0, "0-0", "COUNT", count))
         for shard in keys.shards), parse)
 
 
-def outbox_new(keys: Keys, relay: str, *, count: int, block_ms: int | None = None) -> Op[list[OutboxEntry]]:
+def outbox_new(keys: Keys, relay: str, *, count: int, block_ms: int | None = None,
+               group: str = RELAY_GROUP) -> Op[list[OutboxEntry]]:
     """The next entries no relay was given yet, at most ``count`` per shard; given to ``relay`` (pending
     until acknowledged). ``block_ms``: wait that long for one (a single Redis only: one stream)."""
     def parse(answers: list[Any]) -> list[OutboxEntry]:
@@ -1063,17 +1075,17 @@ def outbox_new(keys: Keys, relay: str, *, count: int, block_ms: int | None = Non
 
     wait = ("BLOCK", block_ms) if block_ms is not None and not keys.cluster else ()
     return Op("read the outbox", tuple(
-        Command(("XREADGROUP", "GROUP", RELAY_GROUP, relay, "COUNT", count, *wait, "STREAMS", keys.outbox(shard), ">"))
+        Command(("XREADGROUP", "GROUP", group, relay, "COUNT", count, *wait, "STREAMS", keys.outbox(shard), ">"))
         for shard in keys.shards), parse)
 
 
-def outbox_ack(keys: Keys, entries: Sequence[OutboxEntry]) -> Op[int]:
+def outbox_ack(keys: Keys, entries: Sequence[OutboxEntry], group: str = RELAY_GROUP) -> Op[int]:
     """Acknowledge published entries (they stay in the outbox until they are older than the retention)."""
     by_shard: dict[int, list[str]] = {}
     for entry in entries:
         by_shard.setdefault(entry.shard, []).append(entry.stream_id)
     return Op("acknowledge published events", tuple(
-        Command(("XACK", keys.outbox(shard), RELAY_GROUP, *ids)) for shard, ids in by_shard.items()),
+        Command(("XACK", keys.outbox(shard), group, *ids)) for shard, ids in by_shard.items()),
         lambda answers: sum(int(a) for a in answers))
 
 
@@ -1088,3 +1100,93 @@ def outbox_after(keys: Keys, after: str | None, *, count: int) -> Op[tuple[list[
 
     return Op("read the outbox", (Command(("XRANGE", keys.outbox(0), start, "+", "COUNT", count)),
                                   Command(("XRANGE", keys.outbox(0), "-", "+", "COUNT", 1))), parse)
+
+
+# -- webhooks (docs/webhooks.md, "How delivery works") ----------------------------------------------
+
+
+def _webhook_keys(keys: Keys, webhook: str, run_id: str, event_id: str) -> tuple[str, str, str, str, str]:
+    """A delivery's hash and line, the due set, the log and the failing set."""
+    return (keys.webhook_key(f"webhook:{webhook}:{event_id}"), keys.webhook_key(f"webhook-line:{webhook}:{run_id}"),
+            keys.webhook_key("webhook-due"), keys.webhook_key("webhook-log"), keys.webhook_key("webhook-failing"))
+
+
+def webhook_member(webhook: str, run_id: str) -> str:
+    """A line's member in the due set: the webhook and the run (a webhook's name has no '|')."""
+    return f"{webhook}|{run_id}"
+
+
+def run_requests(keys: Keys, run_ids: Sequence[str]) -> Op[list[str | None]]:
+    """The stored request (spec JSON) of each run, None for a run that is gone."""
+    return Op("read runs' requests", tuple(Command(("HGET", keys.run(run_id), "request")) for run_id in run_ids),
+              lambda answers: [None if a is None else str(a) for a in answers])
+
+
+def webhook_queue(keys: Keys, webhook: str, run_id: str, event_id: str, fields: Mapping[str, Arg], *,
+                  now: float) -> Op[bool]:
+    """Queue the delivery of one event to one webhook behind the run's earlier ones; False when it was queued
+    already (the outbox handed the event out again)."""
+    pairs: list[Arg] = []
+    for name, value in fields.items():
+        pairs += [Ident(name), value]
+    return _script(_scripts.WEBHOOK_QUEUE, _webhook_keys(keys, webhook, run_id, event_id)[:4],
+                   (Ident(webhook_member(webhook, run_id)), now, *pairs),
+                   "queue a webhook delivery", lambda answers: bool(answers[0]))
+
+
+def webhook_result(keys: Keys, webhook: str, run_id: str, event_id: str, *, outcome: str,
+                   fields: Mapping[str, Arg], now: float, next_at: float) -> Op[bool]:
+    """Record an attempt: ``delivered`` or ``gave_up`` moves the line on, ``retrying`` makes it wait until
+    ``next_at``."""
+    pairs: list[Arg] = []
+    for name, value in fields.items():
+        pairs += [Ident(name), value]
+    return _script(_scripts.WEBHOOK_RESULT, _webhook_keys(keys, webhook, run_id, event_id),
+                   (Ident(webhook_member(webhook, run_id)), Ident(outcome), now, next_at, *pairs),
+                   "record a webhook delivery", lambda answers: bool(answers[0]))
+
+
+def webhooks_due(keys: Keys, *, now: float, count: int) -> Op[list[str]]:
+    """The lines whose next delivery is due (members of the due set), oldest first."""
+    return Op("read due webhook deliveries",
+              (Command(("ZRANGEBYSCORE", keys.webhook_key("webhook-due"), "-inf", now, "LIMIT", 0, count)),),
+              lambda answers: [str(m) for m in answers[0]])
+
+
+def webhook_heads(keys: Keys, members: Sequence[str]) -> Op[list[dict[str, str]]]:
+    """The delivery at the head of each line (empty for a line that has none)."""
+    def parse(answers: list[Any]) -> list[dict[str, str]]:
+        return [_fields(answer) if isinstance(answer, dict | list) else {} for answer in answers]
+
+    calls = []
+    for member in members:
+        webhook, _, run_id = member.partition("|")
+        line = keys.webhook_key(f"webhook-line:{webhook}:{run_id}")
+        calls.append(ScriptCall(_scripts.WEBHOOK_HEAD, (line,), ()))
+    return Op("read webhook deliveries", tuple(calls), parse)
+
+
+def webhook_deliveries(keys: Keys, *, failing: bool, count: int) -> Op[list[dict[str, str]]]:
+    """The latest deliveries (or only those failing: retrying or given up), newest first."""
+    index = keys.webhook_key("webhook-failing" if failing else "webhook-log")
+
+    def parse(answers: list[Any]) -> list[dict[str, str]]:
+        return [_fields(answer) for answer in answers[0] if answer]
+
+    return Op("list webhook deliveries", (ScriptCall(_scripts.WEBHOOK_LIST, (index,), (count,)),), parse)
+
+
+def webhook_expired(keys: Keys, *, before: float, count: int) -> Op[list[str]]:
+    """Deliveries last touched before ``before`` (the retention's edge)."""
+    return Op("read expired webhook deliveries",
+              (Command(("ZRANGEBYSCORE", keys.webhook_key("webhook-log"), "-inf", before, "LIMIT", 0, count)),),
+              lambda answers: [str(m) for m in answers[0]])
+
+
+def webhook_forget(keys: Keys, deliveries: Sequence[str]) -> Op[int]:
+    """Delete deliveries past the retention and their index entries."""
+    return Op("forget webhook deliveries", (
+        Command(("DEL", *deliveries)),
+        Command(("ZREM", keys.webhook_key("webhook-log"), *deliveries)),
+        Command(("ZREM", keys.webhook_key("webhook-failing"), *deliveries)),
+    ), lambda answers: int(answers[0]))

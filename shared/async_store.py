@@ -262,6 +262,10 @@ class AsyncRunStore:
         event id kept (``GET /v1/events`` replays them)."""
         return await self.execute(core.outbox_after(self.keys, after, count=count))
 
+    async def webhook_deliveries(self, *, failing: bool = False, count: int = 100) -> list[dict[str, str]]:
+        """The latest webhook deliveries (or only those retrying or given up), newest first (docs/webhooks.md)."""
+        return await self.execute(core.webhook_deliveries(self.keys, failing=failing, count=count))
+
     async def ping(self) -> None:
         """Raises StoreError when Redis does not answer."""
         await self.execute(core.ping())

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Annotated, Any, Final
 
 import structlog
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from runbrake.shared import redaction
@@ -62,11 +62,54 @@ from runbrake.shared.spec import (
 )
 
 __all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "ModelCaps", "ModelPolicy",
-           "expand", "variables_in"]
+           "WebhookSpec", "expand", "variables_in"]
 
 log = structlog.get_logger(__name__)
 
 _DEFAULTS: Final = Settings()
+
+
+_ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_EVENT_PATTERN: Final = re.compile(r"\*|(run|step)\.(\*|[a-z][a-z0-9_]{0,63})")
+
+
+class WebhookSpec(SpecModel):
+    """A webhook the operator names (``[webhooks.NAME]``): where a run's events go, signed (docs/webhooks.md)."""
+
+    url: Annotated[str, Field(min_length=1, max_length=2048)]
+    """Where the events are POSTed: an http:// or https:// URL of the operator's (never of a spec's)."""
+    secret_env: Annotated[str, Field(min_length=1, max_length=128)]
+    """The environment variable on the worker that holds the signing secret (Standard Webhooks' whsec_<base64>)."""
+    events: Annotated[tuple[str, ...], Field(strict=False, min_length=1, max_length=64)]
+    """The event types it wants: run.completed, step.tool…, a kind's wildcard run.* or step.*, or * for all."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parsed = urllib.parse.urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return value
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, value: str) -> str:
+        if not _ENV_NAME.fullmatch(value):
+            raise ValueError("must be an environment variable's name (letters, digits, '_')")
+        return value
+
+    @field_validator("events")
+    @classmethod
+    def _events(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for event in value:
+            if not _EVENT_PATTERN.fullmatch(event):
+                raise ValueError(f"{event!r} is no event type: run.<status>, step.<kind>, run.*, step.* or *")
+        return value
+
+    def wants(self, event_type: str) -> bool:
+        """Whether this webhook wants events of ``event_type`` (``run.completed``, ``step.tool``…)."""
+        kind = event_type.partition(".")[0]
+        return any(p in ("*", event_type, f"{kind}.*") for p in self.events)
 
 
 class ModelCaps(SpecModel):
@@ -93,13 +136,15 @@ every provider, so a provider's spec need not carry them)."""
 
 
 class Catalog(SpecModel):
-    """What the operator allows: MCP servers and models by name."""
+    """What the operator allows: MCP servers and models by name, and the webhooks a spec may notify."""
 
     mcp_servers: dict[str, CatalogServerSpec] = Field(default_factory=dict)
     """The MCP servers a spec may name (of the transports whose registry entry allows a catalog)."""
     models: dict[str, CatalogModelSpec] = Field(default_factory=dict)
     """The models a spec may name (of the providers whose entry allows a catalog: ``scripted`` needs no entry,
     it reaches nothing)."""
+    webhooks: dict[str, WebhookSpec] = Field(default_factory=dict)
+    """The webhooks a spec may name in ``notify`` (docs/webhooks.md)."""
     policies: SkipJsonSchema[dict[str, ModelPolicy]] = Field(default_factory=dict)
     """Per model: the ``defaults`` and ``caps`` of its entry (read apart from its provider's fields)."""
 
@@ -157,6 +202,7 @@ class Catalog(SpecModel):
         catalog = catalog.model_copy(update={"policies": checked})
         names = [f"mcp_servers.{n}" for n in catalog.mcp_servers if not _plain(n)]
         names += [f"models.{n}" for n in catalog.models if not _plain(n)]
+        names += [f"webhooks.{n}" for n in catalog.webhooks if not _plain(n)]
         if names:
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: names use 1 to 64 letters, digits, '-' or '_' "
                                                   f"(no '__'): {', '.join(names)}")
@@ -174,6 +220,7 @@ class Catalog(SpecModel):
         for registry, specs in ((PROVIDERS, self.models.values()), (TRANSPORTS, self.mcp_servers.values())):
             for spec in specs:
                 names.update(registry.of(spec).variables(spec))
+        names.update(hook.secret_env for hook in self.webhooks.values())
         return names
 
     def remember_secrets(self, environ: Mapping[str, str]) -> None:
@@ -197,7 +244,10 @@ class Catalog(SpecModel):
         }
         models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown),
                          **self._policy(name)} for name, model in self.models.items()}
-        return {"mcp_servers": servers, "models": models}
+        webhooks = {name: {"url": shown.url(hook.url), "secret_env": hook.secret_env,
+                           "secret_set": shown.is_set(hook.secret_env), "events": list(hook.events)}
+                    for name, hook in self.webhooks.items()}
+        return {"mcp_servers": servers, "models": models, "webhooks": webhooks}
 
 
     def _policy(self, model: str) -> dict[str, Any]:
@@ -434,6 +484,9 @@ class Admission:
         catalog = self.catalog
         servers = self._servers(spec, catalog, refuse)
         model = self._model(spec, catalog, refuse)
+        for i, name in enumerate(spec.notify):
+            if name not in catalog.webhooks:
+                refuse(("notify", i), f"{name!r} is not a webhook of the catalog ({_known(catalog.webhooks)})")
         for i, message in enumerate(spec.messages):
             for j, earlier in enumerate(message.tool_calls):
                 allowed = servers.get(earlier.server)

@@ -20,3 +20,16 @@ class ToolOutcome(StrEnum):
     def is_error(self) -> bool:
         """True for both non-ok outcomes; a cancelled call is an error, but not a failure."""
         return self is not ToolOutcome.OK
+
+
+class DeliveryStatus(StrEnum):
+    """Where one webhook delivery stands (docs/webhooks.md, "Watching deliveries"); the stored ``status``."""
+
+    PENDING = "pending"
+    """Queued behind the run's earlier deliveries to the webhook, or not yet tried."""
+    RETRYING = "retrying"
+    """Tried and failed; tried again at ``next_attempt_at``."""
+    DELIVERED = "delivered"
+    """The receiver answered 2xx."""
+    GAVE_UP = "gave_up"
+    """Still failing ``RUNBRAKE_WEBHOOK_RETRY_S`` after its event: not tried again."""

@@ -296,6 +296,19 @@ class Settings(BaseSettings):
     """Highest `max_steps` a spec may ask for (its default is 200)."""
     retention_s: Annotated[int, _integer(0)] = 7 * 24 * 3600
     """How long a finished run's record is kept, in seconds (7 days); 0 keeps it forever."""
+    webhook_retry_s: Annotated[int, _integer(1)] = 86_400
+    """How long a webhook delivery is retried after its event, in seconds (24 h); then it is given up and
+    recorded (docs/webhooks.md)."""
+    webhook_backoff_s: Annotated[float, _SECONDS] = 1.0
+    """The first wait before a failed webhook delivery is tried again, in seconds; it doubles with each
+    failure up to `RUNBRAKE_WEBHOOK_BACKOFF_MAX_S` (each wait jittered down by up to half)."""
+    webhook_backoff_max_s: Annotated[float, _SECONDS] = 60.0
+    """The longest wait between two attempts of a webhook delivery, in seconds: a receiver that comes back
+    gets its deliveries within about this long."""
+    webhook_timeout_s: Annotated[float, _SECONDS] = 10.0
+    """How long one webhook request may take (connect, send, answer), in seconds; longer is a failure."""
+    webhook_concurrency: Annotated[int, _integer(1, 256)] = 16
+    """Webhook requests in flight at once per worker process that delivers (one run's stay in order)."""
     redrive_s: Annotated[int, _integer(1)] = 60
     """A run queued this long without being claimed has its message sent again, in seconds."""
     drain_s: Annotated[int, _integer(0, 86_400)] = 30

@@ -164,10 +164,26 @@ _ServerName = Annotated[
     WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 64, "not": {"pattern": "[^A-Za-z0-9_-]|__"}}),
 ]
 _ServerRef = Annotated[str, AfterValidator(_known_server)]
+
+
+def _webhook_name(value: str) -> str:
+    if not _SERVER_NAME.fullmatch(value) or "__" in value:
+        raise _refuse("webhook names are 1 to 64 letters, digits, '-' or '_' (a name of the operator's catalog, "
+                      "never a URL)")
+    return value
+
+
+_WebhookName = Annotated[
+    str, AfterValidator(_webhook_name),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 64, "not": {"pattern": "[^A-Za-z0-9_-]|__"}}),
+]
 _ApprovalEntry = Annotated[
     str, AfterValidator(_approval_entry), WithJsonSchema({"type": "string", "pattern": r"^[A-Za-z0-9_-]+\.[\s\S]"})
 ]
 
+
+MAX_NOTIFY: Final = 8
+"""Webhooks one spec may name in ``notify``."""
 
 _LIST_AS_TUPLE: Final = Field(strict=False)
 """For tuple fields: the before-validators of the model and server unions hand JSON arrays on as Python
@@ -827,6 +843,9 @@ class RunSpec(SpecModel):
     max_steps: Annotated[int, Field(ge=1, le=1_000_000)] = DEFAULT_MAX_STEPS
     """Steps the run may record, all segments together (at most RUNBRAKE_MAX_STEPS_CAP); reaching it fails
     the run with reason max_steps."""
+    notify: Annotated[tuple[_WebhookName, ...], _LIST_AS_TUPLE, Field(max_length=MAX_NOTIFY)] = ()
+    """Webhooks of the operator's catalog ([webhooks.NAME]) told of this run's events, by name; a spec never
+    gives a URL (docs/webhooks.md)."""
     instructions: _Text | None = None
     """The system prompt: how the model should behave (bounded like input, RUNBRAKE_MAX_INPUT_CHARS)."""
     messages: Annotated[

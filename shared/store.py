@@ -22,6 +22,7 @@ import redis.sentinel
 
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
+from runbrake.shared.outcome import DeliveryStatus
 from runbrake.shared.records import CancelRequest, Claim, Created, OutboxEntry, RunRecord, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -372,6 +373,80 @@ class RunStore:
         """The next ``count`` events after the event id ``after`` (None: from the oldest kept), and the oldest
         event id kept."""
         return self.execute(core.outbox_after(self.keys, after, count=count))
+
+    # -- webhooks (docs/webhooks.md, "How delivery works"; worker/webhooks.py delivers) -----------------
+
+    def webhook_groups(self) -> int:
+        """Make the webhook dispatcher's consumer group on every outbox where it is missing."""
+        return self.execute(core.outbox_groups(self.keys, core.WEBHOOK_GROUP))
+
+    def webhook_lease(self, dispatcher: str, *, lease_s: float) -> bool:
+        """Take or renew the lease of the one dispatcher that delivers; answers whether it holds it."""
+        return self.execute(core.relay_lease(self.keys, dispatcher, lease_s=lease_s,
+                                             key=self.keys.webhook_key("webhook-lease")))
+
+    def webhook_release(self, dispatcher: str) -> bool:
+        """Give the dispatcher's lease up if ``dispatcher`` holds it."""
+        return self.execute(core.relay_release(self.keys, dispatcher, key=self.keys.webhook_key("webhook-lease")))
+
+    def webhook_outbox_pending(self, dispatcher: str, *, count: int) -> tuple[list[OutboxEntry], int]:
+        """The outbox entries the dispatchers' group handed out and nobody acknowledged (taken over)."""
+        return self.execute(core.outbox_pending(self.keys, dispatcher, count=count, group=core.WEBHOOK_GROUP))
+
+    def webhook_outbox_new(self, dispatcher: str, *, count: int, block_ms: int | None = None) -> list[OutboxEntry]:
+        """The next outbox entries the dispatchers' group was not handed yet."""
+        return self.execute(core.outbox_new(self.keys, dispatcher, count=count, block_ms=block_ms,
+                                            group=core.WEBHOOK_GROUP))
+
+    def webhook_outbox_ack(self, entries: Sequence[OutboxEntry]) -> int:
+        """Acknowledge entries whose deliveries were queued."""
+        return self.execute(core.outbox_ack(self.keys, entries, core.WEBHOOK_GROUP)) if entries else 0
+
+    def run_requests(self, run_ids: Sequence[str]) -> list[str | None]:
+        """The stored request (spec JSON) of each run; None for a run that is gone."""
+        return self.execute(core.run_requests(self.keys, run_ids))
+
+    def webhook_queue(self, webhook: str, run_id: str, event_id: str, *, event_type: str, body: str,
+                      occurred_at: float, now: float) -> bool:
+        """Queue the delivery of one event to one webhook behind the run's earlier ones; False when queued
+        already."""
+        fields: dict[str, core.Arg] = {
+            "webhook": core.Ident(webhook), "run_id": core.Ident(run_id), "event_id": core.Ident(event_id),
+            "type": core.Ident(event_type), "body": body, "status": core.Ident(DeliveryStatus.PENDING.value),
+            "attempts": 0,
+            "created_at": now, "occurred_at": occurred_at,
+        }
+        return self.execute(core.webhook_queue(self.keys, webhook, run_id, event_id, fields, now=now))
+
+    def webhook_result(self, webhook: str, run_id: str, event_id: str, *, outcome: DeliveryStatus, attempts: int,
+                       status_code: int, error: str, now: float, next_at: float) -> bool:
+        """Record an attempt (``delivered``, ``retrying`` until ``next_at``, or ``gave_up``)."""
+        retrying = outcome is DeliveryStatus.RETRYING
+        fields: dict[str, core.Arg] = {
+            "status": core.Ident(outcome.value), "attempts": attempts, "status_code": status_code, "error": error,
+            "last_attempt_at": now, "next_attempt_at": next_at if retrying else 0,
+        }
+        if outcome is DeliveryStatus.DELIVERED:
+            fields["delivered_at"] = now
+        return self.execute(core.webhook_result(self.keys, webhook, run_id, event_id, outcome=outcome.value,
+                                                fields=fields, now=now, next_at=next_at))
+
+    def webhooks_due(self, *, now: float, count: int) -> list[str]:
+        """Lines (``<webhook>|<run id>``) whose next delivery is due, oldest first."""
+        return self.execute(core.webhooks_due(self.keys, now=now, count=count))
+
+    def webhook_heads(self, lines: Sequence[str]) -> list[dict[str, str]]:
+        """The delivery at the head of each line (empty when none)."""
+        return self.execute(core.webhook_heads(self.keys, lines)) if lines else []
+
+    def webhook_sweep(self, *, before: float, count: int = 500) -> int:
+        """Delete up to ``count`` deliveries last touched before ``before``; answers how many."""
+        expired = self.execute(core.webhook_expired(self.keys, before=before, count=count))
+        return self.execute(core.webhook_forget(self.keys, expired)) if expired else 0
+
+    def webhook_deliveries(self, *, failing: bool = False, count: int = 100) -> list[dict[str, str]]:
+        """The latest webhook deliveries (or only those retrying or given up), newest first (docs/webhooks.md)."""
+        return self.execute(core.webhook_deliveries(self.keys, failing=failing, count=count))
 
     def persistence(self) -> list[tuple[str, dict[str | None, str | None]]]:
         """Each node's ``appendonly`` and ``save`` (every primary of a cluster), for the worker's warning

@@ -41,6 +41,10 @@ def outcome_label_key(outcome: str) -> str:
 
 LABELS: Mapping[Lang, Mapping[str, str]] = {
     "en": {
+        "delivery.pending": "pending",
+        "delivery.retrying": "retrying",
+        "delivery.delivered": "delivered",
+        "delivery.gave_up": "given up",
         "column.outcome": "Outcome",
         "column.sequence": "#",
         "column.kind": "Kind",
@@ -109,6 +113,10 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "side_effects.unknown": "sent, side effects unknown",
     },
     "de": {
+        "delivery.pending": "ausstehend",
+        "delivery.retrying": "wird wiederholt",
+        "delivery.delivered": "zugestellt",
+        "delivery.gave_up": "aufgegeben",
         "column.outcome": "Ergebnis",
         "column.sequence": "#",
         "column.kind": "Art",

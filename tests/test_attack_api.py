@@ -38,7 +38,8 @@ SOCKET_TIMEOUT_S = 10.0
 """Bound on every raw-socket read: a server that does not answer fails the test instead of hanging it."""
 KNOWN_ROUTES = {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/events", "/v1/events",
                 "/v1/runs/{run_id}/cancel", "/v1/runs/{run_id}/approve", "/v1/runs/{run_id}/deny",
-                "/v1/servers", "/v1/schema/run-spec", "/healthz", "/readyz", "/metrics", "/", "/favicon.ico",
+                "/v1/servers", "/v1/webhooks", "/v1/schema/run-spec", "/healthz", "/readyz", "/metrics", "/",
+                "/favicon.ico",
                 "/page/{name}", "/openapi.json", "unmatched"}
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runbrake.broker.render import render_run
-from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.outcome import DeliveryStatus, ToolOutcome
 from runbrake.shared.records import RunRecord
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import StepKind, StepReason
@@ -19,7 +19,8 @@ from runbrake.shared.tool_result import SideEffects
 
 NAMED: tuple[tuple[str, type[StrEnum]], ...] = (
     ("status", RunStatus), ("reason", TerminationReason), ("kind", StepKind), ("outcome", ToolOutcome),
-    ("event", StreamEvent), ("step_reason", StepReason), ("side_effects", SideEffects))
+    ("event", StreamEvent), ("step_reason", StepReason), ("side_effects", SideEffects),
+    ("delivery", DeliveryStatus))
 """Label key prefix and the enum whose values follow it. ``TerminationReason.NONE`` is never shown."""
 
 DOC_ROW = re.compile(r"^\| `(?P<value>[a-z_]+)` \| (?P<en>[^|]+) \| (?P<de>[^|]+) \|$")

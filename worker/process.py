@@ -43,6 +43,7 @@ from runbrake.worker.relay import EventRelay
 from runbrake.worker.retention import Sweeper
 from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
+from runbrake.worker.webhooks import WebhookDispatcher
 
 log = structlog.get_logger(__name__)
 
@@ -117,6 +118,7 @@ def run_worker_process(
         Sweeper(settings, store),
         Redriver(settings, store, producer),
         EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
+        WebhookDispatcher(settings, RunStore.connect(settings)),  # docs/webhooks.md; its own connections
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
     ]

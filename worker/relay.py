@@ -156,6 +156,13 @@ class ConfirmedPublisher:
             self._refused += len(confirmed)
 
 
+def consumer_name() -> str:
+    """A name for one part of one process in an outbox's consumer group and in its lease: the host, the pid
+    and a random suffix (a restarted process is a new consumer)."""
+    host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60]
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 class EventRelay(PartThread):
     """Publishes the outbox on ``<ns>.events`` while it holds the relay's lease; stands by otherwise."""
 
@@ -165,8 +172,7 @@ class EventRelay(PartThread):
         super().__init__("runbrake-event-relay")
         self._store = store
         self._publisher = ConfirmedPublisher(settings, self._stopping)
-        host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60]
-        self.name_in_group = f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.name_in_group = consumer_name()
         """This relay's consumer name in the group, and its name in the lease."""
         self.leading = False
         """Whether this relay held the lease at its last round (it publishes)."""

@@ -1,0 +1,308 @@
+"""Webhook delivery: the outbox's events POSTed, signed, to the webhooks a run's spec names (docs/webhooks.md).
+
+The operator names each webhook in the catalog (``[webhooks.NAME]``: ``url``, ``secret_env``, ``events``); a
+spec names them in ``notify`` and can never give a URL. One :class:`WebhookDispatcher` per worker process; of
+all those of a namespace, the holder of a lease in Redis delivers (as the relay does: worker/relay.py). It
+
+1. reads the outbox through a consumer group of its own (``webhooks``: a cursor beside the relay's, so
+   RabbitMQ being down or a receiver being down holds up neither), and for each event that a webhook the
+   run names wants, queues a delivery (shared/_scripts.py, ``WEBHOOK_QUEUE``) on the *line* of that webhook
+   and run, then acknowledges the entries;
+2. sends the head of every line that is due, up to ``RUNBRAKE_WEBHOOK_CONCURRENCY`` at once, signed as the
+   Standard Webhooks specification says (``webhook-id`` = the event id, ``webhook-timestamp``,
+   ``webhook-signature: v1,<base64 HMAC-SHA256>``, signed with the PyPI ``standardwebhooks`` package); a 2xx
+   answer moves the line on to its next delivery, anything else makes the line wait (exponential backoff
+   from ``RUNBRAKE_WEBHOOK_BACKOFF_S`` to ``RUNBRAKE_WEBHOOK_BACKOFF_MAX_S``, each wait jittered) until the
+   event is ``RUNBRAKE_WEBHOOK_RETRY_S`` old, when the delivery is given up and recorded (``gave_up``) and
+   the line moves on. So: at least once, in order per run and webhook.
+"""
+
+from __future__ import annotations
+
+import binascii
+import contextlib
+import datetime
+import json
+import os
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final
+
+import httpx2
+import standardwebhooks
+import structlog
+
+from runbrake.shared.catalog import Catalog, CatalogFile, WebhookSpec
+from runbrake.shared.errors import StoreError
+from runbrake.shared.messaging.wire import encode_run_event
+from runbrake.shared.outcome import DeliveryStatus
+from runbrake.shared.records import OutboxEntry, stream_position
+from runbrake.shared.redaction import remember, scrub
+from runbrake.shared.settings import Settings
+from runbrake.shared.store import RunStore
+from runbrake.worker.parts import Health, PartThread
+from runbrake.worker.relay import consumer_name
+
+log = structlog.get_logger(__name__)
+
+LEASE_S: Final = 10.0
+"""How long the delivering dispatcher's lease lasts unrenewed."""
+BATCH: Final = 500
+"""Outbox entries read per round (per shard)."""
+BLOCK_MS: Final = 100
+"""How long one outbox read waits for a new entry when nothing is due (a single Redis)."""
+EXCERPT_CHARS: Final = 200
+"""How much of a receiver's answer (or an error) is kept with a delivery."""
+MAX_ANSWER_BYTES: Final = 4096
+"""A receiver's answer is read up to this much; the rest is never read."""
+MAX_SPEC_CACHE: Final = 10_000
+"""Runs whose ``notify`` is remembered between rounds."""
+SWEEP_S: Final = 60.0
+"""How often deliveries older than the retention are deleted."""
+
+
+def backoff_s(attempts: int, settings: Settings) -> float:
+    """The wait after the ``attempts``-th failure: doubling from the first backoff up to the cap, jittered down
+    by up to half (so that the lines of a receiver that was down do not all come back at one instant)."""
+    full = min(settings.webhook_backoff_max_s, settings.webhook_backoff_s * 2.0 ** min(attempts - 1, 32))
+    return float(full * random.uniform(0.5, 1.0))
+
+
+def notify_of(request: str | None) -> tuple[str, ...]:
+    """The webhook names a stored request (the spec's JSON) lists in ``notify``; () for anything else."""
+    if not request:
+        return ()
+    try:
+        spec = json.loads(request)
+    except ValueError:
+        return ()
+    names = spec.get("notify") if isinstance(spec, dict) else None
+    if not isinstance(names, list):
+        return ()
+    return tuple(dict.fromkeys(n for n in names if isinstance(n, str)))
+
+
+class WebhookDispatcher(PartThread):
+    """Queues the outbox's events for the webhooks runs name, and delivers them, while it holds the lease."""
+
+    role = "webhook_dispatcher"
+
+    def __init__(self, settings: Settings, store: RunStore, catalog: Catalog | CatalogFile | None = None) -> None:
+        super().__init__("runbrake-webhooks")
+        self._settings = settings
+        self._store = store
+        self._catalog = catalog if catalog is not None else (
+            CatalogFile(settings.catalog) if settings.catalog else Catalog.empty())
+        self.name_in_group = consumer_name()
+        self.leading = False
+        self.delivered = 0
+        """Deliveries this dispatcher got a 2xx for since it started."""
+        self._notify: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+        self._next_sweep = 0.0
+
+    def health(self) -> Health:
+        if not self.is_alive():
+            return Health(False, "not running")
+        return Health(True, "delivering" if self.leading else "standing by")
+
+    def run(self) -> None:
+        timeout = self._settings.webhook_timeout_s
+        client = httpx2.Client(timeout=httpx2.Timeout(timeout), follow_redirects=False, trust_env=False,
+                               limits=httpx2.Limits(max_connections=self._settings.webhook_concurrency))
+        pool = ThreadPoolExecutor(self._settings.webhook_concurrency, thread_name_prefix="runbrake-webhook")
+        wait = 0.2
+        groups_made = False
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if not groups_made:
+                        self._store.webhook_groups()
+                        groups_made = True
+                    self._round(client, pool)
+                    wait = 0.2
+                except StoreError as exc:
+                    self.leading = False
+                    log.warning("webhooks_interrupted", error=str(exc), retry_in_s=wait)
+                    self._stopping.wait(wait)
+                    wait = min(wait * 2, 5.0)
+                except Exception:
+                    self.leading = False
+                    log.exception("webhooks_crashed", retry_in_s=wait)
+                    self._stopping.wait(wait)
+                    wait = min(wait * 2, 5.0)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            client.close()
+            with contextlib.suppress(StoreError):
+                self._store.webhook_release(self.name_in_group)
+            log.info("webhooks_stopped", delivered=self.delivered)
+
+    # -- one round ----------------------------------------------------------------------------------
+
+    def _round(self, client: httpx2.Client, pool: ThreadPoolExecutor) -> None:
+        leading = self._store.webhook_lease(self.name_in_group, lease_s=LEASE_S)
+        if leading != self.leading:
+            log.info("webhooks_delivering" if leading else "webhooks_standing_by", dispatcher=self.name_in_group)
+            self.leading = leading
+        if not leading:
+            self._stopping.wait(LEASE_S / 3)
+            return
+        catalog = self._current_catalog()
+        sent = self._send_due(client, pool, catalog)
+        queued = self._queue_new(catalog, block=not sent)
+        if not sent and not queued and self._store.cluster:
+            self._stopping.wait(0.1)
+        if time.monotonic() > self._next_sweep:
+            self._next_sweep = time.monotonic() + SWEEP_S
+            self._sweep()
+
+    def _current_catalog(self) -> Catalog:
+        return self._catalog if isinstance(self._catalog, Catalog) else self._catalog.current()
+
+    def _queue_new(self, catalog: Catalog, *, block: bool) -> int:
+        """Queue the deliveries of the outbox's next events; answers how many entries were read."""
+        entries, trimmed = self._store.webhook_outbox_pending(self.name_in_group, count=BATCH)
+        if trimmed:
+            log.error("webhooks_events_trimmed_unqueued", events=trimmed)
+        if not entries:
+            wait = BLOCK_MS if block and not self._store.cluster else None
+            entries = self._store.webhook_outbox_new(self.name_in_group, count=BATCH, block_ms=wait)
+        if not entries:
+            return 0
+        if catalog.webhooks:
+            self._learn_notify(entries)
+            now = time.time()
+            for entry in entries:
+                self._queue_entry(entry, catalog, now)
+        self._store.webhook_outbox_ack(entries)
+        return len(entries)
+
+    def _learn_notify(self, entries: Sequence[OutboxEntry]) -> None:
+        unknown = list(dict.fromkeys(e.run_id for e in entries if e.run_id not in self._notify))
+        if not unknown:
+            return
+        requests = self._store.run_requests(unknown)
+        for run_id, request in zip(unknown, requests, strict=True):
+            self._notify[run_id] = notify_of(request)
+            if len(self._notify) > MAX_SPEC_CACHE:
+                self._notify.popitem(last=False)
+
+    def _queue_entry(self, entry: OutboxEntry, catalog: Catalog, now: float) -> None:
+        names = [n for n in self._notify.get(entry.run_id, ()) if n in catalog.webhooks]
+        if not names:
+            return
+        position = stream_position(entry.stream_id)
+        if position is None:
+            return
+        event_id = f"{entry.stream_id}.{entry.shard:x}" if self._store.cluster else entry.stream_id
+        message = encode_run_event(event_id, entry.run_id, entry.event, entry.labels,
+                                   occurred_at=position[0] / 1000)
+        if message is None:
+            return
+        for name in names:
+            if not catalog.webhooks[name].wants(message.routing_key):
+                continue
+            self._store.webhook_queue(name, entry.run_id, event_id, event_type=message.routing_key,
+                                      body=message.body.decode(), occurred_at=position[0] / 1000, now=now)
+
+    def _send_due(self, client: httpx2.Client, pool: ThreadPoolExecutor, catalog: Catalog) -> int:
+        """Start sending the head of each due line not in flight; answers how many were started."""
+        with self._lock:
+            room = self._settings.webhook_concurrency - len(self._in_flight)
+            busy = set(self._in_flight)
+        if room <= 0:
+            self._stopping.wait(0.01)
+            return 1  # busy: do not block on the outbox
+        due = [m for m in self._store.webhooks_due(now=time.time(), count=room + len(busy)) if m not in busy][:room]
+        if not due:
+            return 0
+        heads = self._store.webhook_heads(due)
+        started = 0
+        for member, head in zip(due, heads, strict=True):
+            if not head.get("event_id"):
+                continue
+            with self._lock:
+                self._in_flight.add(member)
+            pool.submit(self._deliver, client, catalog, member, head)
+            started += 1
+        return started
+
+    # -- one attempt (in the pool's threads) -----------------------------------------------------------
+
+    def _deliver(self, client: httpx2.Client, catalog: Catalog, member: str, head: Mapping[str, str]) -> None:
+        try:
+            self._attempt(client, catalog, head)
+        except Exception:
+            log.exception("webhook_attempt_crashed", webhook=head.get("webhook"), event_id=head.get("event_id"))
+        finally:
+            with self._lock:
+                self._in_flight.discard(member)
+
+    def _attempt(self, client: httpx2.Client, catalog: Catalog, head: Mapping[str, str]) -> None:
+        name, run_id, event_id = head["webhook"], head.get("run_id", ""), head["event_id"]
+        attempts = int(head.get("attempts", "0") or 0) + 1
+        hook = catalog.webhooks.get(name)
+        code = 0
+        if hook is None:
+            ok, error = False, f"the webhook {name!r} is no longer in the catalog"
+        else:
+            ok, code, error = self._post(client, hook, event_id, head.get("body", ""))
+        now = time.time()
+        created = float(head.get("created_at", now) or now)
+        if ok:
+            outcome, next_at = DeliveryStatus.DELIVERED, now
+            self.delivered += 1
+        else:
+            next_at = now + backoff_s(attempts, self._settings)
+            late = hook is None or next_at - created > self._settings.webhook_retry_s
+            outcome = DeliveryStatus.GAVE_UP if late else DeliveryStatus.RETRYING
+            if outcome is DeliveryStatus.GAVE_UP:
+                log.warning("webhook_gave_up", webhook=name, run_id=run_id, event_id=event_id, attempts=attempts,
+                            error=error[:EXCERPT_CHARS])
+        self._store.webhook_result(name, run_id, event_id, outcome=outcome, attempts=attempts, status_code=code,
+                                   error=error[:EXCERPT_CHARS], now=now, next_at=next_at)
+
+    def _post(self, client: httpx2.Client, hook: WebhookSpec, event_id: str, body: str) -> tuple[bool, int, str]:
+        """POST one delivery; answers (2xx?, the status code or 0, what went wrong: a short excerpt)."""
+        secret = os.environ.get(hook.secret_env, "")
+        if not secret:
+            return False, 0, f"{hook.secret_env} is not set on the worker"
+        remember(secret)
+        try:
+            signer = standardwebhooks.Webhook(secret)
+        except (ValueError, binascii.Error, standardwebhooks.webhooks.EmptyWebhookSecretError):
+            return False, 0, f"{hook.secret_env} is not a whsec_<base64> secret"
+        stamp = datetime.datetime.now(tz=datetime.UTC).replace(microsecond=0)
+        headers = {
+            "content-type": "application/json", "user-agent": "runbrake-webhooks",
+            "webhook-id": event_id, "webhook-timestamp": str(int(stamp.timestamp())),
+            "webhook-signature": signer.sign(event_id, stamp, body),
+        }
+        try:
+            with client.stream("POST", hook.url, content=body.encode(), headers=headers) as answer:
+                excerpt = b""
+                for chunk in answer.iter_bytes():
+                    excerpt += chunk
+                    if len(excerpt) >= MAX_ANSWER_BYTES:
+                        break
+        except httpx2.HTTPError as exc:
+            return False, 0, scrub(f"{type(exc).__name__}: {exc}")
+        if 200 <= answer.status_code < 300:
+            return True, answer.status_code, ""
+        text = excerpt[:EXCERPT_CHARS].decode(errors="replace")
+        return False, answer.status_code, scrub(f"HTTP {answer.status_code}: {text}")
+
+    def _sweep(self) -> None:
+        """Delete deliveries last touched longer than the retention ago (0 keeps them)."""
+        if not self._settings.retention_s:
+            return
+        before = time.time() - self._settings.retention_s
+        while not self._stopping.is_set() and self._store.webhook_sweep(before=before):
+            pass
+
