@@ -83,6 +83,8 @@ class Event:
     sequence: int
     frame: bytes
     status: str = ""
+    tenant: str = ""
+    """The run's tenant ("" for none): a tenant's ``GET /v1/events`` hears only its own."""
 
 
 RESYNC: Final = Event(StreamEvent.RESYNC, "", 0, b"")
@@ -129,9 +131,11 @@ def step_frame(run_id: str, step: RunStep) -> bytes:
 
 @dataclass(eq=False)
 class Subscriber:
-    """One client: the run it watches (None: every run's status), its queue, whether it was dropped."""
+    """One client: the run it watches (None: every run's status), its queue, whether it was dropped, and,
+    for every run's status, the tenant whose runs alone it hears (None: all, an operator's)."""
 
     run_id: str | None
+    tenant: str | None = None
     queue: asyncio.Queue[Event] = field(default_factory=lambda: asyncio.Queue(QUEUE_SIZE))
     dropped: bool = False
 
@@ -188,8 +192,8 @@ class EventHub:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         return self.ready
 
-    def subscribe(self, run_id: str | None) -> Subscriber:
-        subscriber = Subscriber(run_id)
+    def subscribe(self, run_id: str | None, *, tenant: str | None = None) -> Subscriber:
+        subscriber = Subscriber(run_id, tenant=tenant)
         if run_id is None:
             self._everything.add(subscriber)
         else:
@@ -263,7 +267,7 @@ class EventHub:
             return
         watchers = tuple(self._by_run.get(event.run_id, ()))
         if event.kind is StreamEvent.STATUS:
-            watchers += tuple(self._everything)
+            watchers += tuple(s for s in self._everything if s.tenant is None or s.tenant == event.tenant)
         for subscriber in watchers:
             self._offer(subscriber, event)
 
@@ -307,13 +311,14 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool]) -> Event | None:
         raise Unreadable("event and run_id must be strings, run_id 32 lowercase hex characters")
     if kind == StreamEvent.STATUS:
         status, reason = message.get("status"), message.get("termination_reason", "")
-        if not isinstance(status, str) or not isinstance(reason, str):
-            raise Unreadable("status and termination_reason must be strings")
+        tenant = message.get("tenant", "")
+        if not isinstance(status, str) or not isinstance(reason, str) or not isinstance(tenant, str):
+            raise Unreadable("status, termination_reason and tenant must be strings")
         parsed = RunStatus(status)  # ValueError for a status that is none
         if parsed is RunStatus.UNKNOWN:
             raise Unreadable("unknown is no status a run is ever in")
         data = status_data(run_id, parsed.value, reason)
-        return Event(StreamEvent.STATUS, run_id, 0, frame(StreamEvent.STATUS, data), parsed.value)
+        return Event(StreamEvent.STATUS, run_id, 0, frame(StreamEvent.STATUS, data), parsed.value, tenant)
     if not wanted(run_id):
         return None
     if kind == StreamEvent.STEP:
