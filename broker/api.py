@@ -318,6 +318,13 @@ _BODY_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
           "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
 }
 
+_ENQUEUE_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
+    **_BODY_ERRORS,
+    429: {"description": "The token's tenant is at one of its quotas; nothing was written. Retry-After says when "
+                         "to ask again (docs/http-api.md, \"Tenants and quotas\").",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+}
+
 
 def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     """The ASGI app of ``runbrake serve``. Its ``state.connections`` makes the protocol class to serve it
@@ -388,7 +395,7 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
 
 
 def _routes(app: FastAPI) -> None:
-    @app.post("/v1/runs", status_code=201, tags=["runs"], responses=_BODY_ERRORS, openapi_extra={"requestBody": {
+    @app.post("/v1/runs", status_code=201, tags=["runs"], responses=_ENQUEUE_ERRORS, openapi_extra={"requestBody": {
         "required": True,
         "content": {"application/json": {"schema": {
             "type": "object", "description": "A run spec: see GET /v1/schema/run-spec"}}},
