@@ -95,7 +95,7 @@ LOCK_DIR := $(or $(TMPDIR),/tmp)/runbrake-lock
 lock:
 	rm -rf $(LOCK_DIR) && $(PYTHON) -m venv $(LOCK_DIR)
 	$(LOCK_DIR)/bin/python -m pip install --quiet --upgrade pip
-	$(LOCK_DIR)/bin/python -m pip install --quiet .
+	$(LOCK_DIR)/bin/python -m pip install --quiet ".[otel]"
 	{ printf '%s\n' \
 		"# Pinned versions of runbrake's dependencies and theirs: the image (deploy/Dockerfile) and" \
 		"# 'make setup' install with --constraint this file. Written by 'make lock' (pip install . and" \

@@ -41,7 +41,7 @@ from runbrake.broker.auth import Tokens
 from runbrake.broker.connections import Connections
 from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
 from runbrake.broker.render import run_json, run_summary, server_health
-from runbrake.shared import operations
+from runbrake.shared import operations, tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import (
@@ -409,8 +409,10 @@ def _routes(app: FastAPI) -> None:
         # Each token has its own idempotency keys (docs/http-api.md, "Idempotency keys"): a key says
         # nothing about another submitter's runs. Without tokens, one scope, shared with the CLI.
         scope = None if state.tokens is None else who.name
-        enqueued: Enqueued = await state.amqp.run(lambda: operations.enqueue(
-            Producer(state.sync_store, state.broker, state.admission), spec, scope=scope, tenant=who.tenant))
+        # A traced caller's traceparent is the enqueue's parent (docs/operating.md, "Traces"); off, a no-op.
+        parent = request.headers.get(tracing.TRACEPARENT)
+        enqueued: Enqueued = await state.amqp.run(lambda: tracing.current().within(parent, lambda: operations.enqueue(
+            Producer(state.sync_store, state.broker, state.admission), spec, scope=scope, tenant=who.tenant)))
         answer = {"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created}
         if enqueued.created:
             log.info("api_run_enqueued", run_id=enqueued.run_id, by=who.name, tenant=who.tenant)

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Final, NoReturn, TypeVar, cast
 import click
 
 from runbrake.broker.render import render_run, render_runs, render_servers, run_json, run_summary, server_health
-from runbrake.shared import operations
+from runbrake.shared import operations, tracing
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
     ConfigError,
@@ -112,7 +112,10 @@ def user_errors(command: F) -> F:
 
 
 def settings_from_env() -> Settings:
-    return Settings.from_env()
+    """The settings of this command, read once; tracing turned on when they say so (docs/operating.md, "Traces")."""
+    settings = Settings.from_env()
+    tracing.configure(settings, service="runbrake")
+    return settings
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from typing import Any, Final
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import ARGUMENT_ERROR
 from runbrake.shared.status import RunStatus
-from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.store import RunRecord
 from runbrake.shared.timeline import Lang, label, outcome_label, step_outcome
 
@@ -78,10 +78,17 @@ def _when(epoch: float | None) -> str:
     return datetime.fromtimestamp(epoch, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
+_STEP_REASONS = frozenset(reason.value for reason in StepReason)
+
+
 def _detail(step: RunStep, lang: Lang = "en") -> str:
     calls_label = label("run.calls", lang)
     if step.kind is StepKind.TOOL:
-        text = f"{step.tool_server}.{step.tool_name}: {step.content}"
+        name = f"{step.tool_server}.{step.tool_name}" if step.tool_server else str(step.tool_name)
+        reason = step.detail.get("reason")
+        if reason in _STEP_REASONS:
+            name = f"{name} ({label(f'step_reason.{reason}', lang)})"
+        text = f"{name}: {step.content}"
     elif step.kind is StepKind.MODEL:
         calls = step.detail.get("tool_calls") or []
         names = ", ".join(f"{c['server']}.{c['tool']}" for c in calls)

@@ -20,7 +20,9 @@ cancellation::
 
 ``call`` numbers the calls this process has received, starting at 1; the events
 of one call share it. ``pid`` is the server's process id, so a test can kill the
-server in the middle of a call.
+server in the middle of a call. Over HTTP, a request with a W3C ``traceparent`` header
+(a traced worker's: docs/operating.md, "Traces") adds ``{"event": "traceparent", "tool": "",
+"call": 0, "args": {"traceparent": …, "method": "POST"}, …}``.
 
 On stdio, stdout is the protocol channel: nothing here prints, and the SDK logs
 to stderr.
@@ -59,7 +61,24 @@ class _ToolboxServer(MCPServer):
         app = super().streamable_http_app(**kwargs)
         if self.bearer is not None:
             app.add_middleware(_RequireBearer, token=self.bearer)
+        app.add_middleware(_RecordTraceparent)
         return app
+
+
+class _RecordTraceparent:
+    """Record the W3C ``traceparent`` of each HTTP request that carries one (event ``traceparent``, the value in
+    ``args``): how a test sees that a traced worker's MCP requests continue the run's trace."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            traceparent = dict(scope["headers"]).get(b"traceparent")
+            if traceparent is not None:
+                _record("traceparent", "", 0, {"traceparent": traceparent[:100].decode(errors="replace"),
+                                               "method": scope.get("method", "")})
+        await self._app(scope, receive, send)
 
 
 class _RequireBearer:

@@ -23,7 +23,7 @@ from runbrake.shared.records import Appended, CancelRequest, Claim, Created, Run
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import McpServerSpec, RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import RunStep, StepError, StepKind
+from runbrake.shared.steps import RunStep, StepError, StepKind, StepReason
 from runbrake.shared.store import RunStore
 from runbrake.shared.timeline import LABELS, label, outcome_label, step_outcome
 from runbrake.shared.tool_result import ToolResult
@@ -51,6 +51,7 @@ __all__ = [
     "SpecError",
     "StepError",
     "StepKind",
+    "StepReason",
     "StoreError",
     "TerminationReason",
     "ToolArgumentsRefused",

@@ -651,8 +651,9 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
     recorded_at = time.time()
     body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
     counter = ""
-    if step.tool_server is not None and step.tool_outcome is not None:
+    if step.tool_server and step.tool_outcome is not None:
         # Argument errors are the caller's mistake: counted apart, so they do not make a server look flaky.
+        # A call to no server of the run (a name a model made up: server "") is counted nowhere.
         outcome = ARGUMENT_ERROR if step.detail.get("failure") == "arguments" else step.tool_outcome.value
         counter = f"{step.tool_server}|{outcome}"
 

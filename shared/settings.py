@@ -271,6 +271,10 @@ class Settings(BaseSettings):
     most models, while a step stays small enough to send whole on every events replay."""
     max_tool_calls_per_turn: Annotated[int, _integer(1, 1000)] = 32
     """Most tool calls one model turn may ask for; more fails the run (`too_many_tool_calls`)."""
+    max_parallel_tool_calls: Annotated[int, _integer(1, 1000)] = 8
+    """Most tool calls of one turn a run has in flight at once (the others of the turn wait for a free
+    place, in call order); a catalog server's `max_concurrency` bounds its calls per worker process too.
+    1 runs a turn's calls one after another."""
     max_steps_cap: Annotated[int, _integer(1, 1_000_000)] = 1000
     """Highest `max_steps` a spec may ask for (its default is 200)."""
     retention_s: Annotated[int, _integer(0)] = 7 * 24 * 3600
@@ -311,6 +315,12 @@ class Settings(BaseSettings):
     redis_replica_ack_timeout_s: Annotated[float, _SECONDS] = 1.0
     """How long a transition waits for `RUNBRAKE_REDIS_MIN_REPLICAS_ACK` replicas, in seconds; below
     `RUNBRAKE_REDIS_TIMEOUT_S`."""
+    otel: Annotated[bool, _BOOL] = False
+    """Traces (OpenTelemetry): spans for the enqueue, each run segment, model call, tool call and cancel,
+    exported over OTLP/HTTP as the standard `OTEL_EXPORTER_OTLP_*` variables say, and the W3C `traceparent`
+    carried in the run and cancel messages and every MCP HTTP request (docs/operating.md, "Traces"). Needs
+    the `otel` extra (`pip install "runbrake[otel]"`); off, runbrake imports neither OpenTelemetry's tracing SDK
+    nor its exporter."""
     queue_type: Annotated[str, _choice("classic", "quorum")] = "classic"
     """How the run and cancel-request queues are declared: `quorum` declares `<ns>.runs` and its
     `.DQ`/`.XQ` twins, and `<ns>.cancel-requests` and its dead-letter queue, as quorum queues."""

@@ -28,6 +28,16 @@ class StepKind(StrEnum):
     UNKNOWN = "unknown"
 
 
+class StepReason(StrEnum):
+    """Why a tool step came out as it did, in its ``detail.reason``, where that is no termination reason (a
+    call cut off by a hand-over says ``worker_shutdown``, the run's reason when a worker stops)."""
+
+    INVALID_CALL = "invalid_call"
+    """The model asked for a call the run cannot make (a tool it does not have, one outside the catalog's
+    allowlist, arguments that are not a JSON object): never executed, the step ``failed`` and its content
+    handed back to the model (docs/architecture.md, "Invalid calls go back to the model")."""
+
+
 class StepError(RunbrakeError, ValueError):
     """Raised when a step would disagree with itself (an outcome that contradicts its error flag, or
     an outcome on a step that is not a tool step). A ``ValueError`` too, as it was before it joined the

@@ -104,6 +104,7 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "event.end": "end of stream",
         "event.dropped": "dropped (too far behind)",
         "event.resync": "read again",
+        "step_reason.invalid_call": "invalid call, handed back to the model",
     },
     "de": {
         "column.outcome": "Ergebnis",
@@ -169,6 +170,7 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "event.end": "Ende des Streams",
         "event.dropped": "getrennt (zu weit zurück)",
         "event.resync": "neu lesen",
+        "step_reason.invalid_call": "ungültiger Aufruf, an das Modell zurückgegeben",
     },
 }
 

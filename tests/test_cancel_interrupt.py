@@ -58,10 +58,12 @@ REQUESTED_BY = "ops@example.test"
 WAIT_S = 15.0
 
 SLOW_THEN_MORE = [
-    {"tool_calls": [call("slow", seconds=30), call("get-sum", a=1, b=2)]},
+    {"tool_calls": [call("slow", seconds=30)]},
+    {"tool_calls": [call("get-sum", a=1, b=2)]},
     {"content": "never reached"},
 ]
-"""A run whose first call takes 30 s, with a second call and a second model turn that must never start."""
+"""A run whose first call takes 30 s, with a second turn and its call that must never start (the calls of one
+turn run at once: tests/test_concurrent_tools.py)."""
 
 
 @pytest.fixture(name="publisher")
@@ -183,19 +185,22 @@ def test_failed_steps_stay_failed_when_a_cancel_arrives_after_them(
         killed = wait_for_event(doomed.events, "started", tool="slow", timeout=WAIT_S)[0]
         os.kill(killed["pid"], signal.SIGKILL)
         wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+        # The calls of the turn run at once: the three that fail are recorded while the last still runs.
+        wait_for_run(store, run.run_id, lambda r: len(_tools(r)) == 3, timeout=WAIT_S)
 
         _cancel(store, publisher, run.run_id)
 
         assert _segment_ended(worker, run.run_id) == "cancelled"
     record = store.get(run.run_id)
     assert record.status is RunStatus.CANCELLED
-    assert _tools(record) == [
-        ("slow", ToolOutcome.FAILED, True, "failed"),
-        ("fail", ToolOutcome.FAILED, True, "failed"),
-        ("get-sum", ToolOutcome.FAILED, True, "failed"),
-        ("slow", ToolOutcome.CANCELLED, True, "cancelled"),
+    in_call_order = sorted((s for s in record.steps if s.kind is StepKind.TOOL), key=lambda s: s.tool_call_id or "")
+    assert [(s.tool_server, s.tool_name, s.tool_outcome, step_outcome(s)) for s in in_call_order] == [
+        ("doomed", "slow", ToolOutcome.FAILED, "failed"),
+        ("toolbox", "fail", ToolOutcome.FAILED, "failed"),
+        ("dead", "get-sum", ToolOutcome.FAILED, "failed"),
+        ("toolbox", "slow", ToolOutcome.CANCELLED, "cancelled"),
     ]
-    assert [s.tool_server for s in record.steps if s.kind is StepKind.TOOL] == ["doomed", "toolbox", "dead", "toolbox"]
+    assert step_outcome(record.steps[-1]) == "cancelled"  # the last recorded: after the three failures
 
 
 def test_a_cancel_message_without_the_fence_changes_nothing(
@@ -300,6 +305,8 @@ def test_server_health_counts_cancelled_calls_and_argument_errors_apart_from_fai
         {"content": "never reached"},
     ]))
     wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    # The calls of the turn run at once: the three quick ones are recorded while slow still runs.
+    wait_for_run(store, run.run_id, lambda r: len(_tools(r)) == 3, timeout=WAIT_S)
     _cancel(store, publisher, run.run_id)
     assert _segment_ended(worker, run.run_id) == "cancelled"
 
@@ -313,9 +320,10 @@ def test_server_health_counts_cancelled_calls_and_argument_errors_apart_from_fai
         {"server": "toolbox", "ok": 1, "failed": 1, "argument_errors": 1, "cancelled": 1, "failure_rate": 0.5},
     ]
     assert json.loads(recent.stdout) == json.loads(shown.stdout)
-    tools = [(s.tool_name, s.tool_outcome, s.detail.get("failure")) for s in store.get(run.run_id).steps
-             if s.kind is StepKind.TOOL]
-    assert tools[2] == ("no-such-tool", ToolOutcome.FAILED, "arguments")  # refused before any call was sent
+    tools = {s.tool_name: (s.tool_outcome, s.detail.get("failure"), s.detail.get("reason"))
+             for s in store.get(run.run_id).steps if s.kind is StepKind.TOOL}
+    # Refused before any call was sent, and handed back to the model.
+    assert tools["no-such-tool"] == (ToolOutcome.FAILED, "arguments", "invalid_call")
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -192,9 +192,10 @@ def _pins() -> dict[str, tuple[str, str]]:
 
 def _runtime_closure() -> dict[str, str]:
     """Canonical name → installed version of every distribution runbrake needs at run time (its
-    [project].dependencies, their extras, and theirs), read from the installed metadata."""
+    [project].dependencies and its ``otel`` extra, which the image installs too, their extras, and theirs),
+    read from the installed metadata."""
     closure: dict[str, str] = {}
-    pending: list[tuple[str, frozenset[str]]] = [("runbrake", frozenset())]
+    pending: list[tuple[str, frozenset[str]]] = [("runbrake", frozenset({"otel"}))]
     seen: set[tuple[str, frozenset[str]]] = set()
     while pending:
         name, extras = pending.pop()

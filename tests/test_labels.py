@@ -12,13 +12,13 @@ from runbrake.broker.render import render_run
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import RunRecord
 from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import StepKind
+from runbrake.shared.steps import StepKind, StepReason
 from runbrake.shared.stream_events import StreamEvent
 from runbrake.shared.timeline import LABELS, label
 
 NAMED: tuple[tuple[str, type[StrEnum]], ...] = (
     ("status", RunStatus), ("reason", TerminationReason), ("kind", StepKind), ("outcome", ToolOutcome),
-    ("event", StreamEvent))
+    ("event", StreamEvent), ("step_reason", StepReason))
 """Label key prefix and the enum whose values follow it. ``TerminationReason.NONE`` is never shown."""
 
 DOC_ROW = re.compile(r"^\| `(?P<value>[a-z_]+)` \| (?P<en>[^|]+) \| (?P<de>[^|]+) \|$")

@@ -200,32 +200,37 @@ async def test_an_unreachable_endpoint_becomes_a_provider_error(openai_stub: Ope
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(
-    ("name", "problem"),
-    [
-        ("get-sum", "not a '<server>__<tool>' name"),
-        ("nowhere__get-sum", "unknown server 'nowhere'"),
-        ("calc__", "not a '<server>__<tool>' name"),
-    ],
-)
-async def test_a_tool_name_that_does_not_name_a_known_server_is_a_provider_error(
-    openai_stub: OpenAIStub, name: str, problem: str
+@pytest.mark.parametrize("name", ["get-sum", "nowhere__get-sum", "calc__", "get_weather"])
+async def test_a_tool_name_that_names_no_tool_of_the_run_comes_back_as_a_call_with_a_problem(
+    openai_stub: OpenAIStub, name: str
 ) -> None:
-    openai_stub.reply(tool_calls=[StubToolCall(name, {})])
+    openai_stub.reply(tool_calls=[StubToolCall(name, {"city": "Berlin"})])
 
-    with pytest.raises(ProviderError, match=problem):
-        await _openai(openai_stub).complete(QUESTION, CALC_TOOLS, round_index=0)
+    turn = await _openai(openai_stub).complete(QUESTION, CALC_TOOLS, round_index=0)
+
+    [call] = turn.tool_calls
+    assert (call.server, call.tool, call.model_name) == ("", name, name)
+    assert call.problem == f"there is no tool named {name!r}"
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("arguments", ['{"a": 2,', "[2, 3]"])
-async def test_tool_arguments_that_are_not_a_json_object_are_a_provider_error(
-    openai_stub: OpenAIStub, arguments: str
+@pytest.mark.parametrize(("arguments", "problem"), [
+    ('{"a": 2,', "the arguments of calc__get-sum are not JSON: '{\"a\": 2,'"),
+    ('{"a": NaN}', "the arguments of calc__get-sum are not JSON"),
+    ("[2, 3]", "the arguments of calc__get-sum must be a JSON object, not an array"),
+    ('"two"', "the arguments of calc__get-sum must be a JSON object, not a string"),
+])
+async def test_tool_arguments_that_are_not_a_json_object_come_back_as_a_call_with_a_problem(
+    openai_stub: OpenAIStub, arguments: str, problem: str
 ) -> None:
     openai_stub.reply(tool_calls=[StubToolCall("calc__get-sum", arguments)])
 
-    with pytest.raises(ProviderError, match="arguments that are not"):
-        await _openai(openai_stub).complete(QUESTION, CALC_TOOLS, round_index=0)
+    turn = await _openai(openai_stub).complete(QUESTION, CALC_TOOLS, round_index=0)
+
+    [call] = turn.tool_calls
+    assert (call.server, call.tool, dict(call.arguments)) == ("calc", "get-sum", {})
+    assert call.problem is not None
+    assert call.problem.startswith(problem)
 
 
 @pytest.mark.anyio

@@ -6,12 +6,14 @@ from typing import Any
 
 import dramatiq
 import structlog
+from dramatiq.middleware import CurrentMessage
 
 from runbrake.shared.errors import MalformedMessage, StoreError
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker
 from runbrake.shared.messaging.wire import NOOP_ACTOR, RUN_ACTOR, Topology
 from runbrake.shared.records import RUN_ID
 from runbrake.shared.settings import Settings
+from runbrake.shared.tracing import TRACEPARENT
 from runbrake.worker.intake import HandBack, Intake
 
 log = structlog.get_logger(__name__)
@@ -35,7 +37,10 @@ def declare_run_actor(broker: RunbrakeBroker, intake: Intake, settings: Settings
             # dead-lettered once (this error is not retried) instead of looking like a store outage.
             log.error("run_message_malformed", run_id=repr(run_id)[:100], resume=repr(resume)[:20])
             raise MalformedMessage(f"a run message must carry a run id, not {type(run_id).__name__}")
-        intake.take(run_id, resume=resume)
+        message = CurrentMessage.get_current_message()
+        # Checked with the envelope (shared/messaging/wire.py, check_run_message): a W3C value or absent.
+        traceparent = message.options.get(TRACEPARENT) if message is not None else None
+        intake.take(run_id, resume=resume, traceparent=traceparent if isinstance(traceparent, str) else None)
 
     return dramatiq.actor(
         broker=broker,

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 
+import pika
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
-from runbrake.shared.messaging.wire import Topology, decode_cancel
+from runbrake.shared import tracing
+from runbrake.shared.messaging.wire import Topology, cancel_traceparent, decode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker._consumer import ConsumerThread
@@ -44,17 +46,23 @@ class CancelListener(ConsumerThread):
         channel.basic_consume(queue=queue, on_message_callback=self._on_message, auto_ack=True)
         return queue
 
-    def _on_message(self, _channel: object, _method: object, _properties: object, body: bytes) -> None:
+    def _on_message(self, _channel: object, _method: object, properties: pika.BasicProperties, body: bytes) -> None:
         run_id = decode_cancel(body)
         if run_id is None:
             log.warning("cancel_message_malformed", size=len(body), body=body[:200].decode(errors="replace"))
             return
         if run_id not in self._registry:
             return
-        if not self._store.cancel_requested(run_id):
-            log.warning("cancel_message_without_fence", run_id=run_id)
-            return
-        if self._registry.interrupt(run_id):
+        # The interrupt continues the canceller's trace (docs/operating.md, "Traces"); off, a no-op.
+        with tracing.current().span("runbrake.cancel.interrupt", {"runbrake.run_id": run_id},
+                                    parent=cancel_traceparent(properties), kind="consumer") as span:
+            if not self._store.cancel_requested(run_id):
+                log.warning("cancel_message_without_fence", run_id=run_id)
+                span.fail("no cancel key: a forged or stale wake-up")
+                return
+            interrupted = self._registry.interrupt(run_id)
+            span.set({"runbrake.cancel.interrupted": interrupted})
+        if interrupted:
             log.info("cancel_message_delivered", run_id=run_id)
 
     def replacement(self) -> Part:

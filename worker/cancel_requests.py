@@ -25,11 +25,18 @@ import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
+from runbrake.shared import tracing
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import StoreError
 from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
-from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, MalformedCancelRequest, Topology, decode_cancel_request
+from runbrake.shared.messaging.wire import (
+    DEAD_REASON_HEADER,
+    MalformedCancelRequest,
+    Topology,
+    cancel_traceparent,
+    decode_cancel_request,
+)
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker._consumer import ConsumerThread
@@ -91,8 +98,11 @@ class CancelRequestConsumer(ConsumerThread):
                 log.warning("cancel_request_unknown_run", run_id=request.run_id, tenant=tenant)
                 channel.basic_ack(delivery_tag=method.delivery_tag)
                 return
-            result = cancel_run(self._store, self._publisher, request.run_id,
-                                reason=request.reason or DEFAULT_REASON, requested_by=requested_by)
+            # A traced publisher's trace goes on through the fence and the wake-up (docs/operating.md, "Traces").
+            with tracing.current().span("runbrake.cancel_request", {"runbrake.run_id": request.run_id},
+                                        parent=cancel_traceparent(properties), kind="consumer"):
+                result = cancel_run(self._store, self._publisher, request.run_id,
+                                    reason=request.reason or DEFAULT_REASON, requested_by=requested_by)
         except StoreError as exc:
             # Not the request's fault: keep it, and try again after a pause (the connection stays serviced).
             log.warning("cancel_request_store_unavailable", run_id=request.run_id, error=str(exc),

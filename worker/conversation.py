@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,8 +30,9 @@ class ToolCall:
 
     @property
     def model_name(self) -> str:
-        """``server__tool``, the name shown to a real model."""
-        return f"{self.server}{TOOL_NAME_SEPARATOR}{self.tool}"
+        """``server__tool``, the name shown to a real model; a call to no server of the run keeps the name the
+        model used (``tool``), so the conversation shows it what it asked for."""
+        return f"{self.server}{TOOL_NAME_SEPARATOR}{self.tool}" if self.server else self.tool
 
     def to_dict(self) -> dict[str, Any]:
         data = {"id": self.id, "server": self.server, "tool": self.tool, "arguments": dict(self.arguments)}
@@ -43,6 +44,40 @@ class ToolCall:
     def from_dict(cls, data: Mapping[str, Any]) -> ToolCall:
         return cls(id=data["id"], server=data["server"], tool=data["tool"], arguments=data.get("arguments", {}),
                    problem=data.get("problem"))
+
+
+MAX_MODEL_TOOL_NAME_CHARS = 200
+"""How much of a tool name a model made up is kept (in the call's step and the conversation)."""
+
+
+def model_tool_call(call_id: str, name: str, arguments: object, servers: Collection[str]) -> ToolCall:
+    """A tool call as a model named it (``<server>__<tool>``), for a provider to hand to the loop.
+
+    A name that is not ``<server>__<tool>`` of one of ``servers``, or ``arguments`` that are not a JSON object,
+    make a call with a :attr:`ToolCall.problem` (its server ``""`` when it names none of the run's): the loop
+    hands it back to the model as a failed step, ``invalid_call``, and never executes it. Whether the tool
+    exists on its server is the toolbox's to say (worker/toolbox.py ``Toolbox.problem``).
+    """
+    server, separator, tool = name.partition(TOOL_NAME_SEPARATOR)
+    if not separator or not tool or server not in servers or len(name) > MAX_MODEL_TOOL_NAME_CHARS:
+        shown = name[:MAX_MODEL_TOOL_NAME_CHARS]
+        return ToolCall(id=call_id, server="", tool=shown, problem=f"there is no tool named {shown!r}")
+    if not isinstance(arguments, dict):
+        return ToolCall(id=call_id, server=server, tool=tool,
+                        problem=f"the arguments of {name} must be a JSON object, not {_json_kind(arguments)}")
+    return ToolCall(id=call_id, server=server, tool=tool, arguments=arguments)
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "null" if value is None else "an unknown value"
 
 
 @dataclass(frozen=True, slots=True)

@@ -298,8 +298,9 @@ class Intake:
 
     # -- the run actor's body, on a consumer thread --
 
-    def take(self, run_id: str, *, resume: bool) -> None:
-        """Take a slot, start the run's segment on the loop, return once its claim is decided.
+    def take(self, run_id: str, *, resume: bool, traceparent: str | None = None) -> None:
+        """Take a slot, start the run's segment on the loop, return once its claim is decided. ``traceparent``
+        (the message's, with tracing on) is the segment span's parent.
 
         Raises:
             HandBack: the worker is full or stopping; the message goes back to the queue.
@@ -309,7 +310,7 @@ class Intake:
             raise WorkerFull(f"{self.concurrency} runs in flight here")
         try:
             decided: concurrent.futures.Future[bool] = concurrent.futures.Future()
-            asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided), _loop())
+            asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided, traceparent), _loop())
         except BaseException:
             self._slots.release()
             raise
@@ -320,7 +321,8 @@ class Intake:
                 continue
             return
 
-    async def _segment(self, run_id: str, resume: bool, decided: concurrent.futures.Future[bool]) -> None:
+    async def _segment(self, run_id: str, resume: bool, decided: concurrent.futures.Future[bool],
+                       traceparent: str | None = None) -> None:
         """The segment on the loop; tells ``decided`` how the claim went, and gives the slot back, whatever
         happens. Its task is known to :meth:`interrupt_all` for as long as it runs."""
         task = asyncio.current_task()
@@ -330,7 +332,8 @@ class Intake:
             if self._interrupted:  # started after interrupt_all: claim nothing, send the message again
                 decided.set_exception(CapacityClosed("the worker stopped before the run started"))
             else:
-                await self._runtime.execute(run_id, resume=resume, on_claim=decided.set_result)
+                await self._runtime.execute(run_id, resume=resume, on_claim=decided.set_result,
+                                            traceparent=traceparent)
         except asyncio.CancelledError:
             if not decided.done():
                 # Stopped before the claim was decided: the message is sent again (a claimed run refuses it).

@@ -20,11 +20,11 @@ from typing import Any, Protocol
 
 import anyio
 
-from runbrake.shared.errors import ProviderError, RunBoundReached
+from runbrake.shared.errors import CancelRequested, OwnershipLost, ProviderError, RunBoundReached
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
-from runbrake.shared.steps import RunStep, StepKind
-from runbrake.shared.tool_result import ToolResult, bound
+from runbrake.shared.steps import RunStep, StepKind, StepReason
+from runbrake.shared.tool_result import Failure, ToolResult, bound
 from runbrake.worker.conversation import NO_SETTINGS, Message, ModelSettings, ModelTurn, ToolCall, ToolInfo
 from runbrake.worker.models import ModelProvider
 from runbrake.worker.structured import AnswerCheck, hand_back
@@ -40,7 +40,7 @@ class LoopHooks(Protocol):
         """Probe the cancel key before a model call (raises CancelRequested when set)."""
 
     def in_flight(self) -> AbstractContextManager[anyio.CancelScope]:
-        """A fresh, unentered scope registered as the run's call in flight while the block runs."""
+        """A fresh, unentered scope registered as one of the run's calls in flight while the block runs."""
 
     @property
     def handing_over(self) -> bool:
@@ -52,6 +52,9 @@ class ToolRunner(Protocol):
 
     @property
     def tools(self) -> Sequence[ToolInfo]: ...
+
+    def problem(self, call: ToolCall) -> str | None:
+        """Why the run cannot make ``call`` (no such tool, not allowed), for the model; None when it can."""
 
     async def execute(self, call: ToolCall, *, interrupt: anyio.CancelScope) -> ToolResult: ...
 
@@ -80,7 +83,8 @@ class LoopState:
     model_calls: int = 0
     """Model calls made so far in the whole run (the next call's ``round_index``)."""
     pending_calls: list[ToolCall] = field(default_factory=list)
-    """Tool calls of the current round not yet executed; the first waits for approval."""
+    """Tool calls of the current round not yet started: the first waits for approval, or a hand-over came
+    before they had a place."""
     approved_call_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,7 +122,7 @@ class LoopEnd:
 
 
 class ToolLoop:
-    """Runs rounds of one model call plus the tool calls it asks for, in order."""
+    """Runs rounds of one model call plus the tool calls it asks for, those at once."""
 
     def __init__(
         self,
@@ -129,6 +133,7 @@ class ToolLoop:
         max_rounds: int,
         approval_required: frozenset[str] = frozenset(),
         max_tool_calls_per_turn: int = 32,
+        max_parallel_tool_calls: int = 8,
         max_argument_chars: int = 16_000,
         max_model_content_chars: int = 100_000,
         settings: ModelSettings = NO_SETTINGS,
@@ -141,6 +146,7 @@ class ToolLoop:
         self._max_rounds = max_rounds
         self._approval_required = approval_required
         self._max_tool_calls_per_turn = max_tool_calls_per_turn
+        self._max_parallel_tool_calls = max_parallel_tool_calls
         self._max_argument_chars = max_argument_chars
         self._max_model_content_chars = max_model_content_chars
         self._settings = settings
@@ -250,29 +256,118 @@ class ToolLoop:
         )
 
     async def _run_calls(self, state: LoopState, calls: list[ToolCall]) -> LoopEnd | None:
-        round_number = state.model_calls
-        for index, call in enumerate(calls):
-            if self._hooks.handing_over:
-                state.pending_calls = calls[index:]
-                return LoopEnd(LoopEndKind.HANDOFF, state=state)
-            if call.qualified_name in self._approval_required and call.id != state.approved_call_id:
-                state.pending_calls = calls[index:]
+        """Run a turn's calls (or what is left of them) at once, up to the first that waits for approval;
+        the results go back to the model in call order (docs/architecture.md, "Concurrent tool calls").
+
+        Raises:
+            CancelRequested: from a step's probe, once every call in flight was cut off and recorded.
+        """
+        waits = next((i for i, call in enumerate(calls) if self._waits_for_approval(call, state)), len(calls))
+        turn = _Turn(round=state.model_calls, calls=calls[:waits])
+        slots = anyio.Semaphore(self._max_parallel_tool_calls)
+        async with anyio.create_task_group() as group:
+            for index, call in enumerate(turn.calls):
+                # Started in call order, as places come free: the calls started are always the first ones.
+                await slots.acquire()
+                if self._hooks.handing_over or turn.stopped_by is not None:
+                    slots.release()
+                    break
+                turn.started = index + 1
+                group.start_soon(self._call, turn, index, call, slots)
+        if turn.stopped_by is not None:
+            raise turn.stopped_by
+        state.messages.extend(turn.messages())
+        if turn.started < len(turn.calls):  # the hand-over came first: the next worker makes the others
+            state.pending_calls = calls[turn.started:]
+            if turn.started:  # an approved call was among those made
                 state.approved_call_id = None
-                return LoopEnd(LoopEndKind.SUSPENDED, state=state)
-            started = self._clock()
-            with self._hooks.in_flight() as interrupt:
-                result = await self._runner.execute(call, interrupt=interrupt)
-            step = RunStep.tool(round=round_number, server=call.server, name=call.tool, result=result,
-                                call_id=call.id, duration_ms=_ms(self._clock() - started))
-            if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
-                # Cut off by the hand-over, not by a cancel (a cancel found by the append's probe still wins).
-                result = ToolResult.cancelled("the call was cut off: the worker executing the run shut down")
-                step = replace(step, content=result.content, detail={**step.detail, "reason": HANDOFF_REASON})
-            await self._hooks.record(step)
-            state.messages.append(Message(role="tool", content=result.content, tool_call_id=call.id))
-        state.pending_calls = []
+            return LoopEnd(LoopEndKind.HANDOFF, state=state)
         state.approved_call_id = None
+        if waits < len(calls):
+            state.pending_calls = calls[waits:]
+            return LoopEnd(LoopEndKind.SUSPENDED, state=state)
+        state.pending_calls = []
         return None
+
+    def _waits_for_approval(self, call: ToolCall, state: LoopState) -> bool:
+        return (call.problem is None and call.qualified_name in self._approval_required
+                and call.id != state.approved_call_id)
+
+    async def _call(self, turn: _Turn, index: int, call: ToolCall, slots: anyio.Semaphore) -> None:
+        """One call of a turn: executed (or handed back, when the run cannot make it), then recorded.
+
+        Never raises but for the task's own cancellation: what stops the turn (the probe's cancel, a bound
+        reached, a store that stayed away) is kept in ``turn`` and cuts off the calls still in flight."""
+        try:
+            started = self._clock()
+            problem = call.problem or self._runner.problem(call)
+            if problem is not None:
+                step = self._invalid_call(turn.round, call, problem)
+            else:
+                with self._hooks.in_flight() as interrupt:
+                    turn.scopes.add(interrupt)
+                    try:
+                        result = await self._runner.execute(call, interrupt=interrupt)
+                    finally:
+                        turn.scopes.discard(interrupt)
+                step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result,
+                                    call_id=call.id, duration_ms=_ms(self._clock() - started))
+                if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
+                    # Cut off by the hand-over, not by a cancel (a cancel found by the append's probe still wins).
+                    result = ToolResult.cancelled("the call was cut off: the worker executing the run shut down")
+                    step = replace(step, content=result.content, detail={**step.detail, "reason": HANDOFF_REASON})
+            if turn.stopped_by is not None and not isinstance(turn.stopped_by, CancelRequested):
+                return  # the run ends otherwise (a bound, the store, the lease): nothing more is written
+            turn.results[index] = Message(role="tool", content=step.content, tool_call_id=call.id)
+            await self._hooks.record(step)
+        except (CancelRequested, OwnershipLost, Exception) as exc:  # noqa: BLE001 - kept, raised after the turn
+            turn.stop(exc)
+        finally:
+            slots.release()
+
+    def _invalid_call(self, round_number: int, call: ToolCall, problem: str) -> RunStep:
+        """The failed step of a call the run cannot make; its content tells the model what to do instead."""
+        names = [tool.model_name for tool in self._runner.tools]
+        shown = ", ".join(names[:_MAX_TOOLS_NAMED]) + (f" and {len(names) - _MAX_TOOLS_NAMED} more"
+                                                       if len(names) > _MAX_TOOLS_NAMED else "")
+        content = (f"invalid tool call: {problem}; it was not executed. "
+                   + (f"The tools of this run are: {shown}." if names else "This run has no tools."))
+        result = ToolResult.error(bound(content, _MAX_INVALID_CALL_CHARS), failure=Failure.ARGUMENTS)
+        step = RunStep.tool(round=round_number, server=call.server, name=call.tool, result=result, call_id=call.id)
+        return replace(step, detail={**step.detail, "reason": StepReason.INVALID_CALL.value})
+
+
+_MAX_TOOLS_NAMED = 50
+"""How many of the run's tools an invalid call's message names (the rest are counted)."""
+_MAX_INVALID_CALL_CHARS = 4_000
+"""The bound on an invalid call's message (a tool name a model made up is bounded before it gets here)."""
+
+
+@dataclass(eq=False)
+class _Turn:
+    """The calls of one turn running at once: their results by position, and what stopped the turn."""
+
+    round: int
+    calls: list[ToolCall]
+    started: int = 0
+    """How many of ``calls`` were started: always the first ones."""
+    results: dict[int, Message] = field(default_factory=dict)
+    scopes: set[anyio.CancelScope] = field(default_factory=set)
+    """The scopes of the calls in flight, to cut them off when the turn stops."""
+    stopped_by: BaseException | None = None
+    """The first thing that ended the run while the calls ran; raised once every call is back."""
+
+    def stop(self, exc: BaseException) -> None:
+        """Keep the first reason to stop and cut off the calls still in flight: a cancel found by one call's
+        probe interrupts its siblings at once, and each is recorded cancelled (none left unrecorded)."""
+        if self.stopped_by is None:
+            self.stopped_by = exc
+        for scope in self.scopes:
+            scope.cancel()
+
+    def messages(self) -> list[Message]:
+        """The tool messages of the calls started, in call order (not in the order they completed)."""
+        return [self.results[i] for i in range(self.started)]
 
 
 def _attempts(attempts: int, retried: tuple[str, ...]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_transport import McpConnection
 
-__all__ = ["execute", "not_allowed", "not_connected", "not_offered"]
+__all__ = ["execute", "not_connected"]
 
 
 async def execute(
@@ -66,19 +66,6 @@ def not_connected(call: ToolCall, *, max_chars: int, reason: str | None = None) 
     if reason:
         message = f"{message}: {reason}"
     return ToolResult.error(message).with_bounded_channels(max_chars)
-
-
-def not_allowed(call: ToolCall, allowed: tuple[str, ...], *, max_chars: int) -> ToolResult:
-    """The failed result of a call to a tool the operator's catalog does not allow on that server; the
-    tool is not called."""
-    message = f"{call.server} does not allow the tool {call.tool!r} (allowed: {', '.join(allowed)}); it was not called"
-    return ToolResult.error(message, failure=Failure.ARGUMENTS).with_bounded_channels(max_chars)
-
-
-def not_offered(call: ToolCall, *, max_chars: int) -> ToolResult:
-    """The failed result of a call to a tool its server did not list; the tool is not called."""
-    message = f"{call.server} offers no tool {call.tool!r}; it was not called"
-    return ToolResult.error(message, failure=Failure.ARGUMENTS).with_bounded_channels(max_chars)
 
 
 def _from_answer(answer: CallToolResult) -> ToolResult:

@@ -41,10 +41,12 @@ from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import INVALID_PARAMS, CallToolResult
 from pydantic import ValidationError
 
+from runbrake.shared import tracing
 from runbrake.shared.catalog import expand
 from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 from runbrake.shared.registry import TRANSPORTS
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
+from runbrake.shared.tracing import TRACEPARENT
 from runbrake.worker.conversation import ToolInfo
 
 __all__ = ["McpConnection"]
@@ -316,8 +318,18 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
         client = clients[key] = httpx2.AsyncClient(
             verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers,
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=_KEEPALIVE_CONNECTIONS),
+            event_hooks={"request": [_carry_traceparent]} if tracing.current().enabled else None,
         )
     return client
+
+
+async def _carry_traceparent(request: httpx2.Request) -> None:
+    """With tracing on, every MCP HTTP request carries the current span's W3C ``traceparent``, so a traced MCP
+    server continues the run's trace (docs/operating.md, "Traces"). The SDK sends each request in the
+    context of the call that made it: the tool call's span (worker/tracing.py) is the current one."""
+    traceparent = tracing.current().traceparent()
+    if traceparent is not None:
+        request.headers[TRACEPARENT] = traceparent
 
 
 _KEEPALIVE_CONNECTIONS: Final = 64

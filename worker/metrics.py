@@ -90,7 +90,7 @@ class MetricsSubscriber(Subscriber):
 
     async def after_step(self, run_id: str, step: RunStep) -> None:
         outcome = step_outcome(step)
-        if step.kind is StepKind.TOOL and step.tool_server is not None:
+        if step.kind is StepKind.TOOL and step.tool_server:  # "": a call to no server of the run
             TOOL_CALLS.labels(server=step.tool_server, outcome=outcome).inc()
         usage = step.detail.get("usage") if step.kind is StepKind.MODEL else None
         if isinstance(usage, dict):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import anyio
@@ -30,13 +31,13 @@ from runbrake.shared.registry import PROVIDERS, NotImplementedHere
 from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
 from runbrake.worker.conversation import (
     NO_SETTINGS,
-    TOOL_NAME_SEPARATOR,
     Message,
     ModelSettings,
     ModelTurn,
     ToolCall,
     ToolInfo,
     Usage,
+    model_tool_call,
 )
 
 __all__ = ["ModelProvider", "OpenAIProvider", "ScriptedProvider", "provider_for"]
@@ -115,8 +116,9 @@ class OpenAIProvider:
 
         Raises:
             ProviderError: when the API key variable is unset, on any ``openai`` error (status,
-                connection, timeout), or when the answer names an unknown tool or carries
-                arguments that are not a JSON object.
+                connection, timeout), or when the answer is not a chat completion. A call to a tool the
+                run does not have, or with arguments that are not a JSON object, is no error: it comes
+                back as a :class:`ToolCall` with a ``problem``, for the loop to hand back to the model.
         """
         # A new client per call: a run's model calls are seconds apart, so pooling buys little,
         # and nothing outlives the call that could leak when a worker thread is torn down.
@@ -305,25 +307,19 @@ def _tool_call(call: object, servers: set[str]) -> ToolCall:
     name, raw = getattr(call.function, "name", None), getattr(call.function, "arguments", None)
     if not isinstance(call.id, str) or not isinstance(name, str) or not isinstance(raw, str | None):
         raise ProviderError(f"the model answered with a malformed tool call: {call!r:.200}")
-    server, separator, tool = name.partition(TOOL_NAME_SEPARATOR)
-    if not separator or not tool:
-        raise ProviderError(f"the model called {name!r}, which is not a '<server>__<tool>' name")
-    if server not in servers:
-        raise ProviderError(f"the model called {name!r} on unknown server {server!r}")
-    return ToolCall(id=call.id, server=server, tool=tool, arguments=_arguments(name, raw or ""))
-
-
-def _arguments(name: str, raw: str) -> Mapping[str, Any]:
+    # A call the run cannot make is the model's mistake: handed back to it (a ToolCall with a problem).
+    raw = raw or ""
     try:
         # Some compatible servers send "" for a call without arguments. NaN, Infinity and numbers too large
         # for a float are not JSON (RFC 8259), though Python reads them: refused like any arguments that are
         # not JSON, before they reach the tool or the store (docs/security.md).
         arguments = json.loads(raw, parse_constant=_not_a_number, parse_float=_finite) if raw.strip() else {}
-    except ValueError as exc:  # a JSONDecodeError, or a number refused below
-        raise ProviderError(f"the model called {name!r} with arguments that are not JSON: {raw!r:.200}") from exc
-    if not isinstance(arguments, dict):
-        raise ProviderError(f"the model called {name!r} with arguments that are not a JSON object: {raw!r:.200}")
-    return arguments
+    except ValueError:  # a JSONDecodeError, or a number refused below
+        called = model_tool_call(call.id, name, {}, servers)
+        if called.problem is not None:
+            return called
+        return replace(called, problem=f"the arguments of {name} are not JSON: {raw[:200]!r}")
+    return model_tool_call(call.id, name, arguments, servers)
 
 
 def _not_a_number(token: str) -> float:

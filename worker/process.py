@@ -15,6 +15,7 @@ import redis
 import structlog
 from dramatiq import Broker
 
+from runbrake.shared import tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import StoreError
@@ -63,6 +64,7 @@ def run_worker_process(
     Returns the exit code: 3 at once, with one log line, when Redis or RabbitMQ cannot be reached at
     start (a wrong password included)."""
     configure_logging()
+    tracing.configure(settings, service="runbrake-worker")  # off unless RUNBRAKE_OTEL (docs/operating.md, "Traces")
     harden_table_decoding()  # before any consumer connects: a hostile header must not drop its connection
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)

@@ -38,7 +38,7 @@ def _number(value: float | None) -> float | None:
 
 
 class ProgressReporter:
-    """The progress of one segment's tool calls (one call in flight at a time)."""
+    """The progress of one tool call of a segment (:class:`ProgressSubscriber` makes one per call)."""
 
     def __init__(self, store: AsyncRunStore, run_id: str, *, min_interval_s: float = MIN_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -95,21 +95,22 @@ class ProgressSubscriber(Subscriber):
 
     def __init__(self, store: AsyncRunStore) -> None:
         self._store = store
-        self._open: dict[str, tuple[ProgressReporter, ProgressFnT]] = {}
-        """Run id → the reporter of its call in flight and that call's callback (a run has one at a time)."""
+        self._open: dict[tuple[str, str], tuple[ProgressReporter, ProgressFnT]] = {}
+        """(run id, call id) → the reporter of that call in flight and its callback. The calls of a turn run
+        at once: the run's ``progress`` field holds the latest report of any of them."""
 
     def before_tool_call(self, run_id: str, call: ToolCall) -> None:
         reporter = ProgressReporter(self._store, run_id)
-        self._open[run_id] = (reporter, reporter.for_call(call))
+        self._open[run_id, call.id] = (reporter, reporter.for_call(call))
 
     async def on_tool_progress(
         self, run_id: str, call: ToolCall, progress: float, total: float | None, message: str | None
     ) -> None:
-        opened = self._open.get(run_id)
+        opened = self._open.get((run_id, call.id))
         if opened is not None:
             await opened[1](progress, total, message)
 
     async def after_tool_call(self, run_id: str, call: ToolCall) -> None:
-        opened = self._open.pop(run_id, None)
+        opened = self._open.pop((run_id, call.id), None)
         if opened is not None:
             await opened[0].call_ended()

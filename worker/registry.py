@@ -1,4 +1,4 @@
-"""The runs this worker process executes, and the call each has in flight
+"""The runs this worker process executes, and the calls each has in flight
 (docs/architecture.md, "Cancellation: the interrupt").
 
 Two threads meet here: the event loop thread, which runs the runs, and the cancel
@@ -13,7 +13,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import structlog
@@ -23,7 +23,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(eq=False)
 class RunHandle:
-    """One active run: its loop, the scope of its call in flight, and whether a cancel reached it.
+    """One active run: its loop, the scopes of its calls in flight, and whether a cancel reached it.
 
     Mutated on the loop thread only.
     """
@@ -32,7 +32,8 @@ class RunHandle:
     owner: str
     """The identity this worker claimed the run with (its lease is renewed under it)."""
     loop: asyncio.AbstractEventLoop
-    scope: anyio.CancelScope | None = None
+    scopes: set[anyio.CancelScope] = field(default_factory=set)
+    """The scopes of the calls in flight: one model call, or the tool calls of a turn running at once."""
     cancel_seen: bool = False
     """A verified cancel reached this run on the loop (anyio's *cancel requested*, not *interrupted*)."""
     lost: bool = False
@@ -46,16 +47,16 @@ class RunHandle:
 
     @contextmanager
     def in_flight(self) -> Iterator[anyio.CancelScope]:
-        """A fresh scope for the next call; cancelled at once when a cancel (or the loss of the run)
-        already reached it."""
+        """A fresh scope for the next call, in flight beside any other; cancelled at once when a cancel (or
+        the loss of the run) already reached it."""
         scope = anyio.CancelScope()
         if self.cancel_seen or self.lost or self.handing_over:
             scope.cancel()
-        self.scope = scope
+        self.scopes.add(scope)
         try:
             yield scope
         finally:
-            self.scope = None
+            self.scopes.discard(scope)
 
     def _interrupt_on_loop(self, lost: bool) -> None:
         if lost:
@@ -69,10 +70,12 @@ class RunHandle:
         self._cut_off("worker_shutdown")
 
     def _cut_off(self, reason: str) -> None:
-        """Cancel the call in flight, if any (the flag just set cancels any later one on entry)."""
-        if self.scope is not None and not self.scope.cancel_called:
-            self.scope.cancel()
-            log.info("call_interrupted", run_id=self.run_id, reason=reason)
+        """Cancel every call in flight, all at once (the flag just set cancels any later one on entry)."""
+        cut = [scope for scope in self.scopes if not scope.cancel_called]
+        for scope in cut:
+            scope.cancel()
+        if cut:
+            log.info("call_interrupted", run_id=self.run_id, reason=reason, calls=len(cut))
 
 
 class ActiveRuns:
@@ -115,7 +118,7 @@ class ActiveRuns:
             return len(self._runs)
 
     def interrupt(self, run_id: str, *, lost: bool = False) -> bool:
-        """Ask the run's loop to cancel its call in flight (and any it starts later). From any thread.
+        """Ask the run's loop to cancel its calls in flight (and any it starts later). From any thread.
 
         ``lost``: not a cancel, but the run is no longer this worker's (its lease was not renewed); the
         run then stops with :class:`OwnershipLost` rather than as cancelled.

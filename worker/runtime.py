@@ -26,6 +26,7 @@ from typing import TypeVar
 import anyio
 import structlog
 
+from runbrake.shared import tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission, AdmittedRun
 from runbrake.shared.errors import (
@@ -174,6 +175,17 @@ def model_settings(admitted: AdmittedRun) -> ModelSettings:
     )
 
 
+def default_subscribers(store: AsyncRunStore) -> list[Subscriber]:
+    """The worker's subscriber list: the metrics, the progress of the call in flight, and with tracing on
+    (``RUNBRAKE_OTEL``), the spans of each model and tool call (worker/tracing.py, imported only then)."""
+    subscribers: list[Subscriber] = [metrics.MetricsSubscriber(store), ProgressSubscriber(store)]
+    if tracing.current().enabled:
+        from runbrake.worker.tracing import TracingSubscriber  # noqa: PLC0415 - opentelemetry only when on
+
+        subscribers.append(TracingSubscriber(store))
+    return subscribers
+
+
 def new_owner() -> str:
     """This worker's identity on a claim: host, process and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -238,17 +250,26 @@ class Runtime:
         self._admission = admission
         self._sender = sender
         """Sends a handed-over run's message (None: the re-drive sends it, RUNBRAKE_REDRIVE_S later)."""
-        self.subscribers = Subscribers(
-            [metrics.MetricsSubscriber(store), ProgressSubscriber(store)] if subscribers is None else subscribers)
+        self.subscribers = Subscribers(default_subscribers(store) if subscribers is None else subscribers)
 
     async def execute(
-        self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None
+        self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None,
+        traceparent: str | None = None,
     ) -> RunOutcome:
         """Claim and run one segment of a run. Never raises for the run's own failures.
 
         ``on_claim(won)`` is called as soon as the claim is decided, before the segment runs: the consumer
-        thread that took the message waits only for that (worker/intake.py).
+        thread that took the message waits only for that (worker/intake.py). With tracing on, the segment is
+        a span (``runbrake.run.segment``), a child of ``traceparent`` (the run message's) when given.
         """
+        segment = "resume" if resume else "start"
+        with tracing.current().span("runbrake.run.segment", {"runbrake.run_id": run_id, "runbrake.segment": segment},
+                                    parent=traceparent, kind="consumer") as span:
+            outcome = await self._execute(run_id, resume=resume, on_claim=on_claim)
+            span.set({"runbrake.segment.outcome": outcome.value})
+            return outcome
+
+    async def _execute(self, run_id: str, *, resume: bool, on_claim: Callable[[bool], object] | None) -> RunOutcome:
         with structlog.contextvars.bound_contextvars(run_id=run_id, segment="resume" if resume else "start"):
             owner = new_owner()
             # Tried again with the same owner while Redis cannot be reached: a claim that landed but whose
@@ -283,6 +304,7 @@ class Runtime:
             # Checked again here: a producer can be bypassed by publishing to the queue directly.
             # A refused spec starts no process and opens no connection (docs/security.md).
             admitted = self._admission.admit(RunSpec.from_json(claim.request_json or ""))
+            self.subscribers.admit(run_id, admitted)
             spec = admitted.spec
             hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s,
                              subscribers=self.subscribers)
@@ -357,6 +379,7 @@ class Runtime:
                 provider_for(admitted.model), toolbox, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
                 max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
+                max_parallel_tool_calls=self._settings.max_parallel_tool_calls,
                 max_argument_chars=self._settings.max_argument_chars,
                 max_model_content_chars=self._settings.max_model_content_chars,
                 settings=model_settings(admitted), model_name=admitted.model_name,

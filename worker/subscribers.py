@@ -5,7 +5,8 @@ Modelled on Dramatiq's middleware (dramatiq/middleware/middleware.py): a :class:
 per event, each a no-op unless a subclass overrides it, and :class:`Subscribers` tells every subscriber of
 the list, in order. The runtime says each event once, here; it knows nothing of who listens. The metrics
 (``worker/metrics.py``, ``MetricsSubscriber``) and the progress of the call in flight (``worker/progress.py``,
-``ProgressSubscriber``) are subscribers; events on RabbitMQ, webhooks and traces can be more.
+``ProgressSubscriber``) are subscribers, and so are traces (``worker/tracing.py``, ``TracingSubscriber``, with
+``RUNBRAKE_OTEL=true``); events on RabbitMQ and webhooks can be more.
 
 Everything here runs on the worker's event loop. A subscriber that raises is logged and skipped: it never
 fails a run (a ``BaseException``, the loop's cancellation above all, still passes).
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import structlog
 from mcp.shared.dispatcher import ProgressFnT
 
+from runbrake.shared.catalog import AdmittedRun
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
 from runbrake.worker.conversation import ToolCall
@@ -31,6 +33,9 @@ class Subscriber:
     def after_skip(self, run_id: str, found: RunStatus | None) -> None:
         """A run message was acked as a no-op: its run was ``found`` in a status it may not claim (None:
         no such run)."""
+
+    def after_admit(self, run_id: str, admitted: AdmittedRun) -> None:
+        """The claimed run's spec was admitted: its model and servers are resolved (the segment runs next)."""
 
     def after_status(self, run_id: str, status: RunStatus) -> None:
         """This worker moved the run to a status that is not terminal: ``running`` (claimed, or resumed),
@@ -55,8 +60,8 @@ class Subscriber:
         """``call`` ended, however it did; its step is recorded after this."""
 
 
-_HOOKS = ("after_skip", "after_status", "after_step", "after_settle", "before_tool_call", "on_tool_progress",
-          "after_tool_call")
+_HOOKS = ("after_skip", "after_admit", "after_status", "after_step", "after_settle", "before_tool_call",
+          "on_tool_progress", "after_tool_call")
 
 
 def _listeners(subscribers: Sequence[Subscriber], hook: str) -> tuple[Subscriber, ...]:
@@ -72,6 +77,7 @@ class Subscribers:
         self.subscribers = tuple(subscribers)
         by_hook = {hook: _listeners(self.subscribers, hook) for hook in _HOOKS}
         self._skip = by_hook["after_skip"]
+        self._admit = by_hook["after_admit"]
         self._status = by_hook["after_status"]
         self._step = by_hook["after_step"]
         self._settle = by_hook["after_settle"]
@@ -85,6 +91,13 @@ class Subscribers:
                 subscriber.after_skip(run_id, found)
             except Exception:  # noqa: BLE001 - a subscriber never fails a run
                 _failed(subscriber, "after_skip")
+
+    def admit(self, run_id: str, admitted: AdmittedRun) -> None:
+        for subscriber in self._admit:
+            try:
+                subscriber.after_admit(run_id, admitted)
+            except Exception:  # noqa: BLE001 - a subscriber never fails a run
+                _failed(subscriber, "after_admit")
 
     def status(self, run_id: str, status: RunStatus) -> None:
         for subscriber in self._status:
@@ -115,16 +128,15 @@ class Subscribers:
 
 
 class ToolCallEvents:
-    """One run's tool-call events, as its toolbox (worker/toolbox.py) says them: one call at a time."""
+    """One run's tool-call events, as its toolbox (worker/toolbox.py) says them; the calls of a turn run at
+    once, so each event names its call."""
 
     def __init__(self, subscribers: Subscribers, run_id: str) -> None:
         self._subscribers = subscribers
         self._run_id = run_id
-        self._call: ToolCall | None = None
 
     def for_call(self, call: ToolCall) -> ProgressFnT | None:
         """``call`` starts; returns the progress callback to hand the MCP SDK (None: nobody listens)."""
-        self._call = call
         run_id = self._run_id
         for subscriber in self._subscribers._call_started:
             try:
@@ -144,11 +156,8 @@ class ToolCallEvents:
 
         return report
 
-    async def call_ended(self) -> None:
-        """The call started last ended."""
-        call, self._call = self._call, None
-        if call is None:
-            return
+    async def call_ended(self, call: ToolCall) -> None:
+        """``call`` (started by :meth:`for_call`) ended."""
         for subscriber in self._subscribers._call_ended:
             try:
                 await subscriber.after_tool_call(self._run_id, call)

@@ -11,7 +11,7 @@ import structlog
 
 from runbrake.shared.errors import ToolTransportError
 from runbrake.shared.spec import McpServerSpec
-from runbrake.shared.tool_result import ToolResult
+from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker import mcp_tool
 from runbrake.worker.conversation import ToolCall, ToolInfo
 from runbrake.worker.mcp_transport import McpConnection
@@ -91,15 +91,27 @@ class Toolbox:
     def tools(self) -> Sequence[ToolInfo]:
         return self._tools
 
+    def problem(self, call: ToolCall) -> str | None:
+        """What makes ``call`` one this run cannot make, in words for the model (None: it can be made): no such
+        server in the run, a tool the catalog does not allow, a tool its server did not list. A server that
+        did not connect is no mistake of the call's: :meth:`execute` records it failed, the server's fault."""
+        server = self._servers.get(call.server)
+        if server is None:
+            return f"there is no MCP server named {call.server!r} in this run"
+        if server.tools is not None and call.tool not in server.tools:
+            return f"{call.server} does not allow the tool {call.tool!r}"
+        if call.server in self._connections and (call.server, call.tool) not in self._offered:
+            return f"{call.server} offers no tool {call.tool!r}"
+        return None
+
     async def execute(self, call: ToolCall, *, interrupt: anyio.CancelScope) -> ToolResult:
+        problem = self.problem(call)
+        if problem is not None:  # the loop hands such a call back before it gets here; never sent
+            return ToolResult.error(f"{problem}; it was not called", failure=Failure.ARGUMENTS)
         connection = self._connections.get(call.server)
         if connection is None:
             return mcp_tool.not_connected(call, max_chars=self._max_chars, reason=self._unavailable.get(call.server))
         server = self._servers[call.server]
-        if server.tools is not None and call.tool not in server.tools:
-            return mcp_tool.not_allowed(call, server.tools, max_chars=self._max_chars)
-        if (call.server, call.tool) not in self._offered:
-            return mcp_tool.not_offered(call, max_chars=self._max_chars)
         limiter = _limiter(server)
         if limiter is None:
             return await self._call(connection, server, call, interrupt)
@@ -120,4 +132,4 @@ class Toolbox:
                                           max_chars=self._max_chars, progress=self._calls.for_call(call))
         finally:
             with anyio.CancelScope(shield=True):
-                await self._calls.call_ended()
+                await self._calls.call_ended(call)

@@ -10,7 +10,8 @@ import pika
 import pika.exceptions
 import structlog
 
-from runbrake.shared.messaging.wire import CANCEL_PROPERTIES, Topology, connection_parameters, encode_cancel
+from runbrake.shared import tracing
+from runbrake.shared.messaging.wire import Topology, cancel_properties, connection_parameters, encode_cancel
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
@@ -49,7 +50,7 @@ class CancelPublisher:
         channel = self._ensure_channel()
         channel.basic_publish(
             exchange=self._topology.cancel_exchange, routing_key="", body=encode_cancel(run_id),
-            properties=CANCEL_PROPERTIES,
+            properties=cancel_properties(tracing.current().traceparent()),
         )
 
     def close(self) -> None:
@@ -83,6 +84,15 @@ def cancel_run(
             NotReplicated when the primary has the fence but too few replicas acknowledged it
             (``RUNBRAKE_REDIS_MIN_REPLICAS_ACK``): nothing published, and asking again is safe.
     """
+    with tracing.current().span("runbrake.cancel", {"runbrake.run_id": run_id}, kind="producer") as span:
+        result = _cancel_run(store, publisher, run_id, reason=reason, requested_by=requested_by)
+        span.set({"runbrake.cancel.won": result.won, "runbrake.cancel.found": result.found.value})
+        return result
+
+
+def _cancel_run(
+    store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str, requested_by: str
+) -> CancelResult:
     fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
     result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)
     if not fence.won:

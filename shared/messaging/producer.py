@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from runbrake.shared import tracing
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import IdempotencyConflict, PublishError, QuotaExceeded
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker
@@ -63,6 +64,12 @@ class Producer:
             StoreError: when Redis cannot be reached (nothing was sent).
             PublishError: when RabbitMQ did not confirm the message (the run is failed).
         """
+        with tracing.current().span("runbrake.enqueue", kind="producer") as span:
+            enqueued = self._enqueue(spec, scope=scope)
+            span.set({"runbrake.run_id": enqueued.run_id, "runbrake.run.created": enqueued.created})
+            return enqueued
+
+    def _enqueue(self, spec: RunSpec, *, scope: str | None) -> Enqueued:
         self._admission.admit(spec)
         key = spec.idempotency_key
         if key is not None and scope is not None:
@@ -94,7 +101,7 @@ class Producer:
         Raises:
             PublishError: when RabbitMQ could not be reached or did not confirm.
         """
-        message = run_message(self._topology, run_id, resume=resume)
+        message = run_message(self._topology, run_id, resume=resume, traceparent=tracing.current().traceparent())
         try:
             self._broker.declare_queue(message.queue_name)
             self._broker.enqueue(message)

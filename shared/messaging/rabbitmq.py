@@ -38,7 +38,15 @@ from dramatiq.broker import Consumer
 from dramatiq.brokers.rabbitmq import RabbitmqBroker, _RabbitmqConsumer
 from dramatiq.common import q_name, xq_name
 from dramatiq.errors import ConnectionClosed
-from dramatiq.middleware import AgeLimit, AsyncIO, Middleware, Retries, ShutdownNotifications, TimeLimit
+from dramatiq.middleware import (
+    AgeLimit,
+    AsyncIO,
+    CurrentMessage,
+    Middleware,
+    Retries,
+    ShutdownNotifications,
+    TimeLimit,
+)
 
 from runbrake.shared.messaging.wire import (
     DEAD_REASON_HEADER,
@@ -262,8 +270,10 @@ class RunbrakeAsyncIO(AsyncIO):
 
 
 def default_middleware() -> list[Middleware]:
-    """AgeLimit and TimeLimit (used per actor), shutdown notices, no retries, AsyncIO for the run actor."""
-    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), Retries(max_retries=0), RunbrakeAsyncIO()]
+    """AgeLimit and TimeLimit (used per actor), shutdown notices, no retries, AsyncIO for the run actor, and the
+    current message (the run actor reads its ``traceparent`` option: worker/actors.py)."""
+    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), Retries(max_retries=0), RunbrakeAsyncIO(),
+            CurrentMessage()]
 
 
 def build_broker(settings: Settings) -> RunbrakeBroker:

@@ -47,6 +47,7 @@ from pika.adapters.blocking_connection import BlockingChannel, BlockingConnectio
 from runbrake.shared.errors import FieldProblem, MalformedMessage, SpecError
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
+from runbrake.shared.tracing import TRACEPARENT, is_traceparent
 
 RUN_ACTOR: Final = "execute_run"
 """The Dramatiq actor that executes run messages."""
@@ -249,8 +250,11 @@ def declare_dead_letter_queue(connection: BlockingConnection, queue: str, *, que
 # -- run messages --------------------------------------------------------------------------------
 
 
-def run_message(topology: Topology, run_id: str, *, resume: bool = False) -> Message[Any]:
-    """The Dramatiq message for a run: its id and whether it starts or resumes the run, nothing more.
+def run_message(topology: Topology, run_id: str, *, resume: bool = False,
+                traceparent: str | None = None) -> Message[Any]:
+    """The Dramatiq message for a run: its id and whether it starts or resumes the run, and, with tracing on,
+    the ``traceparent`` of the span that sent it (option ``traceparent``: docs/messages.md, "Run queue: what
+    a worker accepts").
 
     The run's request lives in Redis; a message is only a pointer to it.
     """
@@ -259,7 +263,7 @@ def run_message(topology: Topology, run_id: str, *, resume: bool = False) -> Mes
         actor_name=RUN_ACTOR,
         args=(run_id,),
         kwargs={"resume": resume},
-        options={},
+        options={TRACEPARENT: traceparent} if traceparent is not None else {},
     )
 
 
@@ -272,7 +276,8 @@ MAX_ENVELOPE_INT: Final = 10**15
 _ENVELOPE_FIELDS: Final = ("queue_name", "actor_name", "args", "kwargs", "options", "message_id",
                            "message_timestamp")
 _RETRY_OPTIONS: Final = {"retries": int, "traceback": str, "requeue_timestamp": int}
-"""What Dramatiq's Retries middleware writes into a message it retries; a producer sends no option."""
+"""What Dramatiq's Retries middleware writes into a message it retries; a producer sends no other option than
+``traceparent``."""
 
 
 class MalformedRunMessage(MalformedMessage, ValueError):
@@ -355,6 +360,11 @@ def _check_options(options: object, *, delayed: bool) -> None:
             if not _natural(value):
                 raise MalformedRunMessage("options.eta must be milliseconds since the epoch (an integer)")
             continue
+        if name == TRACEPARENT:
+            # The producer's trace (shared/tracing.py): a W3C version-00 value, or the message is refused.
+            if not is_traceparent(value):
+                raise MalformedRunMessage("options.traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>")
+            continue
         kind = _RETRY_OPTIONS.get(name)
         if kind is None:
             raise MalformedRunMessage(f"option {name[:100]!r} is not accepted")
@@ -368,6 +378,24 @@ def _check_options(options: object, *, delayed: bool) -> None:
 
 CANCEL_PROPERTIES: Final = pika.BasicProperties(content_type="application/json", delivery_mode=1)
 """Transient: a cancel message is a wake-up, the cancel itself is durable in Redis."""
+
+
+def cancel_properties(traceparent: str | None) -> pika.BasicProperties:
+    """The cancel wake-up's properties: :data:`CANCEL_PROPERTIES`, plus the canceller's ``traceparent`` as an
+    AMQP header when it is traced (docs/messages.md, "Cancel exchange: `<ns>.cancel`")."""
+    if traceparent is None:
+        return CANCEL_PROPERTIES
+    return pika.BasicProperties(content_type="application/json", delivery_mode=1, headers={TRACEPARENT: traceparent})
+
+
+def cancel_traceparent(properties: pika.BasicProperties) -> str | None:
+    """The ``traceparent`` header of a cancel message, or None: absent, or anything but a W3C version-00 value
+    (whoever can publish on the fanout can write any header). Never raises."""
+    headers = properties.headers
+    value = headers.get(TRACEPARENT) if isinstance(headers, dict) else None
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return value if is_traceparent(value) else None
 
 
 def encode_cancel(run_id: str) -> bytes:
