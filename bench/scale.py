@@ -24,10 +24,11 @@ What it does, in its own namespace (``bench-<hex>``), on loopback only:
    *started* every call (or their count stopped growing for 20 s: ``held`` says how many were); then
    each child's RSS (``VmRSS``) and peak (``VmHWM``), memory per run in flight
    (the children's RSS growth over the runs they hold), and the CPU the workers and servers use over a
-   five-second hold;
+   five-second hold, and each worker's loop busy share (its busiest thread's CPU over the hold);
 5. **(c) cancel latency** while (b) holds: ``--cancels`` runs picked at random are cancelled one at a time
    (fence + message, :func:`runbrake.shared.messaging.cancel.cancel_run`) after a random pause of up to 100 ms; a
    sample is from just before ``cancel_run`` to the ``recorded_at`` of the run's cancelled tool step;
+   ``by_backstop`` counts those the backstop found (``cancel_found_by_backstop``), not the message;
 6. SIGTERM to the supervisor (``RUNBRAKE_DRAIN_S=1``: the held runs are handed over at once): how long
    the stop took, and that no run was left ``running``;
 7. prints the table, writes ``bench/results/scale.json``, and cleans up.
@@ -62,6 +63,7 @@ from bench._harness import (
     quick_run_spec,
     slow_run_spec,
     summary_ms,
+    thread_cpu_seconds,
     wait_until,
 )
 from runbrake.shared.logging import configure_logging
@@ -231,10 +233,19 @@ class Config:
     def _hold_cpu(self, children: list[int]) -> dict[str, Any]:
         pids = {"workers": children, "servers": [s.process.pid for s in self.servers]}
         before = {k: [cpu_seconds(p) or 0.0 for p in v] for k, v in pids.items()}
+        threads_before = {pid: thread_cpu_seconds(pid) for pid in children}
         time.sleep(HOLD_S)  # measuring an interval
         after = {k: [cpu_seconds(p) or 0.0 for p in v] for k, v in pids.items()}
-        return {f"{k}_cpu_pct": [round(100 * (a - b) / HOLD_S) for a, b in zip(after[k], before[k], strict=True)]
-                for k in pids}
+        threads_after = {pid: thread_cpu_seconds(pid) for pid in children}
+        # The event loop is each worker's busiest thread by far while it holds talking runs.
+        loop_busy = [
+            round(100 * max((used - threads_before[pid].get(tid, 0.0) for tid, used in threads_after[pid].items()),
+                            default=0.0) / HOLD_S)
+            for pid in children
+        ]
+        return {**{f"{k}_cpu_pct": [round(100 * (a - b) / HOLD_S) for a, b in zip(after[k], before[k], strict=True)]
+                   for k in pids},
+                "loop_busy_pct": loop_busy}
 
     def _cancels(self, ids: list[str], supervisor: Worker) -> dict[str, Any]:
         publisher = CancelPublisher(self.bench.settings)
@@ -261,7 +272,10 @@ class Config:
                 samples.append(step - t0)
         finally:
             publisher.close()
-        return {**summary_ms(samples), "missed": missed}
+        supervisor.log.read_new()
+        by_backstop = sum(1 for e in supervisor.log.entries
+                          if e.get("event") == "cancel_found_by_backstop" and e.get("run_id") in set(picked))
+        return {**summary_ms(samples), "missed": missed, "by_backstop": by_backstop}
 
     def _cancelled_step(self, run_id: str) -> float | None:
         for step in self.bench.store.get(run_id).steps:
@@ -307,13 +321,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_table(configs: Sequence[dict[str, Any]]) -> None:
     print(f"{'procs':>5} {'conc':>5} {'runs/s':>7} {'in flight':>9} {'KiB/run':>8} {'peak RSS MiB':>16} "
-          f"{'cancel p50':>10} {'p99':>7} {'missed':>6} {'worker CPU %':>14} {'server CPU %':>13}")
+          f"{'cancel p50':>10} {'p99':>7} {'max':>7} {'missed':>6} {'backstop':>8} {'worker CPU %':>14} "
+          f"{'loop busy %':>12} {'server CPU %':>13}")
     for c in configs:
         flight, cancel = c["in_flight"], c["cancel"]
         print(f"{c['processes']:>5} {c['concurrency']:>5} {c['throughput']['runs_per_s']:>7} {flight['held']:>9} "
               f"{flight['kib_per_run_in_flight']:>8} {_joined(flight['peak_rss_mib']):>16} "
-              f"{cancel.get('p50', '-'):>10} {cancel.get('p99', '-'):>7} {cancel['missed']:>6} "
-              f"{_joined(flight['workers_cpu_pct']):>14} {_joined(flight['servers_cpu_pct']):>13}")
+              f"{cancel.get('p50', '-'):>10} {cancel.get('p99', '-'):>7} {cancel.get('max', '-'):>7} "
+              f"{cancel['missed']:>6} {cancel['by_backstop']:>8} {_joined(flight['workers_cpu_pct']):>14} "
+              f"{_joined(flight['loop_busy_pct']):>12} {_joined(flight['servers_cpu_pct']):>13}")
 
 
 def _joined(values: Sequence[object]) -> str:

@@ -61,7 +61,7 @@ from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
-from runbrake.shared.messaging.wire import connection_parameters
+from runbrake.shared.messaging.wire import connection_parameters, declare_events
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, parse_label_filters, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -345,6 +345,11 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         )
         app.state.api = state
         await hub.start()
+        try:  # beside the workers' topology (docs/messages.md, "Run events: declaration")
+            with silenced("pika"):
+                await asyncio.get_running_loop().run_in_executor(None, declare_events, settings)
+        except pika.exceptions.AMQPError as exc:
+            log.warning("events_exchange_not_declared", error=str(exc) or repr(exc), by="the workers, at their start")
         log.info("api_started", namespace=settings.namespace, tokens=None if tokens is None else len(tokens.names),
                  events_subscribed=hub.ready)
         try:
@@ -477,13 +482,19 @@ def _routes(app: FastAPI) -> None:
                              give_back)
 
     @app.get("/v1/events", tags=["runs"], response_class=StreamingResponse)
-    async def all_status(request: Request, who: Reader) -> StreamingResponse:
-        """Server-sent ``status`` events of every run of the namespace (the runs page's list), live only; a
-        tenant's token hears only its tenant's runs."""
+    async def all_status(request: Request, who: Reader,
+                         last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
+        """Server-sent ``status`` events of every run of the namespace (the runs page's list), each with its
+        event id; a tenant's token hears only its tenant's runs. Reconnect with ``Last-Event-ID`` (an event
+        id) to replay what happened meanwhile, as long as it is kept (``RUNBRAKE_RETENTION_S``); an older one
+        is answered with ``resync`` first."""
         state = _state(request)
+        after = _feed_event_id(last_event_id)
         give_back = await _stream_slot(state, who.name)
+        # First subscribe, then replay: nothing falls between.
         subscriber = state.hub.subscribe(None, tenant=who.tenant)
-        return _event_stream(state, status_events(subscriber), subscriber, give_back)
+        return _event_stream(state, status_events(state.store, subscriber, last_event_id=after), subscriber,
+                             give_back)
 
     @app.post("/v1/runs/{run_id}/cancel", status_code=202, tags=["decisions"], responses=_BODY_ERRORS,
               openapi_extra=_REASON_BODY)
@@ -579,6 +590,19 @@ def _last_event_id(value: str | None) -> int:
         raise ApiError.answer(422, "invalid Last-Event-ID", errors=[
             {"loc": ["header", "last-event-id"], "msg": "a step sequence: 1 to 18 digits"}])
     return int(value.strip(" \t"))
+
+
+FEED_EVENT_ID: Final = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+
+
+def _feed_event_id(value: str | None) -> str | None:
+    """The feed's ``Last-Event-ID``: an event id (``<ms>-<seq>``), or None without the header (or an empty one)."""
+    if value is None or not value.strip(" \t"):
+        return None
+    if not FEED_EVENT_ID.fullmatch(value.strip(" \t")):
+        raise ApiError.answer(422, "invalid Last-Event-ID", errors=[
+            {"loc": ["header", "last-event-id"], "msg": "an event id of this feed: <digits>-<digits>"}])
+    return value.strip(" \t")
 
 
 async def _stream_slot(state: ApiState, who: str) -> Callable[[], None]:

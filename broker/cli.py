@@ -344,14 +344,16 @@ def deny(run_id: str, reason: str, decided_by: str | None) -> None:
 
 
 @main.command()
-@click.option("--processes", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Worker processes, each with its own event loop and cancel listener.")
+@click.option("--processes", type=click.IntRange(1, 64), default=None,
+              help="Worker processes, each with its own event loop and cancel listener  [default: one per CPU "
+                   "this process may use; set it in a container, which sees the node's CPUs]. "
+                   "docs/deploying.md, 'Sizing processes and concurrency'.")
 @click.option("--concurrency", "--threads", "concurrency", type=click.IntRange(1, 10_000), default=8,
               show_default=True,
               help="Runs in flight per process, all on its one event loop (--threads is its former name, "
                    "deprecated). docs/benchmarks.md, 'Sizing'.")
 @user_errors
-def worker(processes: int, concurrency: int) -> None:
+def worker(processes: int | None, concurrency: int) -> None:
     """Start workers: Dramatiq worker processes with their cancel listeners. Stop with SIGTERM or Ctrl-C.
 
     Each process takes runs on a few consumer threads and runs up to --concurrency of them at once on its

@@ -40,7 +40,7 @@ from starlette.responses import StreamingResponse
 from runbrake.broker.render import current_progress, step_json
 from runbrake.shared.async_store import AsyncRunStore, plain_client
 from runbrake.shared.errors import RunbrakeError
-from runbrake.shared.records import RunRecord
+from runbrake.shared.records import OutboxEntry, RunRecord, stream_position
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
@@ -83,6 +83,11 @@ class Event:
     sequence: int
     frame: bytes
     status: str = ""
+    event_id: str = ""
+    """The outbox's id of the event (a stream id), "" where the message had none."""
+    feed_frame: bytes = b""
+    """A status event's frame on ``GET /v1/events``: with its ``id`` (the event id), which the per-run
+    stream's frames do not carry (their ids are step sequences)."""
     tenant: str = ""
     """The run's tenant ("" for none): a tenant's ``GET /v1/events`` hears only its own."""
 
@@ -91,8 +96,9 @@ RESYNC: Final = Event(StreamEvent.RESYNC, "", 0, b"")
 """Put into every queue after the subscription was re-established: events may have been lost."""
 
 
-def frame(event: StreamEvent, data: Any, *, event_id: int | None = None) -> bytes:
-    """One SSE event: ``id`` (steps only), ``event`` and one ``data`` line of compact JSON.
+def frame(event: StreamEvent, data: Any, *, event_id: int | str | None = None) -> bytes:
+    """One SSE event: ``id`` (a step's sequence; on the feed, an event id), ``event`` and one ``data`` line of
+    compact JSON.
 
     A non-finite number (``NaN`` is not JSON, and browsers' ``JSON.parse`` refuses it) goes out as ``null``.
     """
@@ -296,9 +302,10 @@ class EventHub:
             log.info("event_client_dropped", run_id=subscriber.run_id)
 
 
-def _event(raw: bytes | str, *, wanted: Callable[[str], bool]) -> Event | None:
+def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "") -> Event | None:
     """The event a published message stands for; None for one no client wants (a step or progress of a run
-    nobody watches, an event kind this version does not forward).
+    nobody watches, an event kind this version does not forward). ``event_id``: the event's id when the
+    message does not carry it (an outbox entry, whose id is where it is kept).
 
     Raises:
         Unreadable: (or any error of decoding and encoding) when it is not a message the scripts publish.
@@ -318,7 +325,12 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool]) -> Event | None:
         if parsed is RunStatus.UNKNOWN:
             raise Unreadable("unknown is no status a run is ever in")
         data = status_data(run_id, parsed.value, reason)
-        return Event(StreamEvent.STATUS, run_id, 0, frame(StreamEvent.STATUS, data), parsed.value, tenant)
+        event_id = message.get("id", event_id)
+        if not isinstance(event_id, str) or (event_id and stream_position(event_id) is None):
+            raise Unreadable("id must be a stream id")
+        plain = frame(StreamEvent.STATUS, data)
+        return Event(StreamEvent.STATUS, run_id, 0, plain, parsed.value, event_id,
+                     frame(StreamEvent.STATUS, data, event_id=event_id) if event_id else plain, tenant)
     if not wanted(run_id):
         return None
     if kind == StreamEvent.STEP:
@@ -440,9 +452,30 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
     yield frame(StreamEvent.END, {"run_id": stream.run_id, "last": stream.last})
 
 
-async def status_events(subscriber: Subscriber) -> AsyncGenerator[bytes, None]:
-    """Every run's status changes (the runs page's list), until the client goes away."""
+FEED_PAGE: Final = 32
+"""Outbox entries one replay read of the feed takes (steps among them are read and skipped: the feed sends
+status changes)."""
+
+
+async def status_events(store: AsyncRunStore, subscriber: Subscriber, *,
+                        last_event_id: str | None = None) -> AsyncGenerator[bytes, None]:
+    """Every run's status changes (the runs page's list), until the client goes away.
+
+    With ``last_event_id`` (an event id the feed sent), first the status changes after it, replayed from the
+    outbox (docs/http-api.md, "Events: resuming"), then live ones: a live event at or before the last one
+    sent is not sent again. An id older than the oldest event kept (retention) is answered with ``resync``
+    (its data says why) before the replay of what is kept: the client reads the list again. When the hub's
+    subscription broke, the feed replays from its last event instead of asking for a resync. ``subscriber``
+    was subscribed before the replay began, so nothing falls between the two.
+    """
     yield f"retry: {RETRY_MS}\n\n".encode()
+    last = last_event_id
+    if last is not None:
+        async for chunk in _replay_feed(store, last, first=True, tenant=subscriber.tenant):
+            if isinstance(chunk, str):
+                last = chunk
+            else:
+                yield chunk
     while True:
         try:
             event = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_S)
@@ -450,12 +483,78 @@ async def status_events(subscriber: Subscriber) -> AsyncGenerator[bytes, None]:
             yield b": keepalive\n\n"
             continue
         if event is RESYNC:
-            yield frame(StreamEvent.RESYNC, {})
+            if last is None or store.cluster:
+                yield frame(StreamEvent.RESYNC, {})
+            else:
+                async for chunk in _replay_feed(store, last, first=False, tenant=subscriber.tenant):
+                    if isinstance(chunk, str):
+                        last = chunk
+                    else:
+                        yield chunk
+        elif event.event_id and last is not None and _not_after(event.event_id, last):
+            pass  # replayed already
         else:
-            yield event.frame
+            if event.event_id:
+                last = event.event_id
+            yield event.feed_frame or event.frame
         if subscriber.dropped and subscriber.queue.empty():
-            yield frame(StreamEvent.DROPPED, {"reason": "too far behind; reconnect"})
+            yield frame(StreamEvent.DROPPED, {"reason": "too far behind; reconnect with Last-Event-ID"})
             return
+
+
+def _not_after(event_id: str, last: str) -> bool:
+    here, there = stream_position(event_id), stream_position(last)
+    return here is not None and there is not None and here <= there
+
+
+async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool,
+                       tenant: str | None = None) -> AsyncGenerator[bytes | str, None]:
+    """The status frames after the event id ``after``, a page at a time; each page's last id (a ``str``) after
+    its frames, for the caller's position. A ``resync`` first when events after ``after`` may be gone. With
+    ``tenant``, only the events of that tenant's runs (the label ``tenant`` the entry carries)."""
+    if store.cluster:
+        # Each shard's outbox numbers its own events: one id cannot say where to resume in all of them.
+        yield frame(StreamEvent.RESYNC, {"reason": "a feed on a Redis Cluster does not replay"})
+        return
+    position = after
+    while True:
+        entries, oldest = await store.outbox_after(position, count=FEED_PAGE)
+        if first:
+            first = False
+            if oldest is None or (_not_after(position, oldest) and position != oldest):
+                yield frame(StreamEvent.RESYNC, {"reason": "older than the oldest event kept", "oldest": oldest})
+        for entry in entries:
+            if tenant is not None and _entry_tenant(entry) != tenant:
+                continue
+            event = _feed_event(entry)
+            if event is not None:
+                yield event
+        if not entries:
+            return
+        position = entries[-1].stream_id
+        yield position
+        if len(entries) < FEED_PAGE:
+            return
+
+
+def _entry_tenant(entry: OutboxEntry) -> str:
+    """The tenant of an outbox entry's run ("" for none, or labels that cannot be read)."""
+    try:
+        labels = json.loads(entry.labels) if entry.labels else {}
+    except ValueError:
+        return ""
+    tenant = labels.get("tenant", "") if isinstance(labels, dict) else ""
+    return tenant if isinstance(tenant, str) else ""
+
+
+def _feed_event(entry: OutboxEntry) -> bytes | None:
+    """The feed's frame of one outbox entry: a status change (a step, or an entry the store did not write:
+    None)."""
+    try:
+        event = _event(entry.event, wanted=lambda _run_id: False, event_id=entry.stream_id)
+    except Exception:  # noqa: BLE001 - whatever is in the stream, the feed goes on
+        return None
+    return event.feed_frame if event is not None and event.kind is StreamEvent.STATUS else None
 
 
 class StreamSlots:

@@ -150,7 +150,9 @@ _progress_s = 1.0
 @mcp.tool(description="Wait the given number of seconds, then say so. Cancellable. Reports MCP progress "
                       "every second (when the client asked for progress), its message ending with the note.")
 async def slow(ctx: Context, seconds: float = 30, note: str = "") -> str:
-    with _recorded("slow", seconds=seconds):
+    # Recorded so a test can tell whether the client asked for progress (RUNBRAKE_MCP_PROGRESS).
+    asked = "progress_token" in (ctx.request_context.meta or {})
+    with _recorded("slow", seconds=seconds, progress_asked=asked):
         deadline = anyio.current_time() + seconds
         done = 0.0
         while (left := deadline - anyio.current_time()) > 0:

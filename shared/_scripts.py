@@ -44,18 +44,53 @@ def _script(name: str, template: str) -> Script:
     return Script(name, source, template, hashlib.sha1(source.encode()).hexdigest())  # noqa: S324 - Redis's naming
 
 
-_ANNOUNCE = """
-local function announce(run_id, status, reason)
+_OUTBOX = """
+local function outbox(run_id, event)
+  local keep = tonumber(ARGV[#ARGV - 1]) or 0
+  local entry = {'XADD', KEYS[#KEYS]}
+  if keep > 0 then
+    local floor = (tonumber(redis.call('TIME')[1]) - keep) * 1000
+    if floor > 0 then
+      entry[#entry + 1] = 'MINID'
+      entry[#entry + 1] = '~'
+      entry[#entry + 1] = string.format('%d', floor)
+    end
+  end
+  entry[#entry + 1] = '*'
+  entry[#entry + 1] = 'run'
+  entry[#entry + 1] = run_id
+  entry[#entry + 1] = 'event'
+  entry[#entry + 1] = event
+  local labels = redis.call('HGET', KEYS[1], 'labels')
+  if labels and labels ~= '' then
+    entry[#entry + 1] = 'labels'
+    entry[#entry + 1] = labels
+  end
+  local id = redis.call(unpack(entry))
   local tenant = redis.call('HGET', KEYS[1], 'tenant') or ''
-  redis.call('PUBLISH', ARGV[#ARGV], '{"event":"status","run_id":"' .. run_id .. '","status":"' .. status ..
-    '","termination_reason":"' .. reason .. '","tenant":"' .. tenant .. '"}')
+  redis.call('PUBLISH', ARGV[#ARGV], '{"id":"' .. id .. '","tenant":"' .. tenant .. '",' .. string.sub(event, 2))
+  return id
 end
 """
-"""Every script that changes a status, or appends a step, says so on the namespace's events channel (its
-last ARGV): the HTTP API's one subscription per process fans events out to its clients. Published only
-for a run that exists, whose id the store generated (hex), so the id needs no escaping; its tenant (KEYS[1]
-is the run in every script that announces) is a name of label-key characters (broker/auth.py), so it needs
-none either, and lets the API hand ``GET /v1/events`` of a tenant's token only its tenant's runs."""
+"""Every script that changes a status, or appends a step, writes the event to the namespace's outbox (a Redis
+stream, the last KEY; docs/architecture.md, "The outbox") and says so on the events channel (the last ARGV),
+in the same script as the change: an event exists exactly when its change does. The stream id is the
+event's id, also carried by the PUBLISH (``"id"``), so that a live reader and a replaying one name an event
+alike. The outbox is trimmed by age, never by what was published: entries older than the retention (the
+ARGV before the channel, seconds; 0 keeps them as long as runs are kept: forever) go, approximately
+(``MINID ~``). The run's labels (its hash's ``labels`` field, JSON, where it has one) travel with the
+entry for the relay's headers (worker/relay.py). The PUBLISH also names the run's tenant (``"tenant"``, "" for
+none; a name of label-key characters, broker/auth.py, so it needs no escaping): the API hands a tenant's
+``GET /v1/events`` only its tenant's runs."""
+
+_ANNOUNCE = _OUTBOX + """
+local function announce(run_id, status, reason)
+  return outbox(run_id, '{"event":"status","run_id":"' .. run_id .. '","status":"' .. status ..
+    '","termination_reason":"' .. reason .. '"}')
+end
+"""
+"""A status change's event. Written only for a run that exists, whose id the store generated (hex), so the
+id needs no escaping."""
 
 _RELEASE = """
 local function release(tenants_key)
@@ -73,14 +108,14 @@ _RETAIN = """
 local function retain(run_id, finished_at)
   local keep = tonumber(ARGV[#ARGV - 1])
   if keep and keep > 0 then
-    redis.call('ZADD', KEYS[#KEYS], tonumber(finished_at) + keep, run_id)
-    for i = #KEYS - 3, #KEYS - 1 do redis.call('EXPIRE', KEYS[i], keep + 600) end
+    redis.call('ZADD', KEYS[#KEYS - 1], tonumber(finished_at) + keep, run_id)
+    for i = #KEYS - 4, #KEYS - 2 do redis.call('EXPIRE', KEYS[i], keep + 600) end
   end
 end
 """
 """A run that ends is kept ``retention`` seconds (the ARGV before the channel; 0 keeps it forever): it
-enters ``<ns>:finished`` (the last KEY) at its expiry, which a worker's sweeper acts on (deleting its keys,
-its idempotency key and its index entry together); the run's own keys (the three KEYS before it: run,
+enters ``<ns>:finished`` (the KEY before the outbox) at its expiry, which a worker's sweeper acts on (deleting
+its keys, its idempotency key and its index entry together); the run's own keys (the three KEYS before it: run,
 steps, cancel) also expire ten minutes later, should no sweeper run."""
 
 _REDIS_NOW = """
@@ -104,10 +139,10 @@ end
 """
 
 # KEYS: run, idempotency (may be a dummy key), index, unclaimed, tenants (in-flight counts), tenant enqueues
-#   (per tenant: "<minute> <count>").
+#   (per tenant: "<minute> <count>"), outbox.
 # ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, request digest,
 #   labels_json, model, input preview, tenant ('' = none), max_runs_in_flight (0 = no bound),
-#   max_enqueues_per_minute (0 = no bound), events channel (last, as announce() reads it)
+#   max_enqueues_per_minute (0 = no bound), retention_s, events channel
 # The labels, the model's name and the start of the input are kept beside the request as fields of their
 # own, so that a listing reads them without the request, which can be large (shared/_store_core.py,
 # SUMMARY_FIELDS).
@@ -160,7 +195,7 @@ announce(ARGV[1], '$status_queued', '')
 return {1, ARGV[1]}
 """)
 
-# KEYS: run, leases, unclaimed.  ARGV: owner, lease_s, run_id, events channel
+# KEYS: run, leases, unclaimed, outbox.  ARGV: owner, lease_s, run_id, retention_s, events channel
 CLAIM = _script("claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -182,7 +217,7 @@ announce(ARGV[3], '$status_running', '')
 return {1, st}
 """)
 
-# KEYS: run, leases, unclaimed.  ARGV: owner, lease_s, run_id, events channel
+# KEYS: run, leases, unclaimed, outbox.  ARGV: owner, lease_s, run_id, retention_s, events channel
 RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -203,7 +238,7 @@ announce(ARGV[3], '$status_running', '')
 return {1, st}
 """)
 
-# KEYS: run, leases.  ARGV: owner, pending_json, run_id, events channel
+# KEYS: run, leases, outbox.  ARGV: owner, pending_json, run_id, retention_s, events channel
 SUSPEND = _script("suspend", _ANNOUNCE + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -216,7 +251,7 @@ announce(ARGV[3], '$status_waiting_for_approval', '')
 return {1, st}
 """)
 
-# KEYS: run, leases, unclaimed.  ARGV: owner, pending_json, run_id, now, events channel
+# KEYS: run, leases, unclaimed, outbox.  ARGV: owner, pending_json, run_id, now, retention_s, events channel
 # running → queued (owner-guarded): the worker shuts down and hands the run over
 # (docs/architecture.md, "Drain and hand-over"). The conversation so far is kept as the pending turn,
 # which the next start claim continues from; the run waits in the unclaimed set like a new one, so a
@@ -252,7 +287,7 @@ redis.call('HSET', KEYS[1], 'approval', 'approved')
 return {1, st, 1}
 """)
 
-# KEYS: run, leases, unclaimed, tenants, run, steps, cancel, finished.
+# KEYS: run, leases, unclaimed, tenants, run, steps, cancel, finished, outbox.
 # ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
 #   retention_s, events channel
 SETTLE = _script("settle", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
@@ -271,8 +306,8 @@ announce(ARGV[7], ARGV[1], ARGV[2])
 return {1, st}
 """)
 
-# KEYS: run, cancel, leases, unclaimed, tenants, run, steps, cancel, finished.  ARGV: cancel_json, now, run_id,
-#   retention_s, events channel
+# KEYS: run, cancel, leases, unclaimed, tenants, run, steps, cancel, finished, outbox.
+# ARGV: cancel_json, now, run_id, retention_s, events channel
 CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -288,12 +323,12 @@ announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
 return {1, st}
 """)
 
-# KEYS: run, steps, servers, cancel, servers this hour (kept 8 days).
+# KEYS: run, steps, servers, cancel, servers this hour (kept 8 days), outbox.
 # ARGV: step_body_json (an object without sequence/recorded_at), now, server_outcome_field ('' when
-#   the step is not a tool step with an outcome), run_id, events channel, step token, owner ('' = the
+#   the step is not a tool step with an outcome), run_id, step token, owner ('' = the
 #   step is not a worker's, e.g. a denial; otherwise the claim's owner token, the fence against a worker
 #   whose run was reaped or taken over: its writes are refused with {0, 0, 'owner'}), model calls (1 for a
-#   model step that answered, else 0), input tokens, output tokens
+#   model step that answered, else 0), input tokens, output tokens, retention_s, events channel
 # The run's usage (hash fields model_calls, input_tokens, output_tokens) is summed here, with the step: a
 # step appended once counts once, whichever segment or worker appends it and however often it is retried.
 # Answers {sequence, cancelled}. A token already appended answers its sequence again and appends
@@ -303,24 +338,24 @@ return {1, st}
 # the script, so concurrent appends get unique, increasing numbers in list order. The body is
 # spliced as text: cjson would turn [] into {}. HEXISTS on the run, not EXISTS: EXISTS is the
 # probe's one command, so a count of EXISTS on cancel keys counts probes.
-APPEND_STEP = _script("append_step", """
+APPEND_STEP = _script("append_step", _OUTBOX + """
 if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return {0, 0} end
-if redis.call('HGET', KEYS[1], 'last_step') == ARGV[6] then
+if redis.call('HGET', KEYS[1], 'last_step') == ARGV[5] then
   return {tonumber(redis.call('HGET', KEYS[1], 'seq')), redis.call('EXISTS', KEYS[4])}
 end
-if ARGV[7] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[7] then return {0, 0, 'owner'} end
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[6] then return {0, 0, 'owner'} end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
-redis.call('HSET', KEYS[1], 'last_step', ARGV[6])
+redis.call('HSET', KEYS[1], 'last_step', ARGV[5])
 local body = ARGV[1]
 local sep = ','
 if body == '{}' then sep = '' end
 local record = '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[2] .. sep .. string.sub(body, 2)
 redis.call('RPUSH', KEYS[2], record)
-redis.call('PUBLISH', ARGV[5], '{"event":"step","run_id":"' .. ARGV[4] .. '","step":' .. record .. '}')
-if ARGV[8] ~= '0' then
-  redis.call('HINCRBY', KEYS[1], 'model_calls', ARGV[8])
-  redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[9])
-  redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[10])
+outbox(ARGV[4], '{"event":"step","run_id":"' .. ARGV[4] .. '","step":' .. record .. '}')
+if ARGV[7] ~= '0' then
+  redis.call('HINCRBY', KEYS[1], 'model_calls', ARGV[7])
+  redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[8])
+  redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[9])
 end
 if ARGV[3] ~= '' then
   redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
@@ -346,7 +381,7 @@ EXPIRED_LEASES = _script("expired_leases", _REDIS_NOW + """
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', redis_now(), 'LIMIT', 0, ARGV[1])
 """)
 
-# KEYS: run, leases, tenants, run, steps, cancel, finished.  ARGV: run_id, retention_s, events channel
+# KEYS: run, leases, tenants, run, steps, cancel, finished, outbox.  ARGV: run_id, retention_s, events channel
 # running with an expired lease (by Redis's clock) → failed (lease_lost). A run no longer running leaves
 # the lease set; one whose lease was renewed meanwhile is put back at its new expiry.
 REAP = _script("reap", _ANNOUNCE + _RETAIN + _RELEASE + _REDIS_NOW + """
@@ -394,6 +429,36 @@ end
 return kind
 """)
 
+
+# KEYS: outbox.  ARGV: group
+# The relay's consumer group on an outbox, made once (with the stream, should no event exist yet) from the
+# stream's start: 1 when this call made it, 0 when it existed.
+OUTBOX_GROUP = _script("outbox_group", """
+local made = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(made) == 'table' and made.err then
+  if string.find(made.err, 'BUSYGROUP', 1, true) then return 0 end
+  return redis.error_reply(made.err)
+end
+return 1
+""")
+
+# KEYS: relay lease.  ARGV: relay name, lease_ms
+# The one relay that publishes (docs/architecture.md, "The relay"): the holder renews, another takes the
+# lease only once it expired. Answers 1 when ``relay name`` holds it now.
+RELAY_LEASE = _script("relay_lease", """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+""")
+
+# KEYS: relay lease.  ARGV: relay name
+RELAY_RELEASE = _script("relay_release", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+""")
+
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       REAP, REDRIVE)
+       REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

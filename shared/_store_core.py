@@ -18,6 +18,7 @@ Keys on a single Redis, all under the namespace (``{run_id}`` is a hash tag, so 
     <ns>:idem:<key>           string the run id an idempotency key created
     <ns>:servers              hash   tool calls per "<server>|<outcome>", for per-server health
     <ns>:leases               zset   running run ids by lease expiry, for the reaper
+    <ns>:outbox               stream every status change and step as an event, for the relay and the feed
 
 On a Redis Cluster (``RUNBRAKE_REDIS_CLUSTER``) the same structures carry the hash tag of one of
 :data:`SHARDS` shards, ``{<ns>|<shard>}``: ``<ns>:run:{<ns>|<shard>}:<id>`` (and ``:steps``, ``:cancel``),
@@ -51,6 +52,7 @@ from runbrake.shared.records import (
     CancelRequest,
     Claim,
     Created,
+    OutboxEntry,
     Quota,
     QuotaHit,
     RunRecord,
@@ -133,6 +135,20 @@ class Keys:
     def retention(self, run_id: str) -> tuple[str, str, str, str]:
         """The keys a run's end touches to keep it for its retention: its own three, and the finished set."""
         return self.run(run_id), self.steps(run_id), self.cancel(run_id), self.finished(self.shard(run_id))
+
+    def outbox(self, shard: int) -> str:
+        """The stream of events (status changes and steps) that the relay publishes and ``GET /v1/events``
+        replays (docs/architecture.md, "The outbox"): one per shard in a cluster, beside its runs."""
+        return self._sharded("outbox", shard)
+
+    @property
+    def relay_lease(self) -> str:
+        """Which relay publishes the outbox now (its name, expiring): one per namespace."""
+        return self._sharded("relay", 0)
+
+    def outbox_of(self, run_id: str) -> str:
+        """The outbox a run's events go to: its shard's."""
+        return self.outbox(self.shard(run_id))
 
     def waiting_lists(self, run_id: str) -> tuple[str, str]:
         """The leases and unclaimed sets of a run's shard: a transition moves the run in or out of them."""
@@ -295,9 +311,10 @@ _READS_AND_DELETES: Final = frozenset({
     "GET", "MGET", "EXISTS", "HGET", "HMGET", "HGETALL", "HEXISTS", "HLEN", "LRANGE", "LLEN", "LINDEX",
     "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE", "ZREVRANGEBYSCORE", "ZSCORE", "ZCARD", "ZCOUNT", "SCAN",
     "DEL", "UNLINK", "HDEL", "ZREM", "EXPIRE", "PEXPIRE", "PING", "ECHO", "TTL", "PTTL", "TYPE", "WAIT",
+    "XRANGE", "XREVRANGE", "XLEN", "XREADGROUP", "XAUTOCLAIM", "XACK", "XPENDING",
 })
 """What a plain command may do: read, delete, expire, ask. A write is a script, whose arguments go through
-:func:`wire`."""
+:func:`wire`. The outbox's group commands belong here: they hand out and acknowledge entries, writing no value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,11 +544,11 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
     return durable(_script(
         _scripts.CREATE,
         (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard), keys.tenants(shard),
-         keys.tenant_enqueues(shard)),
+         keys.tenant_enqueues(shard), keys.outbox(shard)),
         (Ident(run_id), request_json, now, Ident("1" if idempotency_key else "0"), Verbatim(idempotency_key or ""),
          Ident(digest), labels, _model_name(request), str(request.get("input", ""))[:INPUT_PREVIEW_CHARS],
          Ident(tenant or ""), quota.max_runs_in_flight or 0, quota.max_enqueues_per_minute or 0,
-         Ident(keys.events)),
+         keys.retention_s, Ident(keys.events)),
         "create a run", parse,
     ))
 
@@ -574,8 +591,8 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
         )
 
     return Op(f"{name} run {run_id}", (
-        ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id)),
-                   (Ident(owner), float(lease_s), Ident(run_id), Ident(keys.events))),
+        ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
+                   (Ident(owner), float(lease_s), Ident(run_id), keys.retention_s, Ident(keys.events))),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
     ), parse)
 
@@ -583,8 +600,8 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
 def suspend(keys: Keys, run_id: str, owner: str, pending: Mapping[str, Any]) -> Op[Transition]:
     """running → waiting_for_approval (owner-guarded), storing the pending turn (scrubbed, like every value
     a script writes: :func:`wire`; the resumed segment continues from what is stored)."""
-    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases(keys.shard(run_id))),
-                   (Ident(owner), pending, Ident(run_id), Ident(keys.events)),
+    return _script(_scripts.SUSPEND, (keys.run(run_id), keys.leases(keys.shard(run_id)), keys.outbox_of(run_id)),
+                   (Ident(owner), pending, Ident(run_id), keys.retention_s, Ident(keys.events)),
                    f"suspend run {run_id}", _transition("suspend", run_id))
 
 
@@ -594,8 +611,8 @@ def hand_over(keys: Keys, run_id: str, step: RunStep, *, owner: str, pending: Ma
     turn (owner-guarded), in one round trip. As in :func:`complete`, a cancel that won first refuses
     the transition."""
     append = append_step(keys, run_id, step, token=token, owner=owner)
-    handoff = _script(_scripts.HANDOFF, (keys.run(run_id), *keys.waiting_lists(run_id)),
-                      (Ident(owner), pending, Ident(run_id), time.time(), Ident(keys.events)),
+    handoff = _script(_scripts.HANDOFF, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
+                      (Ident(owner), pending, Ident(run_id), time.time(), keys.retention_s, Ident(keys.events)),
                       f"hand over run {run_id}", _transition("handoff", run_id))
 
     def parse(answers: list[Any]) -> tuple[Appended, Transition]:
@@ -618,7 +635,8 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return durable(_script(
         _scripts.SETTLE,
-        (keys.run(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)), *keys.retention(run_id)),
+        (keys.run(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)), *keys.retention(run_id),
+         keys.outbox_of(run_id)),
         # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
         (Ident(status.value), Ident(reason.value), Ident(owner or ""), time.time(), scrub(error)[:MAX_ERROR_CHARS],
          Ident("" if required_status is None else required_status.value), Ident(run_id), keys.retention_s,
@@ -636,7 +654,7 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
     return durable(_script(
         _scripts.CANCEL,
         (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)),
-         *keys.retention(run_id)),
+         *keys.retention(run_id), keys.outbox_of(run_id)),
         (request.to_dict(), request.requested_at, Ident(run_id), keys.retention_s, Ident(keys.events)),
         f"cancel run {run_id}", _transition("cancel", run_id),
     ))
@@ -672,9 +690,9 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
     return _script(
         _scripts.APPEND_STEP,
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
-         keys.servers_hour(recorded_at, keys.shard(run_id))),
-        (body, recorded_at, counter, Ident(run_id), Ident(keys.events), Ident(token or uuid.uuid4().hex),
-         Ident(owner), 1 if answered else 0, *tokens),
+         keys.servers_hour(recorded_at, keys.shard(run_id)), keys.outbox_of(run_id)),
+        (body, recorded_at, counter, Ident(run_id), Ident(token or uuid.uuid4().hex), Ident(owner),
+         1 if answered else 0, *tokens, keys.retention_s, Ident(keys.events)),
         f"append a step to run {run_id}", parse,
     )
 
@@ -737,7 +755,8 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
         return transition
 
     return _script(_scripts.REAP, (keys.run(run_id), keys.leases(keys.shard(run_id)),
-                                   keys.tenants(keys.shard(run_id)), *keys.retention(run_id)),
+                                   keys.tenants(keys.shard(run_id)), *keys.retention(run_id),
+                                   keys.outbox_of(run_id)),
                    (Ident(run_id), keys.retention_s, Ident(keys.events)),
                    f"reap run {run_id}", parse)
 
@@ -1021,3 +1040,104 @@ def summaries(keys: Keys, run_ids: Sequence[str]) -> Op[list[RunRecord | None]]:
     for run_id in run_ids:
         calls += [Command(("HMGET", keys.run(run_id), *SUMMARY_FIELDS)), Command(("GET", keys.cancel(run_id)))]
     return Op("list runs", tuple(calls), parse)
+
+
+# -- the outbox (docs/architecture.md, "The outbox") ------------------------------------------------
+
+RELAY_GROUP: Final = "relay"
+"""The one consumer group every relay reads the outbox through."""
+
+def _fields(raw: Any) -> dict[str, str]:
+    if isinstance(raw, dict):
+        return {str(k): str(v) for k, v in raw.items()}
+    flat = list(raw or ())
+    return {str(flat[i]): str(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+
+
+def _entries(shard: int, raw: Any) -> list[OutboxEntry]:
+    """Stream entries as the client answered them (``(id, fields)`` pairs; a deleted one has no fields)."""
+    found = []
+    for item in raw or ():
+        stream_id, fields = item[0], item[1]
+        if stream_id is None or fields is None:
+            continue
+        values = _fields(fields)
+        found.append(OutboxEntry(shard, str(stream_id), values.get("run", ""), values.get("event", ""),
+                                 values.get("labels", "")))
+    return found
+
+
+def outbox_groups(keys: Keys) -> Op[int]:
+    """Make the relay's consumer group on every outbox where it is missing; answers how many were made."""
+    return Op("make the relay's consumer group", tuple(
+        ScriptCall(_scripts.OUTBOX_GROUP, (keys.outbox(shard),), (Ident(RELAY_GROUP),)) for shard in keys.shards
+    ), lambda answers: sum(int(a) for a in answers))
+
+
+def relay_lease(keys: Keys, relay: str, *, lease_s: float) -> Op[bool]:
+    """Take or renew the lease of the one relay that publishes; answers whether ``relay`` holds it."""
+    return _script(_scripts.RELAY_LEASE, (keys.relay_lease,), (Ident(relay), int(lease_s * 1000)),
+                   "take the relay's lease", lambda answers: bool(answers[0]))
+
+
+def relay_release(keys: Keys, relay: str) -> Op[bool]:
+    """Give the lease up, if ``relay`` holds it (a relay that stops: the next one need not wait it out)."""
+    return _script(_scripts.RELAY_RELEASE, (keys.relay_lease,), (Ident(relay),),
+                   "give the relay's lease up", lambda answers: bool(answers[0]))
+
+
+def outbox_pending(keys: Keys, relay: str, *, count: int) -> Op[tuple[list[OutboxEntry], int]]:
+    """Take over every entry the group holds unacknowledged, oldest first (at most ``count`` per shard): a
+    relay that died, or this one before RabbitMQ refused a batch. Answers them and how many pending entries
+    were trimmed away before anyone published them (Redis drops those from the group as it answers)."""
+    def parse(answers: list[Any]) -> tuple[list[OutboxEntry], int]:
+        entries: list[OutboxEntry] = []
+        trimmed = 0
+        for shard, answer in zip(keys.shards, answers, strict=True):
+            entries += _entries(shard, answer[1])
+            trimmed += len(answer[2]) if len(answer) > 2 else 0  # Redis 7 adds the deleted ids
+        return entries, trimmed
+
+    return Op("read the outbox's pending events", tuple(
+        Command(("XAUTOCLAIM", keys.outbox(shard), RELAY_GROUP, relay, 0, "0-0", "COUNT", count))
+        for shard in keys.shards), parse)
+
+
+def outbox_new(keys: Keys, relay: str, *, count: int, block_ms: int | None = None) -> Op[list[OutboxEntry]]:
+    """The next entries no relay was given yet, at most ``count`` per shard; given to ``relay`` (pending
+    until acknowledged). ``block_ms``: wait that long for one (a single Redis only: one stream)."""
+    def parse(answers: list[Any]) -> list[OutboxEntry]:
+        entries: list[OutboxEntry] = []
+        for shard, answer in zip(keys.shards, answers, strict=True):
+            streams = answer.items() if isinstance(answer, dict) else (answer or ())
+            for _stream, raw in streams:
+                entries += _entries(shard, raw)
+        return entries
+
+    wait = ("BLOCK", block_ms) if block_ms is not None and not keys.cluster else ()
+    return Op("read the outbox", tuple(
+        Command(("XREADGROUP", "GROUP", RELAY_GROUP, relay, "COUNT", count, *wait, "STREAMS", keys.outbox(shard), ">"))
+        for shard in keys.shards), parse)
+
+
+def outbox_ack(keys: Keys, entries: Sequence[OutboxEntry]) -> Op[int]:
+    """Acknowledge published entries (they stay in the outbox until they are older than the retention)."""
+    by_shard: dict[int, list[str]] = {}
+    for entry in entries:
+        by_shard.setdefault(entry.shard, []).append(entry.stream_id)
+    return Op("acknowledge published events", tuple(
+        Command(("XACK", keys.outbox(shard), RELAY_GROUP, *ids)) for shard, ids in by_shard.items()),
+        lambda answers: sum(int(a) for a in answers))
+
+
+def outbox_after(keys: Keys, after: str | None, *, count: int) -> Op[tuple[list[OutboxEntry], str | None]]:
+    """The next ``count`` events after ``after`` (a stream id; None: from the oldest kept), and the id of the
+    oldest event kept (None when the outbox is empty): one shard (a single Redis; ``GET /v1/events``)."""
+    start = "-" if after is None else f"({after}"
+
+    def parse(answers: list[Any]) -> tuple[list[OutboxEntry], str | None]:
+        oldest = _entries(0, answers[1])
+        return _entries(0, answers[0]), oldest[0].stream_id if oldest else None
+
+    return Op("read the outbox", (Command(("XRANGE", keys.outbox(0), start, "+", "COUNT", count)),
+                                  Command(("XRANGE", keys.outbox(0), "-", "+", "COUNT", 1))), parse)

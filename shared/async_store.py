@@ -24,6 +24,7 @@ from runbrake.shared.records import (
     Appended,
     CancelRequest,
     Claim,
+    OutboxEntry,
     RunRecord,
     Transition,
     read_cancel_request,
@@ -254,6 +255,16 @@ class AsyncRunStore:
 
     async def server_outcomes(self) -> dict[str, dict[str, int]]:
         return await self.execute(core.server_outcomes(self.keys))
+
+    @property
+    def cluster(self) -> bool:
+        """Whether this store is on a Redis Cluster."""
+        return self.keys.cluster
+
+    async def outbox_after(self, after: str | None, *, count: int) -> tuple[list[OutboxEntry], str | None]:
+        """The next ``count`` events after the event id ``after`` (None: from the oldest kept), and the oldest
+        event id kept (``GET /v1/events`` replays them)."""
+        return await self.execute(core.outbox_after(self.keys, after, count=count))
 
     async def ping(self) -> None:
         """Raises StoreError when Redis does not answer."""

@@ -321,3 +321,26 @@ def _progress(value: str | None) -> Mapping[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
+
+
+_STREAM_ID: Final = re.compile(r"(\d{1,20})-(\d{1,20})")
+
+
+def stream_position(stream_id: str) -> tuple[int, int] | None:
+    """An outbox event's id (a Redis stream id, ``<ms>-<seq>``) as the pair events are ordered by; None for
+    anything else (docs/http-api.md, "Events: resuming")."""
+    match = _STREAM_ID.fullmatch(stream_id)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    """One event in the outbox (docs/architecture.md, "The outbox"): its shard and stream id, its run, the
+    event as the store wrote it (JSON text: ``{"event": "status"|"step", "run_id", …}``), and the run's labels
+    as they were then (JSON text; "" when the run had none)."""
+
+    shard: int
+    stream_id: str
+    run_id: str
+    event: str
+    labels: str = ""

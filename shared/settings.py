@@ -226,6 +226,21 @@ class Settings(BaseSettings):
     deployments (or two test runs) on one broker never see each other's runs."""
     max_tool_result_chars: Annotated[int, _integer(1)] = 16_000
     """Bound on each content channel of a tool result, in characters."""
+    mcp_progress: Annotated[str, _choice("always", "off")] = "always"
+    """Whether the worker asks MCP servers for progress of its tool calls (`_meta.progressToken`): `always`
+    (each call's latest report is kept for `runbrake show`, the runs page and the events stream), or
+    `off` (no call asks, so servers send none and the worker's loop handles none). A report cost the
+    worker's loop 0.2–0.35 ms of CPU on a shared 2-core machine (docs/benchmarks.md, "Notifications per
+    process")."""
+    event_loop: Annotated[str, _choice("uvloop", "asyncio")] = "uvloop"
+    """The worker's event loop: `uvloop` (libuv's, under the same asyncio and anyio API) or `asyncio`
+    (the standard library's). uvloop took 13–18 % off the loop's CPU per MCP progress notification
+    with the SDK alone, and up to 13 % more on top of the worker's own handling (docs/benchmarks.md,
+    "Notifications per process")."""
+    switch_interval_ms: Annotated[float, _number(float, 0.1, 100.0)] = 1.0
+    """How long the worker's event loop may hold Python's GIL while another thread waits for it, in
+    milliseconds (`sys.setswitchinterval`; Python's own default is 5): a cancel reaches the cancel
+    listener's thread while the loop is busy, and waits this long at most before it is handled."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -22,7 +22,7 @@ import redis.sentinel
 
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
-from runbrake.shared.records import CancelRequest, Claim, Created, Quota, RunRecord, Transition
+from runbrake.shared.records import CancelRequest, Claim, Created, OutboxEntry, Quota, RunRecord, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
@@ -351,6 +351,38 @@ class RunStore:
         idempotency = self.execute(core.idempotency_keys(self.keys, due))
         self.execute(core.forget(self.keys, dict(zip(due, idempotency, strict=True))))
         return list(due)
+
+    # -- the outbox (docs/architecture.md, "The outbox"; worker/relay.py reads it) ----------------------
+
+    def outbox_groups(self) -> int:
+        """Make the relay's consumer group on every outbox where it is missing; answers how many were made."""
+        return self.execute(core.outbox_groups(self.keys))
+
+    def relay_lease(self, relay: str, *, lease_s: float) -> bool:
+        """Take or renew the lease of the one relay that publishes; answers whether ``relay`` holds it."""
+        return self.execute(core.relay_lease(self.keys, relay, lease_s=lease_s))
+
+    def relay_release(self, relay: str) -> bool:
+        """Give the relay's lease up if ``relay`` holds it."""
+        return self.execute(core.relay_release(self.keys, relay))
+
+    def outbox_pending(self, relay: str, *, count: int) -> tuple[list[OutboxEntry], int]:
+        """Take over the entries handed out and not acknowledged, oldest first, and say how many pending
+        ones were trimmed before they were published."""
+        return self.execute(core.outbox_pending(self.keys, relay, count=count))
+
+    def outbox_new(self, relay: str, *, count: int, block_ms: int | None = None) -> list[OutboxEntry]:
+        """The next entries nobody was handed yet (waiting up to ``block_ms`` for one on a single Redis)."""
+        return self.execute(core.outbox_new(self.keys, relay, count=count, block_ms=block_ms))
+
+    def outbox_ack(self, entries: Sequence[OutboxEntry]) -> int:
+        """Acknowledge published entries."""
+        return self.execute(core.outbox_ack(self.keys, entries)) if entries else 0
+
+    def outbox_after(self, after: str | None, *, count: int) -> tuple[list[OutboxEntry], str | None]:
+        """The next ``count`` events after the event id ``after`` (None: from the oldest kept), and the oldest
+        event id kept."""
+        return self.execute(core.outbox_after(self.keys, after, count=count))
 
     def persistence(self) -> list[tuple[str, dict[str | None, str | None]]]:
         """Each node's ``appendonly`` and ``save`` (every primary of a cluster), for the worker's warning

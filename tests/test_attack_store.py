@@ -51,7 +51,7 @@ def strict_json(text: str) -> Any:
 
 def every_stored_text(store: RunStore) -> dict[str, list[str]]:
     """Every value of every key of the store's namespace, read by type: strings, hash fields and values,
-    list items, set members, sorted-set members."""
+    list items, set members, sorted-set members, stream entries' fields and values."""
     client = store.redis
     found: dict[str, list[str]] = {}
     for key in client.scan_iter(match=f"{store.namespace}:*", count=500):
@@ -66,6 +66,8 @@ def every_stored_text(store: RunStore) -> dict[str, list[str]]:
             values = list(client.smembers(key))
         elif kind == "zset":
             values = [member for member, _ in client.zrange(key, 0, -1, withscores=True)]
+        elif kind == "stream":  # the outbox: every event's fields
+            values = [text for _, fields in client.xrange(key) for pair in fields.items() for text in pair]
         else:
             pytest.fail(f"{key} is a {kind}: read it here too")
         found[key] = [key, *values]

@@ -23,6 +23,7 @@ def test_the_single_node_layout_is_the_documented_one() -> None:
         "ns:runs", "ns:leases", "ns:unclaimed", "ns:finished", "ns:servers")
     assert (keys.idempotency("order-1", 0), keys.servers_hour(7200.5, 0), keys.events) == (
         "ns:idem:order-1", "ns:servers:2", "ns:events")
+    assert (keys.outbox(0), keys.outbox_of(RUN), keys.relay_lease) == ("ns:outbox", "ns:outbox", "ns:relay")
     assert list(keys.shards) == [0]
     assert keys.shard(RUN) == 0
 
@@ -94,6 +95,8 @@ def test_on_a_cluster_runs_spread_over_every_shard_and_readers_ask_each() -> Non
     assert len({key_slot(keys.leases(shard).encode()) for shard in keys.shards}) == core.SHARDS
     assert len(core.expired_leases(keys, limit=10).calls) == core.SHARDS
     assert len(core.index_after(keys, None, count=10).calls) == core.SHARDS
+    assert len(core.outbox_new(keys, "relay-1", count=10).calls) == core.SHARDS  # each shard's outbox
+    assert len({key_slot(keys.outbox(shard).encode()) for shard in keys.shards}) == core.SHARDS
     ids = [uuid.uuid4().hex for _ in range(40)]
     mgets = core.cancelled_among(keys, ids).calls
     assert all(len({key_slot(str(key).encode()) for key in call.args[1:]}) == 1

@@ -288,6 +288,14 @@ def test_the_worker_probes_ask_its_health_port_and_the_api_probes_its_serving_po
         assert port_number(api, api[probe]["httpGet"]["port"]) == api_port, probe
 
 
+def test_every_worker_container_sets_its_process_count(objects: tuple[Object, ...]) -> None:
+    """Without --processes a worker starts one process per CPU it may use, and a container sees the node's
+    CPUs, not its own limit (worker/supervisor.py, default_processes): the manifests say how many."""
+    worker = container(objects, "worker")
+
+    assert int(option(worker["command"], "--processes")) == 1  # one loop per pod, which the probes cover
+
+
 def test_the_worker_gets_longer_to_stop_than_its_drain(objects: tuple[Object, ...]) -> None:
     deployment = one(objects, "Deployment", "runbrake-worker")
     drain_s = int(effective_env(objects, container(objects, "worker"))["RUNBRAKE_DRAIN_S"] or 0)

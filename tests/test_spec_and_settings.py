@@ -176,6 +176,7 @@ def test_the_settings_read_exactly_these_variables() -> None:
     """Names are a contract (docs/configuration.md): a field renamed renames its variable, and fails here."""
     assert sorted(Settings.variables.values()) == sorted([
         "RUNBRAKE_RABBITMQ_URL", "RUNBRAKE_REDIS_URL", "RUNBRAKE_NAMESPACE", "RUNBRAKE_MAX_TOOL_RESULT_CHARS",
+        "RUNBRAKE_MCP_PROGRESS", "RUNBRAKE_EVENT_LOOP", "RUNBRAKE_SWITCH_INTERVAL_MS",
         "RUNBRAKE_CANCEL_POLL_MS", "RUNBRAKE_RUN_TIME_LIMIT_S", "RUNBRAKE_LEASE_S", "RUNBRAKE_METRICS_PORT",
         "RUNBRAKE_REDIS_TIMEOUT_S", "RUNBRAKE_CATALOG", "RUNBRAKE_ALLOW_INLINE", "RUNBRAKE_MAX_SPEC_BYTES",
         "RUNBRAKE_MAX_INPUT_CHARS", "RUNBRAKE_MAX_ARGUMENT_CHARS", "RUNBRAKE_MAX_MODEL_CONTENT_CHARS",
@@ -876,3 +877,13 @@ def test_runbrake_schema_prints_the_json_schema() -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == run_spec_json_schema()
     assert result.stdout.startswith('{\n  "$schema"')  # indented
+
+
+@pytest.mark.parametrize(("variable", "value"), [("RUNBRAKE_MCP_PROGRESS", "sometimes"),
+                                                 ("RUNBRAKE_EVENT_LOOP", "trio"),
+                                                 ("RUNBRAKE_SWITCH_INTERVAL_MS", "0")])
+def test_the_worker_loop_settings_refuse_what_they_do_not_know_naming_the_variable(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({variable: value})
+
+    assert raised.value.variable == variable

@@ -86,3 +86,44 @@ def test_children_that_exit_3_count_as_dying_at_start_however_long_they_took(
         child.process.wait(timeout=10)
     assert code == 3
     assert max(child.early_deaths for child in children) == supervisor.EARLY_DEATHS_TO_GIVE_UP
+
+
+def test_the_default_process_count_is_the_cpus_python_says_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Python 3.13's os.process_cpu_count() counts the affinity mask (and PYTHON_CPU_COUNT); before it, the mask.
+    monkeypatch.setattr(os, "process_cpu_count", lambda: 5, raising=False)
+    assert supervisor.default_processes() == 5
+
+    monkeypatch.setattr(os, "process_cpu_count", lambda: None, raising=False)
+    assert supervisor.default_processes() == 1  # "cannot tell" is one process, never none
+
+    monkeypatch.delattr(os, "process_cpu_count", raising=False)
+    assert supervisor.default_processes() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("cpus", ["one", "all"])
+def test_without_processes_the_worker_starts_one_process_per_cpu_it_may_use(
+    rabbitmq: Settings, tmp_path: Path, cpus: str
+) -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    allowed = usable[:1] if cpus == "one" else usable
+    if len(allowed) == 1 and cpus == "all":
+        pytest.skip("this machine lets the tests use one CPU: 'one' covers it")
+    taskset = ["taskset", "--cpu-list", ",".join(map(str, allowed))]
+    worker = WorkerProcess(tmp_path / "worker.log", worker_env(),
+                           command=[*taskset, RUNBRAKE, "worker", "--concurrency", "1"], started=len(allowed))
+    try:
+        started = worker.logged("worker_started")
+        supervised = worker.logged("workers_started")
+    finally:
+        code = worker.stop()
+
+    assert code == 0
+    if len(allowed) == 1:
+        assert supervised == []  # one process runs in place, with no supervisor
+        assert [entry["pid"] for entry in started] == [worker.pid]
+    else:
+        [entry] = supervised
+        assert entry["processes"] == len(allowed)
+        assert sorted(e["pid"] for e in started) == sorted(entry["pids"])

@@ -27,18 +27,19 @@ import os
 import ssl
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from typing import Any, Final
 
 import anyio
 import httpx2
 import structlog
+from anyio.abc import TaskGroup
 from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
 from mcp.client import Transport
-from mcp.client.stdio import get_default_environment
+from mcp.client.stdio import get_default_environment, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.dispatcher import ProgressFnT
-from mcp_types import INVALID_PARAMS, CallToolResult
+from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta
 from pydantic import ValidationError
 
 from runbrake.shared import tracing
@@ -48,6 +49,7 @@ from runbrake.shared.registry import TRANSPORTS
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.shared.tracing import TRACEPARENT
 from runbrake.worker.conversation import ToolInfo
+from runbrake.worker.mcp_progress import ProgressRoutes, ProgressTap
 
 __all__ = ["McpConnection"]
 
@@ -83,6 +85,8 @@ class McpConnection:
         self._fault: Exception | None = None
         self._ready = anyio.Event()
         self._closing = anyio.Event()
+        self._progress = ProgressRoutes()
+        self._tasks: TaskGroup | None = None
 
     @property
     def server(self) -> str:
@@ -109,7 +113,7 @@ class McpConnection:
         # instead of being wrapped in an ExceptionGroup by the task group. The client task
         # never raises (it keeps its fault for the calls), so the task group has nothing
         # of its own to report.
-        task_group = anyio.create_task_group()
+        task_group = connection._tasks = anyio.create_task_group()
         await task_group.__aenter__()
         try:
             task_group.start_soon(connection._serve, connect_timeout_s)
@@ -137,7 +141,7 @@ class McpConnection:
             # client's own task groups are still open, which anyio refuses.
             with anyio.CancelScope(deadline=anyio.current_time() + connect_timeout_s) as connecting:
                 async with AsyncExitStack() as stack:
-                    client = await stack.enter_async_context(Client(_target(self.spec)))
+                    client = await stack.enter_async_context(Client(_target(self.spec, self._progress)))
                     connecting.deadline = math.inf
                     self._client = client
                     self._ready.set()
@@ -227,8 +231,8 @@ class McpConnection:
             # Cancelling the scope makes the SDK tell the server: notifications/cancelled,
             # or on 2026-07-28 HTTP, closing the request's stream (docs/architecture.md,
             # "Pitfalls: mcp 2.x cancellation").
-            with interrupt, anyio.move_on_after(timeout_s):
-                result = await client.call_tool(tool, dict(arguments), progress_callback=progress)
+            with interrupt, anyio.move_on_after(timeout_s), self._progress_meta(progress) as meta:
+                result = await client.call_tool(tool, dict(arguments), meta=meta)
         except Exception as exc:
             if not _is_transport_fault(exc):
                 raise
@@ -250,6 +254,14 @@ class McpConnection:
             f"call to {self.server}.{tool} timed out after {timeout_s:g} s", server=self.server, tool=tool
         )
 
+    def _progress_meta(self, progress: ProgressFnT | None) -> AbstractContextManager[RequestParamsMeta | None]:
+        """The call's request ``_meta``: a progress token routed to ``progress`` (worker/mcp_progress.py),
+        or none, and then the server is not asked for progress at all."""
+        if progress is None or self._tasks is None:
+            return nullcontext()
+        routed: AbstractContextManager[RequestParamsMeta | None] = self._progress.route(progress, self._tasks)
+        return routed
+
     def _live_client(self, what: str, *, tool: str = "") -> Client:
         if self._client is not None:
             return self._client
@@ -269,11 +281,14 @@ class McpConnection:
         )
 
 
-def _target(spec: McpServerSpec) -> Transport | StdioServerParameters:
+def _target(spec: McpServerSpec, progress: ProgressRoutes) -> Transport:
     """What the SDK's client connects with: the implementation the server's transport entry names
-    (shared/registry.py); one not implemented here fails the server's connect, never falls back."""
+    (shared/registry.py), its progress notifications for ``progress`` taken out where they come in
+    (worker/mcp_progress.py); one not implemented here fails the server's connect, never falls back."""
     implementation: Callable[[McpServerSpec], Transport | StdioServerParameters] = TRANSPORTS.implementation(spec)
-    return implementation(spec)
+    target = implementation(spec)
+    transport: Transport = stdio_client(target) if isinstance(target, StdioServerParameters) else target
+    return ProgressTap(transport, progress)
 
 
 def http_target(spec: HttpServerSpec) -> Transport:

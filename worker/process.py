@@ -4,7 +4,10 @@ lease keeper."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -36,6 +39,7 @@ from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
+from runbrake.worker.relay import EventRelay
 from runbrake.worker.retention import Sweeper
 from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
@@ -66,6 +70,7 @@ def run_worker_process(
     configure_logging()
     tracing.configure(settings, service="runbrake-worker")  # off unless RUNBRAKE_OTEL (docs/operating.md, "Traces")
     harden_table_decoding()  # before any consumer connects: a hostile header must not drop its connection
+    use_event_loop(settings)
     structlog.contextvars.bind_contextvars(worker=index)
     store = RunStore.connect(settings)
     try:
@@ -111,6 +116,7 @@ def run_worker_process(
         LeaseKeeper(settings, store, registry),
         Sweeper(settings, store),
         Redriver(settings, store, producer),
+        EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
     ]
@@ -133,7 +139,7 @@ def run_worker_process(
     intake.start_consuming(broker, queues)
     listener.ready.wait(10)
     run_requests.ready.wait(10)  # its queue declared: a request published from now on is routed
-    log.info("worker_started", concurrency=concurrency, consumer_threads=intake.consumer_threads,
+    log.info("worker_started", pid=os.getpid(), concurrency=concurrency, consumer_threads=intake.consumer_threads,
              queues=sorted(queues), listener_ready=listener.ready.is_set(),
              run_requests_ready=run_requests.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
@@ -192,6 +198,17 @@ def drain(intake: Intake, registry: ActiveRuns, *, drain_s: float, hurry: thread
     if not intake.wait_idle(HANDOVER_WAIT_S):
         log.error("worker_handover_incomplete", runs=intake.in_flight,
                   action="the runs left are failed worker_shutdown as the worker stops")
+
+
+def use_event_loop(settings: Settings) -> None:
+    """The loop Dramatiq's AsyncIO middleware will create (``asyncio.new_event_loop()`` under the policy set
+    here: ``RUNBRAKE_EVENT_LOOP``), and how long it may hold the GIL from the cancel listener's thread
+    (``RUNBRAKE_SWITCH_INTERVAL_MS``). Before the middleware starts its loop."""
+    if settings.event_loop == "uvloop":
+        import uvloop  # noqa: PLC0415 - loaded by the worker process alone
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    sys.setswitchinterval(settings.switch_interval_ms / 1000)
 
 
 def _warn_unless_persistent(store: RunStore) -> None:

@@ -175,10 +175,14 @@ def model_settings(admitted: AdmittedRun) -> ModelSettings:
     )
 
 
-def default_subscribers(store: AsyncRunStore) -> list[Subscriber]:
-    """The worker's subscriber list: the metrics, the progress of the call in flight, and with tracing on
-    (``RUNBRAKE_OTEL``), the spans of each model and tool call (worker/tracing.py, imported only then)."""
-    subscribers: list[Subscriber] = [metrics.MetricsSubscriber(store), ProgressSubscriber(store)]
+def default_subscribers(store: AsyncRunStore, settings: Settings) -> list[Subscriber]:
+    """The worker's subscriber list: the metrics, the progress of the call in flight (unless
+    ``RUNBRAKE_MCP_PROGRESS=off``: nobody then listens to progress, so no call asks for it,
+    worker/subscribers.py), and with tracing on (``RUNBRAKE_OTEL``), the spans of each model and tool call
+    (worker/tracing.py, imported only then)."""
+    subscribers: list[Subscriber] = [metrics.MetricsSubscriber(store)]
+    if settings.mcp_progress == "always":
+        subscribers.append(ProgressSubscriber(store))
     if tracing.current().enabled:
         from runbrake.worker.tracing import TracingSubscriber  # noqa: PLC0415 - opentelemetry only when on
 
@@ -242,15 +246,15 @@ class Runtime:
         self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission,
         sender: Sender | None = None, *, subscribers: Sequence[Subscriber] | None = None,
     ) -> None:
-        """``subscribers`` hear the runs' events (worker/subscribers.py); by default the metrics and the
-        progress of the call in flight."""
+        """``subscribers`` hear the runs' events (worker/subscribers.py); by default the metrics and, unless
+        ``RUNBRAKE_MCP_PROGRESS=off``, the progress of the call in flight."""
         self._settings = settings
         self._store = store
         self.registry = registry
         self._admission = admission
         self._sender = sender
         """Sends a handed-over run's message (None: the re-drive sends it, RUNBRAKE_REDRIVE_S later)."""
-        self.subscribers = Subscribers(default_subscribers(store) if subscribers is None else subscribers)
+        self.subscribers = Subscribers(default_subscribers(store, settings) if subscribers is None else subscribers)
 
     async def execute(
         self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None,

@@ -1,4 +1,5 @@
-"""``runbrake worker``: one worker process in place, or N child processes supervised here.
+"""``runbrake worker``: one worker process in place, or N child processes supervised here (by default one
+per CPU this process may use, :func:`default_processes`).
 
 The supervisor forwards SIGTERM/SIGINT to its children so each stops its own segments cleanly, and
 restarts a child that dies (logged with its exit status, after a backoff that grows while deaths
@@ -9,11 +10,13 @@ said a service could not be reached, 1 otherwise.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -33,6 +36,18 @@ MAX_BACKOFF_S = 30.0
 POLL_S = 0.5
 
 
+def default_processes() -> int:
+    """One worker process per CPU this process may use, as Dramatiq does: ``os.process_cpu_count()`` where
+    Python has it (3.13), else the CPUs of this process's affinity mask (``taskset``, a cpuset).
+
+    A container sees the node's CPUs either way, not its CPU limit: the manifests in deploy/ set
+    ``--processes`` explicitly (docs/deploying.md, "Sizing processes and concurrency").
+    """
+    process_cpu_count: Callable[[], int | None] | None = getattr(os, "process_cpu_count", None)
+    count = process_cpu_count() if process_cpu_count is not None else len(os.sched_getaffinity(0))
+    return max(1, count or 1)
+
+
 @dataclass
 class _Child:
     index: int
@@ -46,9 +61,11 @@ class _Child:
         self.started = time.monotonic()
 
 
-def run_workers(settings: Settings, *, processes: int, concurrency: int) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
+def run_workers(settings: Settings, *, processes: int | None, concurrency: int) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code. ``processes`` None: :func:`default_processes`."""
     configure_logging()
+    if processes is None:
+        processes = default_processes()
     if processes == 1:
         return run_worker_process(settings, concurrency=concurrency)
     children = [

@@ -103,10 +103,14 @@ document.getElementById("token-form").addEventListener("submit", (event) => {
   route();
 });
 
-// A server-sent event stream read with fetch(): resumes with Last-Event-ID, stops on "end".
+// A server-sent event stream read with fetch(): resumes with Last-Event-ID, stops on "end". With
+// ``remember`` (a sessionStorage key) the last id outlives the page: reopened, it resumes where it was
+// (the runs list's feed replays what happened meanwhile: docs/http-api.md, "Events: resuming").
 class EventStream {
-  constructor(path, handlers) {
-    this.path = path; this.handlers = handlers; this.lastId = null; this.stopped = false; this.controller = null;
+  constructor(path, handlers, remember) {
+    this.path = path; this.handlers = handlers; this.remember = remember || null;
+    this.lastId = this.remember ? sessionStorage.getItem(this.remember) : null;
+    this.stopped = false; this.controller = null;
     this.retryMs = 1000;
     this.run();
   }
@@ -162,7 +166,10 @@ class EventStream {
       else if (field === "id") id = value;
       else if (field === "retry" && /^\d+$/.test(value)) this.retryMs = Number(value);
     }
-    if (id !== null) this.lastId = id;
+    if (id !== null) {
+      this.lastId = id;
+      if (this.remember) sessionStorage.setItem(this.remember, id);
+    }
     if (!data) return false;
     const payload = JSON.parse(data);
     if (event === "end") { if (this.handlers.end) this.handlers.end(payload); return true; }
@@ -218,7 +225,7 @@ function listView() {
         render();
       },
       resync: () => load(),
-    });
+    }, "runbrake.events.last");
   });
   return { render, stop: () => stream && stream.stop() };
 }

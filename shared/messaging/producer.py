@@ -65,11 +65,11 @@ class Producer:
             PublishError: when RabbitMQ did not confirm the message (the run is failed).
         """
         with tracing.current().span("runbrake.enqueue", kind="producer") as span:
-            enqueued = self._enqueue(spec, scope=scope)
+            enqueued = self._enqueue(spec, scope=scope, tenant=tenant)
             span.set({"runbrake.run_id": enqueued.run_id, "runbrake.run.created": enqueued.created})
             return enqueued
 
-    def _enqueue(self, spec: RunSpec, *, scope: str | None) -> Enqueued:
+    def _enqueue(self, spec: RunSpec, *, scope: str | None, tenant: str | None) -> Enqueued:
         self._admission.admit(spec)
         key = spec.idempotency_key
         if key is not None and scope is not None:

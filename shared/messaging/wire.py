@@ -19,6 +19,8 @@ The durable queues are classic, or quorum queues with ``RUNBRAKE_QUEUE_TYPE=quor
                          + durable queue bound to it (routing key: the queue's name); any worker applies
                                          the fence and then wakes <ns>.cancel
     <ns>.cancel-requests.dead  durable queue  cancel requests that could not be read, with the reason why
+    <ns>.events          durable topic   run events from the outbox (worker/relay.py): routing keys
+                                         ``run.<status>`` and ``step.<kind>``, the run's labels as headers
     <ns>.run-requests    durable direct  run requests from backends: a run spec, answered on reply_to
                          + durable queue bound to it (routing key: the queue's name); any worker admits
                                          and enqueues the run (shared/operations.py, ``enqueue``)
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -126,6 +129,15 @@ class Topology:
     def cancel_requests_dead_queue(self) -> str:
         """Cancel requests that could not be read, each with a header saying why."""
         return f"{self.namespace}.cancel-requests.dead"
+
+    @property
+    def events_exchange(self) -> str:
+        """The topic exchange run events are published on (docs/messages.md, "Run events")."""
+        return f"{self.namespace}.events"
+
+    def declare_events_exchange(self, channel: BlockingChannel) -> None:
+        """Declare the events exchange (idempotent; the relay and ``runbrake serve`` call it at start)."""
+        channel.exchange_declare(exchange=self.events_exchange, exchange_type="topic", durable=True)
 
     @property
     def run_requests_exchange(self) -> str:
@@ -481,6 +493,87 @@ def decode_cancel_request(body: bytes) -> CancelRequestBody:
     return CancelRequestBody(run_id=str(run_id), reason=fields["reason"], requested_by=fields["requested_by"])
 
 
+# -- run events (docs/messages.md, "Run events") -------------------------------------------------
+
+EVENT_ID_HEADER: Final = "x-runbrake-event-id"
+"""The header carrying an event's id (also its ``message_id``): the outbox's stream id, stable across
+re-publications, which a consumer deduplicates by."""
+RUN_ID_HEADER: Final = "x-runbrake-run-id"
+"""The header carrying the run's id, for a headers-exchange binding or a consumer's filter."""
+MAX_EVENT_LABELS: Final = 16
+"""Labels copied into an event's headers at most (a run spec holds at most 16)."""
+MAX_LABEL_CHARS: Final = 256
+"""A label name or value longer than this is not copied into the headers (it stays in the body)."""
+_EVENT_WORD: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+@dataclass(frozen=True, slots=True)
+class RunEventMessage:
+    """One run event as the relay publishes it on ``<ns>.events``: persistent, JSON, ``message_id`` = event id."""
+
+    event_id: str
+    routing_key: str
+    body: bytes
+    properties: pika.BasicProperties
+
+
+def encode_run_event(event_id: str, run_id: str, event: str, labels: str, *,
+                     occurred_at: float) -> RunEventMessage | None:
+    """The message of one outbox entry (``event``: the JSON the store wrote; ``labels``: the run's labels as
+    JSON, or ""), or None when the entry is not an event the store writes (someone else wrote to the stream).
+
+    The body is ``{"event_id", "type", "run_id", "occurred_at", "labels", …}`` with ``status`` and
+    ``termination_reason`` for ``run.*`` and ``step`` for ``step.*`` (docs/messages.md, "Run events: the body").
+    Headers: the run's labels (string names and values, each at most :data:`MAX_LABEL_CHARS`, at most
+    :data:`MAX_EVENT_LABELS`; none may take a ``x-runbrake-`` name), then ``x-runbrake-event-id`` and
+    ``x-runbrake-run-id``.
+    """
+    try:
+        stored = json.loads(event)
+    except ValueError:
+        return None
+    if not isinstance(stored, dict) or stored.get("run_id") != run_id or not is_run_id(run_id):
+        return None
+    kind = stored.get("event")
+    body: dict[str, Any] = {"event_id": event_id, "type": "", "run_id": run_id, "occurred_at": occurred_at,
+                            "labels": _labels(labels)}
+    if kind == "status":
+        status, reason = stored.get("status"), stored.get("termination_reason", "")
+        if not isinstance(status, str) or not _EVENT_WORD.fullmatch(status) or not isinstance(reason, str):
+            return None
+        body.update(type=f"run.{status}", status=status, termination_reason=reason)
+    elif kind == "step":
+        step = stored.get("step")
+        step_kind = step.get("kind") if isinstance(step, dict) else None
+        if not isinstance(step_kind, str) or not _EVENT_WORD.fullmatch(step_kind):
+            return None
+        body.update(type=f"step.{step_kind}", step=step)
+    else:
+        return None
+    headers: dict[str, Any] = {name: value for name, value in body["labels"].items()
+                               if not name.lower().startswith("x-runbrake-")}
+    headers.update({EVENT_ID_HEADER: event_id, RUN_ID_HEADER: run_id})
+    properties = pika.BasicProperties(
+        content_type="application/json", delivery_mode=2, message_id=event_id, type=body["type"],
+        timestamp=int(occurred_at), app_id="runbrake", headers=headers)
+    encoded = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return RunEventMessage(event_id, body["type"], encoded, properties)
+
+
+def _labels(raw: str) -> dict[str, str]:
+    """The run's labels as the relay copies them: string names and values within the bounds, at most
+    :data:`MAX_EVENT_LABELS` (anything else in the field is left out, never raised)."""
+    if not raw:
+        return {}
+    try:
+        labels = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(labels, dict):
+        return {}
+    kept = {name: value for name, value in labels.items()
+            if isinstance(value, str) and 0 < len(name) <= MAX_LABEL_CHARS and len(value) <= MAX_LABEL_CHARS}
+    return dict(list(kept.items())[:MAX_EVENT_LABELS])
 # -- run requests --------------------------------------------------------------------------------
 
 REPLY_TO_PREFIXES: Final = ("amq.rabbitmq.reply-to", "amq.gen-")
@@ -531,6 +624,19 @@ def encode_run_request_refusal(error: str, problems: Sequence[FieldProblem], *, 
 # -- the whole topology --------------------------------------------------------------------------
 
 
+def declare_events(settings: Settings) -> None:
+    """Declare ``<ns>.events`` on a connection of its own (``runbrake serve`` at start; the relay declares it
+    on each of its connections), so that a consumer may bind to it before any worker ran.
+
+    Raises:
+        pika.exceptions.AMQPError: when RabbitMQ cannot be reached.
+    """
+    connection = pika.BlockingConnection(connection_parameters(settings, connection_attempts=1))
+    try:
+        Topology.of(settings).declare_events_exchange(connection.channel())
+    finally:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            connection.close()
 def connection_parameters(settings: Settings, *, name: str = "", **options: Any) -> list[pika.URLParameters]:
     """How a connection reaches RabbitMQ: one set of parameters per node of ``RUNBRAKE_RABBITMQ_URL``, in
     its order; ``pika.BlockingConnection`` tries them in turn and connects to the first that answers (a
@@ -564,6 +670,7 @@ def delete_topology(settings: Settings) -> None:
             channel.queue_delete(queue=queue)
         channel.exchange_delete(exchange=topology.cancel_exchange)
         channel.exchange_delete(exchange=topology.cancel_requests_exchange)
+        channel.exchange_delete(exchange=topology.events_exchange)
         channel.exchange_delete(exchange=topology.run_requests_exchange)
     finally:
         with contextlib.suppress(pika.exceptions.AMQPError):
