@@ -138,6 +138,24 @@ def test_a_tenants_event_feed_hears_only_its_tenants_runs(clients: dict[str, htt
     assert (first["run_id"], first["status"]) == (beta_run, "queued")
 
 
+def test_a_tenants_feed_replayed_from_last_event_id_holds_only_its_tenants_runs(
+    clients: dict[str, httpx2.Client], store: RunStore, settings: Settings
+) -> None:
+    alpha, beta = clients["alpha-app"], clients["beta-app"]
+    alpha_run = enqueue(alpha).json()["run_id"]
+    beta_run = enqueue(beta).json()["run_id"]
+    assert alpha.post(f"/v1/runs/{alpha_run}/cancel", json={}).status_code == 202
+    assert beta.post(f"/v1/runs/{beta_run}/cancel", json={}).status_code == 202
+    [(first_id, _fields)] = store.redis.xrange(f"{settings.namespace}:outbox", count=1)  # alpha's queued
+
+    with beta.stream("GET", "/v1/events", headers={"Last-Event-ID": first_id}) as feed:
+        assert feed.status_code == 200
+        statuses = (json.loads(line[6:]) for line in feed.iter_lines() if line.startswith("data: ")
+                    and '"status"' in line)
+        replayed = [next(statuses), next(statuses)]
+    assert [(e["run_id"], e["status"]) for e in replayed] == [(beta_run, "queued"), (beta_run, "cancelled")]
+
+
 def test_a_quota_of_runs_in_flight_refuses_the_next_with_429_and_admits_it_once_a_run_ends(
     clients: dict[str, httpx2.Client], store: RunStore
 ) -> None:
