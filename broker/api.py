@@ -457,10 +457,9 @@ def _routes(app: FastAPI) -> None:
     @app.get("/v1/runs/{run_id}", tags=["runs"])
     async def get_run(request: Request, who: Reader, run_id: RunId) -> dict[str, Any]:
         """The run and its steps: the object ``runbrake show --json`` prints."""
-        record = await _state(request).store.get(run_id)
-        if not who.reaches(record.labels.get("tenant", "")):
-            raise RunNotFound(run_id)
-        return run_json(record)
+        state = _state(request)
+        await _visible(state, who, run_id)
+        return run_json(await state.store.get(run_id))
 
     @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
     async def events(request: Request, who: Reader, run_id: RunId,
