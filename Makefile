@@ -117,6 +117,7 @@ bench: setup services
 	$(PY) -m bench.cancel_latency
 	$(PY) -m bench.overhead
 	$(PY) -m bench.api
+	$(PY) -m bench.model_overhead
 	$(PY) -m bench.relay
 	$(PY) -m bench.run_requests
 	$(PY) -m bench.replica_ack

@@ -261,7 +261,7 @@ class ProviderError(RunbrakeError):
         retry_after_s: what the endpoint's ``Retry-After`` asked for, in seconds.
         transient: a timeout or a connection error (no status): worth another attempt.
         attempts: requests made before giving up (more than 1 after retries).
-        retried: the errors of the attempts that were retried, in order.
+        retried: the attempts that were retried before it, in order (worker/models.py, ``RetryingProvider``).
     """
 
     reason: TerminationReason | None = TerminationReason.PROVIDER_FAILED
@@ -269,7 +269,7 @@ class ProviderError(RunbrakeError):
     _RETRYABLE_STATUSES: ClassVar[frozenset[int]] = frozenset({408, 409, 429})
 
     def __init__(self, message: str, *, status: int | None = None, retry_after_s: float | None = None,
-                 transient: bool = False, attempts: int = 1, retried: tuple[str, ...] = ()) -> None:
+                 transient: bool = False, attempts: int = 1, retried: tuple[RetriedAttempt, ...] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
@@ -284,6 +284,27 @@ class ProviderError(RunbrakeError):
         if self.status is None:
             return self.transient
         return self.status in self._RETRYABLE_STATUSES or self.status >= 500
+
+    def after(self, retried: tuple[RetriedAttempt, ...]) -> ProviderError:
+        """The same error as the last of ``len(retried) + 1`` attempts: what a call that gave up raises."""
+        return ProviderError(str(self), status=self.status, retry_after_s=self.retry_after_s,
+                             transient=self.transient, attempts=len(retried) + 1, retried=retried)
+
+
+@dataclass(frozen=True, slots=True)
+class RetriedAttempt:
+    """One model request that failed with an error worth retrying, and how long the call waited after it
+    (a model step's ``detail.retried``, docs/architecture.md, "Retries")."""
+
+    error: str
+    """The error, as a short excerpt (:class:`ProviderError`'s message)."""
+    status: int | None
+    """The endpoint's HTTP status; ``None`` for a timeout or a connection error."""
+    wait_s: float
+    """Seconds waited before the next attempt: the backoff, at least what ``Retry-After`` asked for."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": self.error, "status": self.status, "wait_s": self.wait_s}
 
 
 class ToolTransportError(RunbrakeError):

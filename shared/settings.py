@@ -246,6 +246,13 @@ class Settings(BaseSettings):
     run_time_limit_s: Annotated[int, _integer(1)] = 3600
     """Wall-clock limit of one segment of a run, in seconds; hitting it fails the run with reason
     `time_limit`."""
+    model_retries: Annotated[int, _integer(0, 20)] = 4
+    """Retries of a model call that failed with 429, 408, 409, a 5xx, a timeout or a connection error, after
+    its first attempt (0: none), with exponential backoff and full jitter; a catalog model's `max_retries`
+    overrides it (docs/architecture.md, "Retries")."""
+    model_retry_max_s: Annotated[float, _number(float, 0, 3600.0)] = 60.0
+    """Most time one model call may spend waiting between its attempts, in seconds; a wait (a backoff, or
+    the endpoint's `Retry-After`) that would go past it gives up instead."""
     lease_s: Annotated[int, _integer(5)] = 60
     """How long a worker's claim on a run is good for without renewal, in seconds; the holding worker renews
     it every third of that, and any worker fails a run whose lease expired (`lease_lost`)."""

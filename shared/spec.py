@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_MAX_ROUNDS",
     "DEFAULT_TOOL_TIMEOUT_S",
     "VARIABLE_PATTERN",
+    "AnthropicModel",
     "CatalogModelSpec",
     "CatalogServerSpec",
     "HistoryMessage",
@@ -257,6 +258,19 @@ class ScriptedModel:
     """Deterministic turns, for tests and demos."""
 
 
+def _only_in_a_catalog(value: object, info: ValidationInfo) -> object:
+    if _in_a_whole_spec(info):
+        raise _refuse("unknown field (only an operator's catalog sets it)")
+    return value
+
+
+# A catalog model's retry and timeout overrides (docs/architecture.md, "Retries"); in a run spec they are
+# refused like a server's catalog-only fields: how long a worker waits on an endpoint is the operator's call.
+_MaxRetries = SkipJsonSchema[Annotated[Annotated[int, Field(ge=0, le=20)] | None, BeforeValidator(_only_in_a_catalog)]]
+_ModelTimeout = SkipJsonSchema[Annotated[
+    Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None, BeforeValidator(_only_in_a_catalog)]]
+
+
 @dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
 class OpenAIModel:
     """The 'openai' provider: any OpenAI-compatible chat-completions endpoint."""
@@ -269,14 +283,37 @@ class OpenAIModel:
     """The environment variable (on the worker) that holds the API key."""
     provider: Literal["openai"] = "openai"
     """Any OpenAI-compatible chat-completions endpoint."""
+    max_retries: _MaxRetries = None
+    """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
+    timeout_s: _ModelTimeout = None
+    """Catalog only: seconds one request to the model may take (default 120)."""
 
 
-def _describe_openai(model: OpenAIModel, shown: Shown) -> dict[str, Any]:
+@dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
+class AnthropicModel:
+    """The 'anthropic' provider: Anthropic's Messages API, or an endpoint compatible with it."""
+
+    model: _NonEmpty
+    """The model's name, e.g. claude-sonnet-4-5."""
+    api_key_env: _NonEmpty | None = None
+    """The environment variable (on the worker) that holds the API key."""
+    base_url: _HttpUrl = "https://api.anthropic.com"
+    """The API's base URL (without /v1)."""
+    provider: Literal["anthropic"] = "anthropic"
+    """Anthropic's Messages API."""
+    max_retries: _MaxRetries = None
+    """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
+    timeout_s: _ModelTimeout = None
+    """Catalog only: seconds one request to the model may take (default 120)."""
+
+
+def _describe_endpoint(model: OpenAIModel | AnthropicModel, shown: Shown) -> dict[str, Any]:
     return {"base_url": shown.url(model.base_url), "model": model.model, "api_key_env": model.api_key_env,
-            "api_key_set": None if model.api_key_env is None else shown.is_set(model.api_key_env)}
+            "api_key_set": None if model.api_key_env is None else shown.is_set(model.api_key_env),
+            "max_retries": model.max_retries, "timeout_s": model.timeout_s}
 
 
-def _openai_variables(model: OpenAIModel) -> tuple[str, ...]:
+def _endpoint_variables(model: OpenAIModel | AnthropicModel) -> tuple[str, ...]:
     return () if model.api_key_env is None else (model.api_key_env,)
 
 
@@ -285,7 +322,10 @@ PROVIDERS.register(Entry(
     title="deterministic turns", inline=True, catalog=False))  # it reaches nothing: inline, never in a catalog
 PROVIDERS.register(Entry(
     tag="openai", spec=OpenAIModel, implementation="runbrake.worker.models:OpenAIProvider",
-    title="OpenAI-compatible endpoint", describe=_describe_openai, variables=_openai_variables))
+    title="OpenAI-compatible endpoint", describe=_describe_endpoint, variables=_endpoint_variables))
+PROVIDERS.register(Entry(
+    tag="anthropic", spec=AnthropicModel, implementation="runbrake.worker.anthropic_provider:AnthropicProvider",
+    title="Anthropic Messages API", describe=_describe_endpoint, variables=_endpoint_variables))
 
 
 # -- the tagged unions, from the registries ---------------------------------------------------------
@@ -506,8 +546,8 @@ ModelRef: TypeAlias = Annotated[
     Annotated[_CatalogName, Tag("catalog")] | Annotated[ModelSpec, Tag("inline")],
     Discriminator(_form),
 ]
-"""A model: the name of one in the operator's catalog, or inline (``scripted``; ``openai`` only where
-inline definitions are allowed)."""
+"""A model: the name of one in the operator's catalog, or inline (``scripted``; ``openai`` and ``anthropic``
+only where inline definitions are allowed)."""
 
 ServersRef: TypeAlias = Annotated[
     Annotated[tuple[_CatalogName, ...], Tag("catalog"), _LIST_AS_TUPLE]
@@ -737,7 +777,8 @@ class RunSpec(SpecModel):
     """The user's message that starts the run."""
     model: ModelRef
     """The model: the name of one in the operator's catalog, or inline: 'scripted' (deterministic turns), or
-    'openai' (an OpenAI-compatible endpoint; inline only where RUNBRAKE_ALLOW_INLINE=true)."""
+    'openai' (an OpenAI-compatible endpoint) or 'anthropic' (the Messages API), these two inline only where
+    RUNBRAKE_ALLOW_INLINE=true."""
     mcp_servers: ServersRef = ()
     """The MCP servers the run may call: names in the operator's catalog (a list), or, only where
     RUNBRAKE_ALLOW_INLINE=true, inline definitions by name: streamable HTTP ('url') or stdio ('command')."""

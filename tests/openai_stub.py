@@ -64,13 +64,15 @@ class StubToolCall:
 
 @dataclass(frozen=True, slots=True)
 class StubReply:
-    """One scripted answer: content and/or tool calls, or an HTTP error ``status``."""
+    """One scripted answer: content and/or tool calls, or an HTTP error ``status`` (with ``headers``, e.g. a
+    ``Retry-After``, which llm-mock-api's error replies cannot carry)."""
 
     content: str | None = None
     tool_calls: tuple[StubToolCall, ...] = ()
     delay_s: float = 0.0
     status: int = 200
     error_message: str = "stub error"
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 class OpenAIStub:
@@ -128,10 +130,12 @@ class OpenAIStub:
         delay_s: float = 0.0,
         status: int = 200,
         error_message: str = "stub error",
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         """Queue the answer to the next request that finds the queue non-empty."""
         with self._arrived:
-            self._replies.append(StubReply(content, tuple(tool_calls), delay_s, status, error_message))
+            self._replies.append(StubReply(content, tuple(tool_calls), delay_s, status, error_message,
+                                           dict(headers or {})))
 
     def wait_for_requests_blocking(self, count: int = 1, timeout: float = 10.0) -> None:
         """Block until ``count`` requests have arrived.
@@ -191,7 +195,7 @@ class OpenAIStub:
         if reply.delay_s:
             await self._delay(request, reply.delay_s)
         if reply.status != 200:
-            return _error(reply.status, reply.error_message)
+            return _error(reply.status, reply.error_message, reply.headers)
         return JSONResponse(self._completion(body, reply))
 
     async def _delay(self, request: Request, seconds: float) -> None:
@@ -256,8 +260,9 @@ class _Server(uvicorn.Server):
             self.startup_done.set()
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "stub_error", "code": None}}, status_code=status)
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "stub_error", "code": None}}, status_code=status,
+                        headers=dict(headers or {}))
 
 
 @pytest.fixture(name="openai_stub")

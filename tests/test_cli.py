@@ -175,7 +175,7 @@ def test_enqueue_persists_a_queued_run_sends_one_message_and_prints_the_run_id(
 @pytest.mark.parametrize(("text", "field"), [
     ('{"input": "x", ', "spec"),
     (json.dumps({k: v for k, v in valid_spec().items() if k != "input"}), "input"),
-    (json.dumps({**valid_spec(), "model": {"provider": "anthropic", "model": "claude"}}), "model.provider"),
+    (json.dumps({**valid_spec(), "model": {"provider": "gemini", "model": "gemini-pro"}}), "model.provider"),
     (json.dumps({**valid_spec(), "model": {"provider": "scripted", "turns": [
         {"tool_calls": [{"server": "nowhere", "tool": "get-sum"}]}]}}), "model.turns[0].tool_calls[0].server"),
     (json.dumps({**valid_spec(), "max_rounds": 0}), "max_rounds"),

@@ -93,8 +93,8 @@ async def test_a_scripted_model_that_runs_out_of_turns_raises_a_provider_error_n
 
 
 def test_provider_for_picks_the_provider_named_by_the_spec() -> None:
-    assert isinstance(provider_for(ScriptedModel(turns=(ScriptedTurn(content="x"),))), ScriptedProvider)
-    assert isinstance(provider_for(OpenAIModel(base_url="http://127.0.0.1:1/v1", model="m")), OpenAIProvider)
+    assert isinstance(provider_for(ScriptedModel(turns=(ScriptedTurn(content="x"),))).provider, ScriptedProvider)
+    assert isinstance(provider_for(OpenAIModel(base_url="http://127.0.0.1:1/v1", model="m")).provider, OpenAIProvider)
 
 
 # --- openai -------------------------------------------------------------------------------------

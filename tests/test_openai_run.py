@@ -3,6 +3,7 @@ server (the stub, on 127.0.0.1 in this test process) and calls tools on a real M
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -70,9 +71,11 @@ def test_an_openai_run_calls_the_tool_the_model_asks_for_and_completes_with_its_
 
 
 def test_an_openai_endpoint_answering_500_fails_the_run_with_provider_failed(
-    openai_stub: OpenAIStub, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+    openai_stub: OpenAIStub, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer,
+    store: RunStore,
 ) -> None:
     openai_stub.reply(status=500, error_message="the model is on fire")
+    start_worker(RUNBRAKE_MODEL_RETRIES="0")  # a 500 is retried by default (tests/test_model_retries_run.py)
 
     run = producer.enqueue(openai_spec(openai_stub, toolbox_http))
     record = wait_for_run(store, run.run_id)

@@ -20,11 +20,22 @@ PACKAGE_FOLDERS = ("shared", "broker", "worker")
 _DISTRIBUTION_OF = {"mcp_types": "mcp-types", "prometheus_client": "prometheus-client", "dramatiq": "dramatiq"}
 
 
-def _declared() -> set[str]:
+_OPTIONAL_MODULES = {"otel": {"shared/_otel.py", "worker/tracing.py"}}
+"""The modules an extra's imports may appear in: each is imported only when its feature is on
+(RUNBRAKE_OTEL=true; tests/test_tracing.py checks that nothing of it is imported when off)."""
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def _declared(path: str | None = None) -> set[str]:
+    """The distributions declared for the package; for ``path``, also those of the extras it belongs to."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    names = set()
-    for requirement in project["dependencies"]:
-        names.add(re.split(r"[\[<>=!~ ;]", requirement, maxsplit=1)[0].lower())
+    names = _names(project["dependencies"])
+    for extra, paths in _OPTIONAL_MODULES.items():
+        if path in paths:
+            names |= _names(project["optional-dependencies"][extra])
     return names
 
 
@@ -48,14 +59,19 @@ def _imported_third_party() -> dict[str, set[str]]:
 
 
 def test_every_third_party_module_the_package_imports_is_a_declared_dependency() -> None:
-    declared = _declared()
-
     undeclared = {
-        module: sorted(paths) for module, paths in _imported_third_party().items()
-        if _DISTRIBUTION_OF.get(module, module).lower().replace("_", "-") not in declared
+        module: undeclared_in for module, paths in _imported_third_party().items()
+        if (undeclared_in := sorted(path for path in paths if not _provided(module, _declared(path))))
     }
 
     assert undeclared == {}
+
+
+def _provided(module: str, declared: set[str]) -> bool:
+    distribution = _DISTRIBUTION_OF.get(module, module).lower().replace("_", "-")
+    # opentelemetry's packages are namespaced: opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http, …
+    return distribution in declared or (
+        distribution == "opentelemetry" and any(name.startswith("opentelemetry-") for name in declared))
 
 
 def test_the_package_imports_itself_only_under_the_runbrake_namespace() -> None:

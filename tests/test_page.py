@@ -19,6 +19,8 @@ import pytest
 
 from runbrake.shared import RunStatus, RunStore, StepKind
 from tests.api_helpers import TOKENS, ApiProcess, bearer
+from tests.catalog_helpers import add_to_catalog
+from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -167,4 +169,46 @@ def test_a_run_that_reached_its_step_limit_shows_the_reasons_label_never_its_key
     page.goto(f"{api.url}/#/")
     expect(page.get_by_test_id("run-row").first).to_contain_text("Schrittlimit erreicht")
     assert "reason." not in page.locator("main").inner_text()
+    assert errors == []
+
+
+def test_the_page_shows_what_a_run_is_asked_what_it_answers_and_what_it_cost_and_filters_by_label(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, llm_mock: LlmMock, toolbox_http: Toolbox, store: RunStore,
+) -> None:
+    from playwright.sync_api import expect
+
+    llm_mock.server.when("sum").reply(reply('{"sum": 5}', usage=(200, 30)))
+    add_to_catalog({"toolbox": toolbox_http.spec}, models={"mock": {
+        "provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}})
+    asked = {"input": "What is the sum of 2 and 3?", "model": "mock", "mcp_servers": ["toolbox"],
+             "instructions": "Answer as JSON.", "labels": {"tenant": "acme"},
+             "output_schema": {"type": "object", "required": ["sum"], "properties": {"sum": {"type": "integer"}}}}
+    acme = httpx2.post(f"{api.url}/v1/runs", json=asked).json()["run_id"]
+    other = httpx2.post(f"{api.url}/v1/runs", json={**asked, "labels": {"tenant": "globex"}}).json()["run_id"]
+    for run_id in (acme, other):
+        assert wait_for_run(store, run_id).status is RunStatus.COMPLETED
+
+    page, errors = open_page(browser, f"{api.url}/", locale="en-US")
+    row = page.locator(f"[data-run-id='{acme}']")
+    expect(row.get_by_test_id("run-input")).to_have_text("What is the sum of 2 and 3?")
+    expect(row.get_by_test_id("run-labels")).to_have_text("tenant=acme")
+    expect(row.get_by_test_id("run-tokens")).to_have_text("230")
+    expect(row.get_by_test_id("run-duration")).to_have_text(ELAPSED)
+
+    page.get_by_test_id("filter-label").fill("tenant:acme")
+    page.get_by_test_id("filter-apply").click()
+    expect(page.locator(f"[data-run-id='{other}']")).to_have_count(0)
+    expect(page.get_by_test_id("run-row")).to_have_count(1)
+    page.get_by_test_id("filter-status").select_option("failed")
+    page.get_by_test_id("filter-apply").click()
+    expect(page.get_by_test_id("run-row")).to_have_count(0)
+
+    page.goto(f"{api.url}/#/runs/{acme}")
+    expect(page.get_by_test_id("run-instructions")).to_have_text("Answer as JSON.")
+    expect(page.get_by_test_id("run-input")).to_have_text("What is the sum of 2 and 3?")
+    expect(page.get_by_test_id("run-output")).to_have_text('{\n  "sum": 5\n}')  # pretty-printed
+    expect(page.get_by_test_id("run-usage")).to_have_text("200 in + 30 out = 230 tokens, 1 model calls")
+    page.locator("[data-lang=de]").click()
+    expect(page.get_by_test_id("run-usage")).to_have_text("200 ein + 30 aus = 230 Tokens, 1 Modellaufrufe")
+    screenshot(page, "runs-page-answer-de.png")
     assert errors == []

@@ -114,7 +114,7 @@ def test_a_catalog_entry_of_a_registered_provider_is_accepted_and_described_by_c
     spec = RunSpec.parse({"input": "hi", "model": "e"})
     admitted = Admission(source=Catalog.load(path)).admit(spec)
     assert admitted.model == EchoModel(endpoint="https://u:pw@echo.example/v1")
-    assert isinstance(provider_for(admitted.model), EchoProvider)
+    assert isinstance(provider_for(admitted.model).provider, EchoProvider)
 
 
 def test_the_schema_names_a_registered_provider_and_is_the_documented_one_again_once_it_is_removed(
@@ -134,12 +134,13 @@ def test_the_message_for_an_unknown_provider_lists_the_registered_ones(registere
     spec = {"input": "hi", "model": {"provider": "nope"}}
     with pytest.raises(SpecError) as before:
         RunSpec.parse(spec)
-    assert (before.value.field, before.value.problem) == ("model.provider", "must be 'scripted' or 'openai'")
+    assert (before.value.field, before.value.problem) == (
+        "model.provider", "must be 'scripted', 'openai' or 'anthropic'")
 
     register_provider(registered, echo_entry())
     with pytest.raises(SpecError) as after:
         RunSpec.parse(spec)
-    assert after.value.problem == "must be 'scripted', 'openai' or 'echo'"
+    assert after.value.problem == "must be 'scripted', 'openai', 'anthropic' or 'echo'"
 
 
 def test_a_provider_the_worker_cannot_import_fails_closed_with_a_provider_error(registered: list[str]) -> None:

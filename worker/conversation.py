@@ -6,6 +6,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runbrake.shared.errors import RetriedAttempt
+
 TOOL_NAME_SEPARATOR = "__"
 """A real model sees a tool as ``<server>__<tool>`` (docs/usage.md, "Using it")."""
 
@@ -141,8 +143,8 @@ class ModelTurn:
     """The call's tokens, when the provider reported them."""
     attempts: int = 1
     """Requests made for this turn: 1, or more when earlier ones failed with an error worth retrying."""
-    retried: tuple[str, ...] = ()
-    """The errors of the attempts that were retried, in order (short excerpts)."""
+    retried: tuple[RetriedAttempt, ...] = ()
+    """The attempts that failed and were retried before this one, in order."""
 
 
 @dataclass(frozen=True, slots=True)

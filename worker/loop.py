@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from runbrake.shared.errors import CancelRequested, OwnershipLost, ProviderError, RunBoundReached
+from runbrake.shared.errors import CancelRequested, OwnershipLost, ProviderError, RetriedAttempt, RunBoundReached
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind, StepReason
@@ -370,9 +370,9 @@ class _Turn:
         return [self.results[i] for i in range(self.started)]
 
 
-def _attempts(attempts: int, retried: tuple[str, ...]) -> dict[str, Any]:
-    """A model step's ``detail.attempts`` (always) and ``detail.retried`` (the errors retried, when any)."""
-    return {"attempts": attempts, "retried": list(retried)} if retried else {"attempts": attempts}
+def _attempts(attempts: int, retried: tuple[RetriedAttempt, ...]) -> dict[str, Any]:
+    """A model step's ``detail.attempts`` (always) and ``detail.retried`` (the attempts retried, when any)."""
+    return {"attempts": attempts, "retried": [r.to_dict() for r in retried]} if retried else {"attempts": attempts}
 
 
 def _bounded(call: dict[str, Any], max_chars: int) -> dict[str, Any]:

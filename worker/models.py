@@ -4,20 +4,27 @@
 OpenAI-compatible chat-completions endpoint through the official ``openai`` SDK. Both are
 cancellable by an enclosing anyio cancel scope, and both report failures as
 :class:`~shared.errors.ProviderError`; cancellation is never turned into an error
-(docs/architecture.md, "Cancellation").
+(docs/architecture.md, "Cancellation"). Every provider is built behind a :class:`RetryingProvider`
+(:func:`provider_for`), which tries a failed call again where that may help (docs/architecture.md, "Retries").
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Any, Protocol
+import random
+import ssl
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final, Generic, Protocol, Self, TypeVar
 
 import anyio
-from openai import AsyncOpenAI, OpenAIError, omit
+import httpx2
+import structlog
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient, OpenAIError, omit
 from openai.types.chat import (
     ChatCompletionFunctionToolParam,
     ChatCompletionMessageFunctionToolCall,
@@ -26,8 +33,9 @@ from openai.types.chat import (
 )
 
 from runbrake.shared import redaction
-from runbrake.shared.errors import ProviderError
+from runbrake.shared.errors import ProviderError, RetriedAttempt
 from runbrake.shared.registry import PROVIDERS, NotImplementedHere
+from runbrake.shared.settings import Settings
 from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
 from runbrake.worker.conversation import (
     NO_SETTINGS,
@@ -40,10 +48,31 @@ from runbrake.worker.conversation import (
     model_tool_call,
 )
 
-__all__ = ["ModelProvider", "OpenAIProvider", "ScriptedProvider", "provider_for"]
+__all__ = [
+    "Connection",
+    "EndpointProvider",
+    "ModelProvider",
+    "OpenAIProvider",
+    "RetryPolicy",
+    "RetryingProvider",
+    "ScriptedProvider",
+    "api_key",
+    "close_client",
+    "provider_error",
+    "provider_for",
+    "tls_context",
+]
+
+log = structlog.get_logger(__name__)
+
+_DEFAULTS: Final = Settings()
+_BACKOFF_BASE_S: Final = 0.5
+"""The first retry waits up to this, each next one up to twice the last (docs/architecture.md, "Retries")."""
 
 DEFAULT_TIMEOUT_S = 120.0
 _PLACEHOLDER_API_KEY = "unused"
+_C = TypeVar("_C", bound="_Closable")
+_S = TypeVar("_S")
 # Closing the HTTP client runs shielded so a cancelled scope cannot leak the connection;
 # the bound keeps a wedged close from holding a cancel up indefinitely.
 _CLOSE_TIMEOUT_S = 5.0
@@ -98,17 +127,35 @@ class ScriptedProvider:
         return ModelTurn(content=turn.content, tool_calls=calls)
 
 
-class OpenAIProvider:
-    """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``.
+class EndpointProvider(Generic[_S, _C]):
+    """What the providers that ask an HTTP endpoint through an SDK share: their spec, the request timeout,
+    and the SDK's client (:class:`Connection`): inside ``async with provider`` (a segment of a run,
+    worker/runtime.py) its calls share one client and its connection; outside, each call makes its own.
 
     Args:
-        spec: the ``openai`` model spec (endpoint, model name, API key variable).
-        timeout_s: the per-request HTTP timeout in seconds.
+        spec: the model spec (endpoint, model name, API key variable).
+        timeout_s: the per-request HTTP timeout in seconds, when the settings give none.
     """
 
-    def __init__(self, spec: OpenAIModel, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, spec: _S, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._spec = spec
         self._timeout_s = timeout_s
+        self.connection: Connection[_C] = Connection(self._client)
+
+    async def __aenter__(self) -> Self:
+        self.connection.hold()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.connection.release()
+
+    def _client(self) -> _C:
+        """A new SDK client for this provider's endpoint."""
+        raise NotImplementedError
+
+
+class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
+    """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
@@ -120,41 +167,113 @@ class OpenAIProvider:
                 run does not have, or with arguments that are not a JSON object, is no error: it comes
                 back as a :class:`ToolCall` with a ``problem``, for the loop to hand back to the model.
         """
-        # A new client per call: a run's model calls are seconds apart, so pooling buys little,
-        # and nothing outlives the call that could leak when a worker thread is torn down.
-        client = AsyncOpenAI(
-            base_url=self._spec.base_url,
-            api_key=self._api_key(),
-            timeout=settings.timeout_s or self._timeout_s,
-            # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
-            max_retries=0,
-        )
-        try:
-            completion = await client.chat.completions.create(
-                model=self._spec.model,
-                messages=[_message_param(m) for m in messages],
-                tools=[_tool_param(t) for t in tools] if tools else omit,
-                **_settings_params(settings, has_tools=bool(tools)),
-            )
-        except OpenAIError as exc:
-            # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-            # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
-            raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
-        finally:
-            with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
-                await client.close()
+        async with self.connection.client() as client:
+            try:
+                completion = await client.chat.completions.create(
+                    model=self._spec.model,
+                    messages=[_message_param(m) for m in messages],
+                    tools=[_tool_param(t) for t in tools] if tools else omit,
+                    timeout=settings.timeout_s or self._timeout_s,
+                    **_settings_params(settings, has_tools=bool(tools)),
+                )
+            except OpenAIError as exc:
+                # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
+                # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
+                raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
         return _turn(completion, {t.server for t in tools})
 
-    def _api_key(self) -> str:
-        name = self._spec.api_key_env
-        if name is None:
-            # The SDK refuses an empty key; a local endpoint without auth takes any.
-            return _PLACEHOLDER_API_KEY
-        value = os.environ.get(name)
-        if not value:
-            raise ProviderError(f"API key variable {name} is not set")
-        redaction.remember(value)
-        return value
+    def _client(self) -> AsyncOpenAI:
+        return AsyncOpenAI(
+            base_url=self._spec.base_url,
+            api_key=api_key(self._spec.api_key_env),
+            # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
+            max_retries=0,
+            http_client=DefaultAsyncHttpxClient(verify=tls_context()),
+        )
+
+
+class _Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+class Connection(Generic[_C]):
+    """A provider's SDK client: one per call, or, while held (a segment of a run), one for all its calls,
+    so that they share a connection (docs/benchmarks.md, "Model call overhead").
+
+    A call that raises closes the client, whatever it was (shielded and bounded, :func:`close_client`): an
+    interrupted call is closed, not left running, and the next call makes a new client.
+    """
+
+    def __init__(self, make: Callable[[], _C]) -> None:
+        self._make = make
+        self._held = False
+        self._client: _C | None = None
+
+    def hold(self) -> None:
+        """Keep the client between calls until :meth:`release`."""
+        self._held = True
+
+    async def release(self) -> None:
+        """Close the kept client, if any; calls make their own again."""
+        self._held = False
+        await self._close()
+
+    @property
+    def open(self) -> bool:
+        """Whether a client is kept open between calls."""
+        return self._client is not None
+
+    @contextlib.asynccontextmanager
+    async def client(self) -> AsyncIterator[_C]:
+        """The client for one call (made lazily: a missing API key is the call's error)."""
+        client = self._client if self._client is not None else self._make()
+        if self._held:
+            self._client = client
+        try:
+            yield client
+        except BaseException:
+            if client is self._client:
+                self._client = None
+            await close_client(client)
+            raise
+        if client is not self._client:
+            await close_client(client)
+
+    async def _close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await close_client(client)
+
+
+async def close_client(client: _Closable) -> None:
+    """Close a provider SDK's client, shielded so that a cancelled call cannot leak its connection, and
+    bounded so that a wedged close cannot hold a cancel up."""
+    with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+        await client.close()
+
+
+def api_key(name: str | None) -> str:
+    """The API key in the worker's environment variable ``name`` (remembered as a secret to redact).
+
+    Raises:
+        ProviderError: when the variable is unset or empty.
+    """
+    if name is None:
+        # The SDKs refuse an empty key (or look for one elsewhere); a local endpoint without auth takes any.
+        return _PLACEHOLDER_API_KEY
+    value = os.environ.get(name)
+    if not value:
+        raise ProviderError(f"API key variable {name} is not set")
+    redaction.remember(value)
+    return value
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The TLS context every model client of this process uses, the SDKs' default one made once: building
+    it loads the CA bundle, some 30 ms of CPU, which a client per segment would pay every time
+    (docs/benchmarks.md, "Model call overhead")."""
+    return httpx2.create_ssl_context()
 
 
 _ERROR_EXCERPT_CHARS = 300
@@ -195,8 +314,102 @@ def _excerpt(text: str) -> str:
     return text if len(text) <= _ERROR_EXCERPT_CHARS else text[:_ERROR_EXCERPT_CHARS] + "…"
 
 
-def provider_for(spec: ModelSpec) -> ModelProvider:
-    """The provider for a run spec's ``model``: the implementation its registry entry names.
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how long a model call is tried again (docs/architecture.md, "Retries")."""
+
+    retries: int = _DEFAULTS.model_retries
+    """Retries after the first attempt (``RUNBRAKE_MODEL_RETRIES``; a catalog model's ``max_retries``)."""
+    max_wait_s: float = _DEFAULTS.model_retry_max_s
+    """Most seconds one call waits between its attempts, all waits together (``RUNBRAKE_MODEL_RETRY_MAX_S``)."""
+    timeout_s: float | None = None
+    """Seconds one request may take (a catalog model's ``timeout_s``); ``None``: the provider's default."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RetryPolicy:
+        return cls(retries=settings.model_retries, max_wait_s=settings.model_retry_max_s)
+
+    def for_model(self, spec: ModelSpec) -> RetryPolicy:
+        """This policy with the overrides a catalog model sets (``max_retries``, ``timeout_s``)."""
+        retries, timeout_s = getattr(spec, "max_retries", None), getattr(spec, "timeout_s", None)
+        return replace(self, retries=self.retries if retries is None else retries,
+                       timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+
+    def wait_s(self, error: ProviderError, retried: Sequence[RetriedAttempt], *, draw: float) -> float | None:
+        """Seconds to wait before trying again after ``error``, or ``None`` to give up.
+
+        Full jitter (a wait drawn evenly from 0 to ``base · 2^n``, ``draw`` the 0..1 draw), at least what the
+        endpoint's ``Retry-After`` asked for; given up once the retries are spent, for an error not worth
+        another attempt, or when the wait would take the call past ``max_wait_s``.
+        """
+        if not error.retryable or len(retried) >= self.retries:
+            return None
+        wait = max(draw * _BACKOFF_BASE_S * 2.0 ** len(retried), error.retry_after_s or 0.0)
+        if sum(r.wait_s for r in retried) + wait > self.max_wait_s:
+            return None
+        return math.ceil(wait * 1000) / 1000  # whole milliseconds, never below what Retry-After asked
+
+
+class RetryingProvider:
+    """Tries a provider's call again on an error worth it (:attr:`ProviderError.retryable`), as a policy says.
+
+    Every provider is built behind one (:func:`provider_for`). The wait is an anyio sleep inside the call's
+    in-flight scope, so a cancel (or a hand-over) interrupts it at once, like a request in flight; a tool call
+    is never retried (docs/architecture.md, "Retries").
+    """
+
+    def __init__(self, provider: ModelProvider, policy: RetryPolicy) -> None:
+        self._provider = provider
+        self._policy = policy
+
+    @property
+    def provider(self) -> ModelProvider:
+        """The provider it asks."""
+        return self._provider
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return self._policy
+
+    async def __aenter__(self) -> Self:
+        """Hold the provider's client for the calls of the block (a provider with one: its ``Connection``)."""
+        connection = getattr(self._provider, "connection", None)
+        if isinstance(connection, Connection):
+            connection.hold()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        connection = getattr(self._provider, "connection", None)
+        if isinstance(connection, Connection):
+            await connection.release()
+
+    async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
+                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
+        """The provider's turn, with ``attempts`` and the attempts ``retried`` before it.
+
+        Raises:
+            ProviderError: the last attempt's error, with ``attempts`` and ``retried``.
+        """
+        if settings.timeout_s is None and self._policy.timeout_s is not None:
+            settings = replace(settings, timeout_s=self._policy.timeout_s)
+        retried: list[RetriedAttempt] = []
+        while True:
+            try:
+                turn = await self._provider.complete(messages, tools, round_index=round_index, settings=settings)
+            except ProviderError as exc:
+                wait_s = self._policy.wait_s(exc, retried, draw=random.random())
+                if wait_s is None:
+                    raise exc.after(tuple(retried)) from exc
+                log.info("model_call_retrying", attempt=len(retried) + 1, status=exc.status, wait_s=wait_s)
+                retried.append(RetriedAttempt(error=str(exc), status=exc.status, wait_s=wait_s))
+                await anyio.sleep(wait_s)
+                continue
+            return replace(turn, attempts=len(retried) + 1, retried=tuple(retried))
+
+
+def provider_for(spec: ModelSpec, policy: RetryPolicy | None = None) -> RetryingProvider:
+    """The provider for a run spec's ``model``: the implementation its registry entry names, behind a
+    :class:`RetryingProvider` with ``policy`` (the defaults when left out) and the model's overrides.
 
     Raises:
         ProviderError: when the provider has no implementation in this worker (it never falls back to another).
@@ -205,7 +418,7 @@ def provider_for(spec: ModelSpec) -> ModelProvider:
         implementation: Callable[[ModelSpec], ModelProvider] = PROVIDERS.implementation(spec)
     except NotImplementedHere as exc:
         raise ProviderError(str(exc)) from exc
-    return implementation(spec)
+    return RetryingProvider(implementation(spec), (policy or RetryPolicy()).for_model(spec))
 
 
 def _message_param(message: Message) -> ChatCompletionMessageParam:

@@ -45,7 +45,7 @@ from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import metrics
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall
 from runbrake.worker.loop import HANDOFF_REASON, LoopEnd, LoopEndKind, LoopState, ToolLoop
-from runbrake.worker.models import provider_for
+from runbrake.worker.models import ModelProvider, RetryPolicy, provider_for
 from runbrake.worker.progress import ProgressSubscriber
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
@@ -375,12 +375,19 @@ class Runtime:
         spec = admitted.spec
         # An explicit tool_timeout_s applies up to each server's catalog timeout; without one, the catalog's.
         timeout_s = spec.tool_timeout_s if "tool_timeout_s" in spec.raw else None
+        # The segment's model calls share one client (docs/benchmarks.md, "Model call overhead").
+        async with provider_for(admitted.model, RetryPolicy.from_settings(self._settings)) as provider:
+            return await self._run_tools(admitted, state, hooks, provider, timeout_s)
+
+    async def _run_tools(self, admitted: AdmittedRun, state: LoopState, hooks: RunHooks, provider: ModelProvider,
+                         timeout_s: float | None) -> LoopEnd:
+        spec = admitted.spec
         async with Toolbox.open(
             admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars,
             calls=self.subscribers.tool_calls(hooks.run_id),
         ) as toolbox:
             loop = ToolLoop(
-                provider_for(admitted.model), toolbox, hooks,
+                provider, toolbox, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
                 max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
                 max_parallel_tool_calls=self._settings.max_parallel_tool_calls,

@@ -18,6 +18,11 @@ const UI = {
     "pending.title": "Waiting for approval of", "live": "live", "reconnecting": "reconnecting…",
     "token.prompt": "API token", "token.use": "Use token", "token.hint": "Kept in this tab only (sessionStorage).",
     "elapsed": "elapsed", "error.forbidden": "Your token may not do this.", "back": "All runs",
+    "runs.input": "Input", "runs.labels": "Labels", "runs.duration": "Duration", "runs.tokens": "Tokens",
+    "filter.status": "Status", "filter.any": "any", "filter.label": "Label (KEY:VALUE)", "filter.apply": "Filter",
+    "filter.clear": "Clear", "run.instructions": "Instructions", "run.input": "Input", "run.output": "Answer",
+    "run.usage": "Usage", "run.model": "Model", "run.labels": "Labels",
+    "usage.text": "{input} in + {output} out = {total} tokens, {calls} model calls",
   },
   de: {
     "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.created": "Erstellt",
@@ -26,6 +31,11 @@ const UI = {
     "pending.title": "Wartet auf Freigabe von", "live": "live", "reconnecting": "verbinde neu…",
     "token.prompt": "API-Token", "token.use": "Token verwenden", "token.hint": "Nur in diesem Tab gespeichert (sessionStorage).",
     "elapsed": "vergangen", "error.forbidden": "Dieses Token darf das nicht.", "back": "Alle Läufe",
+    "runs.input": "Eingabe", "runs.labels": "Labels", "runs.duration": "Dauer", "runs.tokens": "Tokens",
+    "filter.status": "Status", "filter.any": "alle", "filter.label": "Label (SCHLÜSSEL:WERT)", "filter.apply": "Filtern",
+    "filter.clear": "Zurücksetzen", "run.instructions": "Anweisungen", "run.input": "Eingabe", "run.output": "Antwort",
+    "run.usage": "Verbrauch", "run.model": "Modell", "run.labels": "Labels",
+    "usage.text": "{input} ein + {output} aus = {total} Tokens, {calls} Modellaufrufe",
   },
 };
 
@@ -62,6 +72,24 @@ function when(epoch) {
 }
 
 function seconds(ms) { return (ms / 1000).toFixed(1) + " s"; }
+
+// How long a run took (or has taken so far): from its start to its end, or to now while it runs.
+function duration(run) {
+  if (!run.started_at) return "";
+  const end = run.finished_at || (TERMINAL.has(run.status) ? run.started_at : Date.now() / 1000);
+  return seconds(Math.max(0, end - run.started_at) * 1000);
+}
+
+function labelChips(labels) {
+  return Object.entries(labels || {}).sort().map(([key, value]) =>
+    el("span", { class: "chip", "data-testid": "label" }, user(key + "=" + value)));
+}
+
+function usageText(usage) {
+  if (!usage) return "";
+  return t("usage.text").replace("{input}", usage.input_tokens).replace("{output}", usage.output_tokens)
+    .replace("{total}", usage.total_tokens).replace("{calls}", usage.model_calls);
+}
 
 // -- the API ------------------------------------------------------------------------------------
 
@@ -183,31 +211,75 @@ function setConnection(text) { document.getElementById("connection").textContent
 // -- the list of runs -----------------------------------------------------------------------------
 
 function listView() {
+  const params = new URLSearchParams(location.hash.split("?")[1] || "");
+  const filter = { status: params.get("status") || "", labels: params.getAll("label") };
   const state = { runs: [], error: null };
   const main = document.getElementById("main");
   let stream = null;
 
+  function query() {
+    const q = new URLSearchParams({ limit: "100" });
+    if (filter.status) q.set("status", filter.status);
+    for (const item of filter.labels) q.append("label", item);
+    return q;
+  }
+
+  function applyFilter(status, labelText) {
+    const q = new URLSearchParams();
+    if (status) q.set("status", status);
+    for (const item of labelText.split(/[\s,]+/).filter(Boolean)) q.append("label", item);
+    location.hash = "#/" + (q.toString() ? "?" + q.toString() : "");
+  }
+
+  function filterForm() {
+    const select = el("select", { "data-testid": "filter-status", "aria-label": t("filter.status") },
+      el("option", { value: "" }, t("filter.any")),
+      ...["queued", "running", "waiting_for_approval", "completed", "failed", "cancelled"].map((status) =>
+        el("option", { value: status, selected: status === filter.status }, statusLabel(status))));
+    const input = el("input", { type: "text", "data-testid": "filter-label", "aria-label": t("filter.label"),
+      placeholder: t("filter.label"), value: filter.labels.join(" ") });
+    return el("form", { class: "filters", "data-testid": "filters",
+      onsubmit: (event) => { event.preventDefault(); applyFilter(select.value, input.value); } },
+    el("label", {}, t("filter.status") + " "), select, " ", input, " ",
+    el("button", { type: "submit", class: "action", "data-testid": "filter-apply" }, t("filter.apply")), " ",
+    el("button", { type: "button", class: "action", onclick: () => { location.hash = "#/"; } }, t("filter.clear")));
+  }
+
+  function matches(run) {
+    if (filter.status && run.status !== filter.status) return false;
+    return filter.labels.every((item) => {
+      const cut = item.indexOf(":");
+      return cut > 0 && (run.labels || {})[item.slice(0, cut)] === item.slice(cut + 1);
+    });
+  }
+
   function render() {
     main.replaceChildren();
-    main.append(el("h1", {}, t("runs.title")));
+    main.append(el("h1", {}, t("runs.title")), filterForm());
     if (state.error) main.append(el("p", { class: "error" }, state.error));
-    if (!state.runs.length) { main.append(el("p", { class: "empty" }, t("runs.empty"))); return; }
-    const rows = state.runs.map((run) => el("tr", {
+    const runs = state.runs.filter(matches);
+    if (!runs.length) { main.append(el("p", { class: "empty" }, t("runs.empty"))); return; }
+    const rows = runs.map((run) => el("tr", {
       class: "run-row", "data-testid": "run-row", "data-run-id": run.run_id,
       onclick: () => { location.hash = "#/runs/" + run.run_id; },
     },
-    el("td", {}, el("a", { href: "#/runs/" + run.run_id }, el("code", {}, run.run_id))),
+    el("td", {}, el("a", { href: "#/runs/" + run.run_id }, el("code", {}, run.run_id.slice(0, 8)))),
     el("td", { class: "status s-" + run.status, "data-testid": "run-status" }, statusLabel(run.status)),
     el("td", {}, run.termination_reason ? label("reason." + run.termination_reason) : ""),
+    el("td", { class: "preview", "data-testid": "run-input" }, user(run.input_preview || "")),
+    el("td", { "data-testid": "run-labels" }, labelChips(run.labels)),
+    el("td", { class: "num", "data-testid": "run-duration" }, duration(run)),
+    el("td", { class: "num", "data-testid": "run-tokens" }, run.usage ? run.usage.total_tokens : ""),
     el("td", {}, when(run.created_at))));
     main.append(el("table", {}, el("thead", {}, el("tr", {},
       el("th", {}, label("run.run")), el("th", {}, label("run.status")), el("th", {}, label("run.reason")),
-      el("th", {}, t("runs.created")))), el("tbody", {}, rows)));
+      el("th", {}, t("runs.input")), el("th", {}, t("runs.labels")), el("th", {}, t("runs.duration")),
+      el("th", {}, t("runs.tokens")), el("th", {}, t("runs.created")))), el("tbody", {}, rows)));
   }
 
   async function load() {
     try {
-      state.runs = (await api("/v1/runs?limit=100")).runs;
+      state.runs = (await api("/v1/runs?" + query().toString())).runs;
       state.error = null;
     } catch (error) {
       state.error = error.message;
@@ -219,10 +291,8 @@ function listView() {
     stream = new EventStream("/v1/events", {
       status: (event) => {
         const run = state.runs.find((r) => r.run_id === event.run_id);
-        if (run) { run.status = event.status; run.termination_reason = event.termination_reason; }
-        else state.runs.unshift({ run_id: event.run_id, status: event.status,
-          termination_reason: event.termination_reason, created_at: Date.now() / 1000 });
-        render();
+        if (run) { run.status = event.status; run.termination_reason = event.termination_reason; render(); }
+        else load();  // a new run: its labels, input and usage come with the listing
       },
       resync: () => load(),
     }, "runbrake.events.last");
@@ -324,6 +394,20 @@ function runView(runId) {
     return form;
   }
 
+  // What the run was asked and what it answered: a structured answer pretty-printed.
+  function conversation(run) {
+    const box = el("div", { class: "conversation" });
+    const part = (key, testid, body) => box.append(el("h2", {}, t(key)), el("div", { class: "text", "data-testid": testid }, body));
+    if (run.instructions) part("run.instructions", "run-instructions", user(run.instructions));
+    if (run.input !== null && run.input !== undefined) part("run.input", "run-input", user(run.input));
+    if (run.output_json !== null && run.output_json !== undefined) {
+      part("run.output", "run-output", el("pre", { dir: "ltr" }, user(JSON.stringify(run.output_json, null, 2))));
+    } else if (run.output !== null && run.output !== undefined) {
+      part("run.output", "run-output", user(run.output));
+    }
+    return box.childNodes.length ? box : null;
+  }
+
   function pendingBox() {
     const call = state.run && state.run.pending_call;
     if (state.status !== "waiting_for_approval" || !call) return null;
@@ -348,7 +432,14 @@ function runView(runId) {
     if (run.cancel) facts.append(el("dt", {}, label("run.cancel")), el("dd", { "data-testid": "run-cancel" },
       user(run.cancel.reason), " (" + label("run.by") + " ", user(run.cancel.requested_by), ")"));
     if (run.error) facts.append(el("dt", {}, label("run.error")), el("dd", {}, user(run.error)));
-    main.append(...[facts, pendingBox(), actions()].filter(Boolean));
+    if (run.model) facts.append(el("dt", {}, t("run.model")), el("dd", { "data-testid": "run-model" }, user(run.model)));
+    if (run.labels && Object.keys(run.labels).length) {
+      facts.append(el("dt", {}, t("run.labels")), el("dd", { "data-testid": "run-labels" }, labelChips(run.labels)));
+    }
+    if (run.usage && run.usage.model_calls) {
+      facts.append(el("dt", {}, t("run.usage")), el("dd", { "data-testid": "run-usage" }, usageText(run.usage)));
+    }
+    main.append(...[facts, conversation(run), pendingBox(), actions()].filter(Boolean));
     if (state.deciding) main.append(decisionForm());
     const rows = sortedSteps().map(stepRow);
     const flight = inFlight();
@@ -404,7 +495,7 @@ function runView(runId) {
 function route() {
   if (view) view.stop();
   setConnection("");
-  const match = location.hash.match(/^#\/runs\/([0-9a-f]{32})$/);
+  const match = location.hash.match(/^#\/runs\/([0-9a-f]{32})$/);  // else the list, with its filters after "?"
   view = match ? runView(match[1]) : listView();
 }
 
