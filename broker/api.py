@@ -49,6 +49,7 @@ from runbrake.shared.errors import (
     IdempotencyConflict,
     NotReplicated,
     PublishError,
+    QuotaExceeded,
     ResumeUnsent,
     RunbrakeError,
     RunNotFound,
@@ -85,6 +86,8 @@ AMQP_THREADS: Final = 8
 """Threads for the calls that publish on RabbitMQ; each holds its own connections."""
 READY_CACHE_S: Final = 1.0
 """How long a RabbitMQ reachability check is reused: a probe every second must not open a connection each."""
+QUOTA_RETRY_AFTER_S: Final = 5
+"""``Retry-After`` of an enqueue refused by ``max_runs_in_flight``: when a run ends, nobody can say."""
 ANONYMOUS: Final = "anonymous"
 """Who the API records as having cancelled or decided when it runs without tokens (loopback only)."""
 
@@ -186,14 +189,27 @@ def _state(request: Request) -> ApiState:
     return state
 
 
-def require(role: str) -> Callable[[Request], str]:
-    """A dependency: the name of the token the request presents, which must grant ``role``
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request is: its token's name (``anonymous`` without tokens) and its tenant (None: an operator,
+    who reaches every run; docs/http-api.md, "Tenants and quotas")."""
+
+    name: str
+    tenant: str | None = None
+
+    def reaches(self, tenant: str | None) -> bool:
+        """Whether this caller may see a run of ``tenant`` ("" for a run of none; None for no such run)."""
+        return tenant is not None and (self.tenant is None or tenant == self.tenant)
+
+
+def require(role: str) -> Callable[[Request], Caller]:
+    """A dependency: who presents the token of the request, which must grant ``role``
     (docs/http-api.md, "Tokens"); ``anonymous`` when the API runs without tokens."""
 
-    def check(request: Request) -> str:
+    def check(request: Request) -> Caller:
         tokens = _state(request).tokens
         if tokens is None:
-            return ANONYMOUS
+            return Caller(ANONYMOUS)
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
         token = tokens.identify(presented.strip()) if scheme.lower() == "bearer" and presented.strip() else None
         if token is None:
@@ -201,14 +217,23 @@ def require(role: str) -> Callable[[Request], str]:
                                   headers={"WWW-Authenticate": 'Bearer realm="runbrake"'})
         if role not in token.roles:
             raise ApiError.answer(403, f"token {token.name!r} lacks the {role!r} role")
-        return token.name
+        return Caller(token.name, token.tenant)
 
     return check
 
 
-Reader = Annotated[str, Depends(require("read"))]
-Submitter = Annotated[str, Depends(require("submit"))]
-Operator = Annotated[str, Depends(require("operate"))]
+Reader = Annotated[Caller, Depends(require("read"))]
+Submitter = Annotated[Caller, Depends(require("submit"))]
+Operator = Annotated[Caller, Depends(require("operate"))]
+
+
+async def _visible(state: ApiState, who: Caller, run_id: str) -> None:
+    """Nothing when ``who`` may reach the run; else :class:`RunNotFound`, the answer of a run that does not
+    exist, word for word: a tenant's token learns nothing of another tenant's runs, not even that they exist."""
+    if who.tenant is None:
+        return
+    if not who.reaches(await state.store.tenant_of(run_id)):
+        raise RunNotFound(run_id)
 
 
 def valid_run_id(run_id: Annotated[str, Path(
@@ -293,6 +318,13 @@ _BODY_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
           "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
 }
 
+_ENQUEUE_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
+    **_BODY_ERRORS,
+    429: {"description": "The token's tenant is at one of its quotas; nothing was written. Retry-After says when "
+                         "to ask again (docs/http-api.md, \"Tenants and quotas\").",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+}
+
 
 def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     """The ASGI app of ``runbrake serve``. Its ``state.connections`` makes the protocol class to serve it
@@ -368,7 +400,7 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
 
 
 def _routes(app: FastAPI) -> None:
-    @app.post("/v1/runs", status_code=201, tags=["runs"], responses=_BODY_ERRORS, openapi_extra={"requestBody": {
+    @app.post("/v1/runs", status_code=201, tags=["runs"], responses=_ENQUEUE_ERRORS, openapi_extra={"requestBody": {
         "required": True,
         "content": {"application/json": {"schema": {
             "type": "object", "description": "A run spec: see GET /v1/schema/run-spec"}}},
@@ -381,14 +413,14 @@ def _routes(app: FastAPI) -> None:
         spec = _spec(body, idempotency_key)
         # Each token has its own idempotency keys (docs/http-api.md, "Idempotency keys"): a key says
         # nothing about another submitter's runs. Without tokens, one scope, shared with the CLI.
-        scope = None if state.tokens is None else who
+        scope = None if state.tokens is None else who.name
         # A traced caller's traceparent is the enqueue's parent (docs/operating.md, "Traces"); off, a no-op.
         parent = request.headers.get(tracing.TRACEPARENT)
         enqueued: Enqueued = await state.amqp.run(lambda: tracing.current().within(parent, lambda: operations.enqueue(
-            Producer(state.sync_store, state.broker, state.admission), spec, scope=scope)))
+            Producer(state.sync_store, state.broker, state.admission), spec, scope=scope, tenant=who.tenant)))
         answer = {"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created}
         if enqueued.created:
-            log.info("api_run_enqueued", run_id=enqueued.run_id, by=who)
+            log.info("api_run_enqueued", run_id=enqueued.run_id, by=who.name, tenant=who.tenant)
             return JSONResponse(answer, status_code=201, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
         stored = await state.store.get(enqueued.run_id)
         if dict(stored.request) != spec.raw:
@@ -397,14 +429,19 @@ def _routes(app: FastAPI) -> None:
         return JSONResponse(answer, status_code=200, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
 
     @app.get("/v1/runs", tags=["runs"])
-    async def list_runs(request: Request, _who: Reader, status: str | None = None, limit: int = 20,
+    async def list_runs(request: Request, who: Reader, *, status: str | None = None, limit: int = 20,
                         cursor: str | None = None,
                         label: Annotated[list[str] | None, Query(
                             description="KEY:VALUE; repeat it: a run must carry every label given")] = None,
                         ) -> dict[str, Any]:
         """Runs newest first, one page at a time; ``next_cursor`` is null on the last page. Filtered by
-        ``status`` and by ``label=KEY:VALUE`` (repeatable: all must match)."""
+        ``status`` and by ``label=KEY:VALUE`` (repeatable: all must match). A tenant's token lists only its
+        tenant's runs."""
         labels = _label_filter(label or [])
+        if who.tenant is not None:
+            if labels.get("tenant", who.tenant) != who.tenant:
+                return {"runs": [], "next_cursor": None}
+            labels["tenant"] = who.tenant
         wanted = None
         if status:
             if status not in {s.value for s in RunStatus if s is not RunStatus.UNKNOWN}:
@@ -418,9 +455,11 @@ def _routes(app: FastAPI) -> None:
         return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
 
     @app.get("/v1/runs/{run_id}", tags=["runs"])
-    async def get_run(request: Request, _who: Reader, run_id: RunId) -> dict[str, Any]:
+    async def get_run(request: Request, who: Reader, run_id: RunId) -> dict[str, Any]:
         """The run and its steps: the object ``runbrake show --json`` prints."""
-        return run_json(await _state(request).store.get(run_id))
+        state = _state(request)
+        await _visible(state, who, run_id)
+        return run_json(await state.store.get(run_id))
 
     @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
     async def events(request: Request, who: Reader, run_id: RunId,
@@ -429,7 +468,8 @@ def _routes(app: FastAPI) -> None:
         run's terminal status. Reconnect with ``Last-Event-ID`` (a step sequence) to resume."""
         state = _state(request)
         last = _last_event_id(last_event_id)
-        give_back = await _stream_slot(state, who)
+        await _visible(state, who, run_id)
+        give_back = await _stream_slot(state, who.name)
         subscriber = state.hub.subscribe(run_id)  # first subscribe, then read: nothing falls between
         try:
             head = await state.store.head(run_id)
@@ -444,12 +484,14 @@ def _routes(app: FastAPI) -> None:
     async def all_status(request: Request, who: Reader,
                          last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
         """Server-sent ``status`` events of every run of the namespace (the runs page's list), each with its
-        event id. Reconnect with ``Last-Event-ID`` (an event id) to replay what happened meanwhile, as long as
-        it is kept (``RUNBRAKE_RETENTION_S``); an older one is answered with ``resync`` first."""
+        event id; a tenant's token hears only its tenant's runs. Reconnect with ``Last-Event-ID`` (an event
+        id) to replay what happened meanwhile, as long as it is kept (``RUNBRAKE_RETENTION_S``); an older one
+        is answered with ``resync`` first."""
         state = _state(request)
         after = _feed_event_id(last_event_id)
-        give_back = await _stream_slot(state, who)
-        subscriber = state.hub.subscribe(None)  # first subscribe, then replay: nothing falls between
+        give_back = await _stream_slot(state, who.name)
+        # First subscribe, then replay: nothing falls between.
+        subscriber = state.hub.subscribe(None, tenant=who.tenant)
         return _event_stream(state, status_events(state.store, subscriber, last_event_id=after), subscriber,
                              give_back)
 
@@ -459,8 +501,9 @@ def _routes(app: FastAPI) -> None:
         """Win the fence in Redis, then wake the worker that runs the run (like ``runbrake cancel``)."""
         state = _state(request)
         reason = await _reason(request) or "cancelled via the API"
+        await _visible(state, who, run_id)
         result = await state.amqp.run(lambda: operations.cancel(
-            state.sync_store, state.amqp.publisher(), run_id, reason=reason, requested_by=who))
+            state.sync_store, state.amqp.publisher(), run_id, reason=reason, requested_by=who.name))
         return JSONResponse({"run_id": run_id, "cancelled": True, "message_confirmed": result.message_confirmed},
                             status_code=202)
 
@@ -470,8 +513,9 @@ def _routes(app: FastAPI) -> None:
         """Approve the call the run waits for (recorded with who and why); a worker resumes the run."""
         state = _state(request)
         reason = await _reason(request) or ""
+        await _visible(state, who, run_id)
         await state.amqp.run(lambda: operations.approve(
-            state.sync_store, Producer(state.sync_store, state.broker), run_id, decided_by=who, reason=reason))
+            state.sync_store, Producer(state.sync_store, state.broker), run_id, decided_by=who.name, reason=reason))
         return {"run_id": run_id, "approved": True}
 
     @app.post("/v1/runs/{run_id}/deny", tags=["decisions"], responses=_BODY_ERRORS,
@@ -480,20 +524,27 @@ def _routes(app: FastAPI) -> None:
         """Deny the call the run waits for: the run ends failed (approval_denied)."""
         state = _state(request)
         reason = await _reason(request) or "denied by operator"
-        await state.amqp.run(lambda: operations.deny(state.sync_store, run_id, decided_by=who, reason=reason))
+        await _visible(state, who, run_id)
+        await state.amqp.run(lambda: operations.deny(state.sync_store, run_id, decided_by=who.name, reason=reason))
         return {"run_id": run_id, "denied": True}
 
     @app.get("/v1/servers", tags=["operations"])
-    async def servers(request: Request, _who: Reader) -> list[dict[str, Any]]:
-        """Per MCP server: ok, failed and cancelled tool calls (``runbrake servers --json``)."""
+    async def servers(request: Request, who: Reader) -> list[dict[str, Any]]:
+        """Per MCP server: ok, failed and cancelled tool calls (``runbrake servers --json``); counted over
+        every tenant's runs, so an operator's alone (403 for a tenant's token)."""
+        if who.tenant is not None:
+            raise ApiError.answer(403, f"token {who.name!r} is a tenant's; the server counts are an operator's")
         return server_health(await _state(request).store.server_outcomes())
 
     @app.get("/v1/webhooks", tags=["operations"])
-    async def webhooks(request: Request, _who: Reader,
+    async def webhooks(request: Request, who: Reader,
                        failing: Annotated[bool, Query(description="Only deliveries retrying or given up.")] = False,
                        limit: Annotated[int, Query(ge=1, le=1000, description="Deliveries at most.")] = 100,
                        ) -> list[dict[str, Any]]:
-        """Webhook deliveries, newest first (``runbrake webhooks --json``; docs/webhooks.md)."""
+        """Webhook deliveries, newest first (``runbrake webhooks --json``; docs/webhooks.md); every tenant's
+        runs' deliveries, so an operator's alone (403 for a tenant's token)."""
+        if who.tenant is not None:
+            raise ApiError.answer(403, f"token {who.name!r} is a tenant's; webhook deliveries are an operator's")
         return webhook_deliveries(await _state(request).store.webhook_deliveries(failing=failing, count=limit))
 
     @app.get("/v1/schema/run-spec", tags=["runs"])
@@ -611,6 +662,10 @@ def _answer_for(exc: RunbrakeError) -> JSONResponse | None:
                                 status_code=409)
         case IdempotencyConflict():
             return JSONResponse({"error": str(exc), "run_id": exc.run_id}, status_code=409)
+        case QuotaExceeded():
+            retry = exc.retry_after_s or QUOTA_RETRY_AFTER_S
+            return JSONResponse({"error": str(exc), "quota": exc.quota, "limit": exc.limit}, status_code=429,
+                                headers={"Retry-After": str(retry)})
         case SpecError():  # the admission policy at enqueue: the catalog, inline definitions, the bounds
             errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
             return JSONResponse({"error": "run spec refused", "errors": errors}, status_code=422)

@@ -10,6 +10,10 @@ never the token, and the roles it grants::
 ``read`` allows the GET endpoints, ``submit`` POST /v1/runs, ``operate`` cancel, approve and deny.
 A presented token is hashed and compared with every entry in constant time
 (``hmac.compare_digest``); the entry's name is who the API records as having cancelled or decided.
+
+An entry with ``tenant = "NAME"`` is a tenant's token (docs/http-api.md, "Tenants and quotas"): the runs it
+enqueues carry the label ``tenant=NAME``, and it reaches only those; any other run is answered as missing.
+An entry without one is an operator's, which reaches every run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Final
 
 from runbrake.shared.errors import RunbrakeError
+from runbrake.shared.spec import LABEL_KEY
 
 ROLES: Final = ("read", "submit", "operate")
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
@@ -40,6 +45,8 @@ class Token:
     name: str
     sha256: str
     roles: frozenset[str]
+    tenant: str | None = None
+    """The tenant whose runs alone this token reaches; None: an operator's token, every run."""
 
 
 def digest(token: str) -> str:
@@ -96,7 +103,7 @@ class Tokens:
                 raise TokensFileError(f"{at}: a name is 1 to 64 letters, digits, '.', '_', '@' or '-'")
             if not isinstance(entry, dict):
                 raise TokensFileError(f"{at}: must be a table with sha256 and roles")
-            extra = sorted(set(entry) - {"sha256", "roles"})
+            extra = sorted(set(entry) - {"sha256", "roles", "tenant"})
             if extra:
                 raise TokensFileError(f"{at}: unknown key(s) {', '.join(extra)}")
             sha = entry.get("sha256")
@@ -110,5 +117,8 @@ class Tokens:
                 raise TokensFileError(f"{at}: unknown role(s) {', '.join(wrong)}; roles are {', '.join(ROLES)}")
             if any(token.sha256 == sha.lower() for token in tokens):
                 raise TokensFileError(f"{at}: another entry has the same sha256 (one token, one name)")
-            tokens.append(Token(name=name, sha256=sha.lower(), roles=frozenset(roles)))
+            tenant = entry.get("tenant")
+            if tenant is not None and (not isinstance(tenant, str) or not LABEL_KEY.fullmatch(tenant)):
+                raise TokensFileError(f"{at}: tenant is 1 to 63 of a-z, 0-9, '_', '.', '-' (a label's rules)")
+            tokens.append(Token(name=name, sha256=sha.lower(), roles=frozenset(roles), tenant=tenant))
         return cls(tuple(tokens))

@@ -88,6 +88,8 @@ class Event:
     feed_frame: bytes = b""
     """A status event's frame on ``GET /v1/events``: with its ``id`` (the event id), which the per-run
     stream's frames do not carry (their ids are step sequences)."""
+    tenant: str = ""
+    """The run's tenant ("" for none): a tenant's ``GET /v1/events`` hears only its own."""
 
 
 RESYNC: Final = Event(StreamEvent.RESYNC, "", 0, b"")
@@ -135,9 +137,11 @@ def step_frame(run_id: str, step: RunStep) -> bytes:
 
 @dataclass(eq=False)
 class Subscriber:
-    """One client: the run it watches (None: every run's status), its queue, whether it was dropped."""
+    """One client: the run it watches (None: every run's status), its queue, whether it was dropped, and,
+    for every run's status, the tenant whose runs alone it hears (None: all, an operator's)."""
 
     run_id: str | None
+    tenant: str | None = None
     queue: asyncio.Queue[Event] = field(default_factory=lambda: asyncio.Queue(QUEUE_SIZE))
     dropped: bool = False
 
@@ -194,8 +198,8 @@ class EventHub:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         return self.ready
 
-    def subscribe(self, run_id: str | None) -> Subscriber:
-        subscriber = Subscriber(run_id)
+    def subscribe(self, run_id: str | None, *, tenant: str | None = None) -> Subscriber:
+        subscriber = Subscriber(run_id, tenant=tenant)
         if run_id is None:
             self._everything.add(subscriber)
         else:
@@ -269,7 +273,7 @@ class EventHub:
             return
         watchers = tuple(self._by_run.get(event.run_id, ()))
         if event.kind is StreamEvent.STATUS:
-            watchers += tuple(self._everything)
+            watchers += tuple(s for s in self._everything if s.tenant is None or s.tenant == event.tenant)
         for subscriber in watchers:
             self._offer(subscriber, event)
 
@@ -314,8 +318,9 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "
         raise Unreadable("event and run_id must be strings, run_id 32 lowercase hex characters")
     if kind == StreamEvent.STATUS:
         status, reason = message.get("status"), message.get("termination_reason", "")
-        if not isinstance(status, str) or not isinstance(reason, str):
-            raise Unreadable("status and termination_reason must be strings")
+        tenant = message.get("tenant", "")
+        if not isinstance(status, str) or not isinstance(reason, str) or not isinstance(tenant, str):
+            raise Unreadable("status, termination_reason and tenant must be strings")
         parsed = RunStatus(status)  # ValueError for a status that is none
         if parsed is RunStatus.UNKNOWN:
             raise Unreadable("unknown is no status a run is ever in")
@@ -325,7 +330,7 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "
             raise Unreadable("id must be a stream id")
         plain = frame(StreamEvent.STATUS, data)
         return Event(StreamEvent.STATUS, run_id, 0, plain, parsed.value, event_id,
-                     frame(StreamEvent.STATUS, data, event_id=event_id) if event_id else plain)
+                     frame(StreamEvent.STATUS, data, event_id=event_id) if event_id else plain, tenant)
     if not wanted(run_id):
         return None
     if kind == StreamEvent.STEP:
@@ -466,7 +471,7 @@ async def status_events(store: AsyncRunStore, subscriber: Subscriber, *,
     yield f"retry: {RETRY_MS}\n\n".encode()
     last = last_event_id
     if last is not None:
-        async for chunk in _replay_feed(store, last, first=True):
+        async for chunk in _replay_feed(store, last, first=True, tenant=subscriber.tenant):
             if isinstance(chunk, str):
                 last = chunk
             else:
@@ -481,7 +486,7 @@ async def status_events(store: AsyncRunStore, subscriber: Subscriber, *,
             if last is None or store.cluster:
                 yield frame(StreamEvent.RESYNC, {})
             else:
-                async for chunk in _replay_feed(store, last, first=False):
+                async for chunk in _replay_feed(store, last, first=False, tenant=subscriber.tenant):
                     if isinstance(chunk, str):
                         last = chunk
                     else:
@@ -502,9 +507,11 @@ def _not_after(event_id: str, last: str) -> bool:
     return here is not None and there is not None and here <= there
 
 
-async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool) -> AsyncGenerator[bytes | str, None]:
+async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool,
+                       tenant: str | None = None) -> AsyncGenerator[bytes | str, None]:
     """The status frames after the event id ``after``, a page at a time; each page's last id (a ``str``) after
-    its frames, for the caller's position. A ``resync`` first when events after ``after`` may be gone."""
+    its frames, for the caller's position. A ``resync`` first when events after ``after`` may be gone. With
+    ``tenant``, only the events of that tenant's runs (the label ``tenant`` the entry carries)."""
     if store.cluster:
         # Each shard's outbox numbers its own events: one id cannot say where to resume in all of them.
         yield frame(StreamEvent.RESYNC, {"reason": "a feed on a Redis Cluster does not replay"})
@@ -517,6 +524,8 @@ async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool) -> Asyn
             if oldest is None or (_not_after(position, oldest) and position != oldest):
                 yield frame(StreamEvent.RESYNC, {"reason": "older than the oldest event kept", "oldest": oldest})
         for entry in entries:
+            if tenant is not None and _entry_tenant(entry) != tenant:
+                continue
             event = _feed_event(entry)
             if event is not None:
                 yield event
@@ -526,6 +535,16 @@ async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool) -> Asyn
         yield position
         if len(entries) < FEED_PAGE:
             return
+
+
+def _entry_tenant(entry: OutboxEntry) -> str:
+    """The tenant of an outbox entry's run ("" for none, or labels that cannot be read)."""
+    try:
+        labels = json.loads(entry.labels) if entry.labels else {}
+    except ValueError:
+        return ""
+    tenant = labels.get("tenant", "") if isinstance(labels, dict) else ""
+    return tenant if isinstance(tenant, str) else ""
 
 
 def _feed_event(entry: OutboxEntry) -> bytes | None:

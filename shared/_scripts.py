@@ -67,7 +67,8 @@ local function outbox(run_id, event)
     entry[#entry + 1] = labels
   end
   local id = redis.call(unpack(entry))
-  redis.call('PUBLISH', ARGV[#ARGV], '{"id":"' .. id .. '",' .. string.sub(event, 2))
+  local tenant = redis.call('HGET', KEYS[1], 'tenant') or ''
+  redis.call('PUBLISH', ARGV[#ARGV], '{"id":"' .. id .. '","tenant":"' .. tenant .. '",' .. string.sub(event, 2))
   return id
 end
 """
@@ -78,7 +79,9 @@ event's id, also carried by the PUBLISH (``"id"``), so that a live reader and a 
 alike. The outbox is trimmed by age, never by what was published: entries older than the retention (the
 ARGV before the channel, seconds; 0 keeps them as long as runs are kept: forever) go, approximately
 (``MINID ~``). The run's labels (its hash's ``labels`` field, JSON, where it has one) travel with the
-entry for the relay's headers (worker/relay.py)."""
+entry for the relay's headers (worker/relay.py). The PUBLISH also names the run's tenant (``"tenant"``, "" for
+none; a name of label-key characters, broker/auth.py, so it needs no escaping): the API hands a tenant's
+``GET /v1/events`` only its tenant's runs."""
 
 _ANNOUNCE = _OUTBOX + """
 local function announce(run_id, status, reason)
@@ -88,6 +91,18 @@ end
 """
 """A status change's event. Written only for a run that exists, whose id the store generated (hex), so the
 id needs no escaping."""
+
+_RELEASE = """
+local function release(tenants_key)
+  local tenant = redis.call('HGET', KEYS[1], 'tenant')
+  if tenant and tenant ~= '' then
+    if redis.call('HINCRBY', tenants_key, tenant, -1) <= 0 then redis.call('HDEL', tenants_key, tenant) end
+  end
+end
+"""
+"""A run of a tenant that reaches a terminal status leaves its tenant's in-flight count (the hash
+``<ns>:tenants``, one field per tenant), in the script that wins the transition: a transition wins once, so
+a run is released once (docs/http-api.md, "Tenants and quotas")."""
 
 _RETAIN = """
 local function retain(run_id, finished_at)
@@ -123,15 +138,19 @@ local function is_terminal(st)
 end
 """
 
-# KEYS: run, idempotency (may be a dummy key), index, unclaimed, outbox.
+# KEYS: run, idempotency (may be a dummy key), index, unclaimed, tenants (in-flight counts), tenant enqueues
+#   (per tenant: "<minute> <count>"), outbox.
 # ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, request digest,
-#   labels_json, model, input preview, retention_s, events channel (the last two, as outbox() and announce()
-#   read them)
+#   labels_json, model, input preview, tenant ('' = none), max_runs_in_flight (0 = no bound),
+#   max_enqueues_per_minute (0 = no bound), retention_s, events channel
 # The labels, the model's name and the start of the input are kept beside the request as fields of their
 # own, so that a listing reads them without the request, which can be large (shared/_store_core.py,
 # SUMMARY_FIELDS).
 # The idempotency key holds "<run_id> <digest of the request>": the same key with another request is a
 # conflict, answered {0, run_id, 'conflict'}, never silently the other run.
+# A tenant's quotas are checked and counted here, with the write (docs/http-api.md, "Tenants and quotas"): two
+# creates cannot both pass a quota of one. Over one, nothing is written: {0, '', 'quota', name, limit,
+# retry_after_s}. The minute is Redis's (TIME), so every replica and worker counts the same window.
 CREATE = _script("create", _ANNOUNCE + """
 if ARGV[4] == '1' then
   local existing = redis.call('GET', KEYS[2])
@@ -141,9 +160,34 @@ if ARGV[4] == '1' then
     return {0, id}
   end
 end
+local tenant = ARGV[10]
+local window = ''
+if tenant ~= '' then
+  local in_flight = tonumber(redis.call('HGET', KEYS[5], tenant) or '0')
+  local max_in_flight = tonumber(ARGV[11])
+  if max_in_flight > 0 and in_flight >= max_in_flight then
+    return {0, '', 'quota', 'max_runs_in_flight', max_in_flight, 0}
+  end
+  local t = redis.call('TIME')
+  local minute = math.floor(tonumber(t[1]) / 60)
+  local seen = redis.call('HGET', KEYS[6], tenant) or ''
+  local at, count = string.match(seen, '^(%d+) (%d+)$$')
+  count = tonumber(count or '0')
+  if tonumber(at or '-1') ~= minute then count = 0 end
+  local max_per_minute = tonumber(ARGV[12])
+  if max_per_minute > 0 and count >= max_per_minute then
+    return {0, '', 'quota', 'max_enqueues_per_minute', max_per_minute, 60 - (tonumber(t[1]) % 60)}
+  end
+  window = minute .. ' ' .. (count + 1)
+end
 redis.call('HSET', KEYS[1], 'run_id', ARGV[1], 'status', '$status_queued', 'termination_reason', '',
   'created_at', ARGV[3], 'request', ARGV[2], 'seq', 0, 'idempotency_key', ARGV[5], 'labels', ARGV[7],
   'model', ARGV[8], 'input_preview', ARGV[9])
+if tenant ~= '' then
+  redis.call('HSET', KEYS[1], 'tenant', tenant)
+  redis.call('HINCRBY', KEYS[5], tenant, 1)
+  redis.call('HSET', KEYS[6], tenant, window)
+end
 if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[6]) end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
@@ -243,10 +287,10 @@ redis.call('HSET', KEYS[1], 'approval', 'approved')
 return {1, st, 1}
 """)
 
-# KEYS: run, leases, unclaimed, run, steps, cancel, finished, outbox.
+# KEYS: run, leases, unclaimed, tenants, run, steps, cancel, finished, outbox.
 # ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
 #   retention_s, events channel
-SETTLE = _script("settle", _ANNOUNCE + _RETAIN + _IS_TERMINAL + """
+SETTLE = _script("settle", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -256,14 +300,15 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'termination_reason', ARGV[2], 'f
   'error', ARGV[5], 'lease_expires_at', '')
 redis.call('ZREM', KEYS[2], ARGV[7])
 redis.call('ZREM', KEYS[3], ARGV[7])
+release(KEYS[4])
 retain(ARGV[7], ARGV[4])
 announce(ARGV[7], ARGV[1], ARGV[2])
 return {1, st}
 """)
 
-# KEYS: run, cancel, leases, unclaimed, run, steps, cancel, finished, outbox.
+# KEYS: run, cancel, leases, unclaimed, tenants, run, steps, cancel, finished, outbox.
 # ARGV: cancel_json, now, run_id, retention_s, events channel
-CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _IS_TERMINAL + """
+CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -272,6 +317,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason',
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[3])
 redis.call('ZREM', KEYS[4], ARGV[3])
+release(KEYS[5])
 retain(ARGV[3], ARGV[2])
 announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
 return {1, st}
@@ -335,10 +381,10 @@ EXPIRED_LEASES = _script("expired_leases", _REDIS_NOW + """
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', redis_now(), 'LIMIT', 0, ARGV[1])
 """)
 
-# KEYS: run, leases, run, steps, cancel, finished, outbox.  ARGV: run_id, retention_s, events channel
+# KEYS: run, leases, tenants, run, steps, cancel, finished, outbox.  ARGV: run_id, retention_s, events channel
 # running with an expired lease (by Redis's clock) → failed (lease_lost). A run no longer running leaves
 # the lease set; one whose lease was renewed meanwhile is put back at its new expiry.
-REAP = _script("reap", _ANNOUNCE + _RETAIN + _REDIS_NOW + """
+REAP = _script("reap", _ANNOUNCE + _RETAIN + _RELEASE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st ~= '$status_running' then
   redis.call('ZREM', KEYS[2], ARGV[1])
@@ -355,6 +401,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_failed', 'termination_reason', '$
   'finished_at', now, 'lease_expires_at', '', 'owner', '',
   'error', 'the worker executing the run (' .. owner .. ') stopped renewing its lease')
 redis.call('ZREM', KEYS[2], ARGV[1])
+release(KEYS[3])
 retain(ARGV[1], now)
 announce(ARGV[1], '$status_failed', '$reason_lease_lost')
 return {1, st}

@@ -54,6 +54,8 @@ from runbrake.shared.records import (
     Claim,
     Created,
     OutboxEntry,
+    Quota,
+    QuotaHit,
     RunRecord,
     Transition,
     read_cancel_request,
@@ -105,13 +107,20 @@ class Keys:
         last = run_id[-1:].lower()
         return int(last, 16) % SHARDS if last and last in "0123456789abcdef" else 0
 
-    def new_run_id(self, idempotency_key: str | None) -> str:
-        """A fresh run id (32 lowercase hex). In a cluster, a run created with an idempotency key goes to
-        the key's shard (its last digit says so), so that the script that creates it touches one slot."""
+    def new_run_id(self, idempotency_key: str | None, tenant: str | None = None) -> str:
+        """A fresh run id (32 lowercase hex). In a cluster, a tenant's run goes to the tenant's shard, so
+        that one script counts all of the tenant's runs against its quotas; any other run created with an
+        idempotency key goes to the key's shard (its last digit says so), so that the script that creates it
+        touches one slot."""
         run_id = uuid.uuid4().hex
-        if not self.cluster or not idempotency_key:
+        if not self.cluster or not (idempotency_key or tenant):
             return run_id
-        return f"{run_id[:-1]}{self.idempotency_shard(idempotency_key):x}"
+        shard = self.tenant_shard(tenant) if tenant else self.idempotency_shard(idempotency_key or "")
+        return f"{run_id[:-1]}{shard:x}"
+
+    def tenant_shard(self, tenant: str) -> int:
+        """The shard of a tenant's runs and counts: from a digest, the same in every process."""
+        return self.idempotency_shard(f"tenant/{tenant}")
 
     def idempotency_shard(self, key: str) -> int:
         """The shard an idempotency key (and the run it creates) lives in: from a digest, the same in every
@@ -180,6 +189,14 @@ class Keys:
     def servers_hour(self, when: float, shard: int) -> str:
         """Tool calls per server and outcome in the hour ``when`` falls in (for ``runbrake servers --since``)."""
         return self._sharded(f"servers:{int(when // 3600)}", shard)
+
+    def tenants(self, shard: int) -> str:
+        """In-flight runs (queued, running, waiting for approval) per tenant: a hash, tenant → count."""
+        return self._sharded("tenants", shard)
+
+    def tenant_enqueues(self, shard: int) -> str:
+        """Enqueues per tenant in the current minute: a hash, tenant → ``"<minute> <count>"``."""
+        return self._sharded("tenant-enqueues", shard)
 
     def unclaimed(self, shard: int) -> str:
         """Runs waiting for a worker (queued, or approved and waiting for their resume), scored by when their
@@ -496,13 +513,17 @@ INPUT_PREVIEW_CHARS: Final = 200
 """How much of a run's input its listing shows (``input_preview``)."""
 
 
-def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | None) -> Op[Created]:
+def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | None, tenant: str | None = None,
+           quota: Quota | None = None) -> Op[Created]:
     """Write a queued run with its request; the same idempotency key answers the run it created.
 
     The request is a validated spec's (shared/spec.py): its labels, its model's name (a catalog name, or an
-    inline model's provider) and the start of its input are also kept as fields of their own."""
-    run_id = keys.new_run_id(idempotency_key)
+    inline model's provider) and the start of its input are also kept as fields of their own. A ``tenant``'s
+    run also carries the label ``tenant``, and counts against the tenant's ``quota``: over one, nothing is
+    written and the answer says which (``Created.quota``)."""
+    run_id = keys.new_run_id(idempotency_key, tenant)
     shard = keys.shard(run_id)
+    quota = quota or Quota()
     now = time.time()
     idem = keys.idempotency(idempotency_key or "-", shard)
 
@@ -512,20 +533,38 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
     def parse(answers: list[Any]) -> Created:
         won, value, *conflict = answers[0]
         if won:
-            log.info("run_created", run_id=run_id)
+            log.info("run_created", run_id=run_id, tenant=tenant)
+        elif conflict and _text(conflict[0]) == "quota":
+            name, limit, retry = _text(conflict[1]), int(conflict[2]), int(conflict[3])
+            log.info("run_create_over_quota", tenant=tenant, quota=name, limit=limit)
+            return Created(run_id="", created=False, over_quota=QuotaHit(name, limit, retry))
         elif conflict:
             log.info("run_create_conflict", run_id=value, idempotency_key=idempotency_key)
         else:
             log.info("run_create_deduplicated", run_id=value, idempotency_key=idempotency_key)
         return Created(run_id=str(value), created=bool(won), conflict=bool(conflict))
 
+    labels = _labels(request)
+    if tenant:
+        labels[TENANT_LABEL] = tenant
     return durable(_script(
-        _scripts.CREATE, (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard), keys.outbox(shard)),
+        _scripts.CREATE,
+        (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard), keys.tenants(shard),
+         keys.tenant_enqueues(shard), keys.outbox(shard)),
         (Ident(run_id), request_json, now, Ident("1" if idempotency_key else "0"), Verbatim(idempotency_key or ""),
-         Ident(digest), _labels(request), _model_name(request), str(request.get("input", ""))[:INPUT_PREVIEW_CHARS],
+         Ident(digest), labels, _model_name(request), str(request.get("input", ""))[:INPUT_PREVIEW_CHARS],
+         Ident(tenant or ""), quota.max_runs_in_flight or 0, quota.max_enqueues_per_minute or 0,
          keys.retention_s, Ident(keys.events)),
         "create a run", parse,
     ))
+
+
+TENANT_LABEL: Final = "tenant"
+"""The label a tenant's runs carry, set by the store from the credential, never by a spec (shared/catalog.py)."""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _labels(request: Mapping[str, Any]) -> dict[str, str]:
@@ -602,7 +641,8 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return durable(_script(
         _scripts.SETTLE,
-        (keys.run(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id), keys.outbox_of(run_id)),
+        (keys.run(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)), *keys.retention(run_id),
+         keys.outbox_of(run_id)),
         # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
         (Ident(status.value), Ident(reason.value), Ident(owner or ""), time.time(), scrub(error)[:MAX_ERROR_CHARS],
          Ident("" if required_status is None else required_status.value), Ident(run_id), keys.retention_s,
@@ -619,8 +659,8 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
                             requested_at=time.time())
     return durable(_script(
         _scripts.CANCEL,
-        (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), *keys.retention(run_id),
-         keys.outbox_of(run_id)),
+        (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)),
+         *keys.retention(run_id), keys.outbox_of(run_id)),
         (request.to_dict(), request.requested_at, Ident(run_id), keys.retention_s, Ident(keys.events)),
         f"cancel run {run_id}", _transition("cancel", run_id),
     ))
@@ -722,7 +762,8 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
             log.warning("run_lease_lost", run_id=run_id)
         return transition
 
-    return _script(_scripts.REAP, (keys.run(run_id), keys.leases(keys.shard(run_id)), *keys.retention(run_id),
+    return _script(_scripts.REAP, (keys.run(run_id), keys.leases(keys.shard(run_id)),
+                                   keys.tenants(keys.shard(run_id)), *keys.retention(run_id),
                                    keys.outbox_of(run_id)),
                    (Ident(run_id), keys.retention_s, Ident(keys.events)),
                    f"reap run {run_id}", parse)
@@ -745,6 +786,22 @@ def get(keys: Keys, run_id: str) -> Op[RunRecord]:
         Command(("LRANGE", keys.steps(run_id), 0, -1)),
         Command(("GET", keys.cancel(run_id))),
     ), parse, transaction=True)
+
+
+def tenant_of(keys: Keys, run_id: str) -> Op[str | None]:
+    """The tenant of a run ("" for none); None when no run has that id."""
+    def parse(answers: list[Any]) -> str | None:
+        status_value, tenant = answers[0]
+        return None if status_value is None else _text(tenant or "")
+
+    return Op(f"read the tenant of run {run_id}", (Command(("HMGET", keys.run(run_id), "status", "tenant")),), parse)
+
+
+def in_flight(keys: Keys, tenant: str) -> Op[int]:
+    """How many of a tenant's runs are queued, running or waiting for approval."""
+    return Op(f"read the runs in flight of tenant {tenant}",
+              (Command(("HGET", keys.tenants(keys.tenant_shard(tenant)), tenant)),),
+              lambda answers: int(answers[0] or 0))
 
 
 def status(keys: Keys, run_id: str) -> Op[RunStatus]:

@@ -238,6 +238,10 @@ class AsyncRunStore:
         """The run with its steps and cancel request (RunNotFound when absent)."""
         return await self.execute(core.get(self.keys, run_id))
 
+    async def tenant_of(self, run_id: str) -> str | None:
+        """The run's tenant ("" for none); None when no run has that id."""
+        return await self.execute(core.tenant_of(self.keys, run_id))
+
     async def head(self, run_id: str) -> tuple[RunRecord, int]:
         """The run without its steps and how many steps it holds, read in one transaction
         (:class:`RunNotFound` when absent): what an events stream reads before it pages through the steps

@@ -45,9 +45,11 @@ from pydantic.json_schema import SkipJsonSchema
 
 from runbrake.shared import redaction
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
+from runbrake.shared.records import Quota
 from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Registry
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import (
+    LABEL_KEY,
     VARIABLE_PATTERN,
     CatalogModelSpec,
     CatalogServerSpec,
@@ -62,7 +64,7 @@ from runbrake.shared.spec import (
 )
 
 __all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "ModelCaps", "ModelPolicy",
-           "WebhookSpec", "expand", "variables_in"]
+           "RabbitmqUser", "TenantPolicy", "WebhookSpec", "expand", "variables_in"]
 
 log = structlog.get_logger(__name__)
 
@@ -130,6 +132,25 @@ class ModelPolicy(SpecModel):
     """Upper bounds on temperature, top_p and max_output_tokens."""
 
 
+class TenantPolicy(SpecModel):
+    """A tenant's quotas (``[tenants.NAME]``; docs/http-api.md, "Tenants and quotas"); absent: no bound."""
+
+    max_runs_in_flight: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Runs of the tenant queued, running or waiting for approval at once."""
+    max_enqueues_per_minute: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Runs the tenant may enqueue in one minute (of Redis's clock)."""
+
+    def quota(self) -> Quota:
+        return Quota(self.max_runs_in_flight, self.max_enqueues_per_minute)
+
+
+class RabbitmqUser(SpecModel):
+    """What a RabbitMQ user's requests are (``[rabbitmq_users]``: ``user = { tenant = "NAME" }``)."""
+
+    tenant: str
+    """The tenant whose runs the user's run and cancel requests create and reach."""
+
+
 _POLICY_KEYS: Final = ("defaults", "caps")
 """The keys of a catalog model entry that are not its provider's: read into :class:`ModelPolicy` (one shape for
 every provider, so a provider's spec need not carry them)."""
@@ -147,6 +168,35 @@ class Catalog(SpecModel):
     """The webhooks a spec may name in ``notify`` (docs/webhooks.md)."""
     policies: SkipJsonSchema[dict[str, ModelPolicy]] = Field(default_factory=dict)
     """Per model: the ``defaults`` and ``caps`` of its entry (read apart from its provider's fields)."""
+    tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    """Quotas per tenant (a tenant without an entry has none). Here rather than in the tokens file: the
+    workers read the catalog and not the tokens, and they admit the runs requested over RabbitMQ."""
+    rabbitmq_users: dict[str, RabbitmqUser] = Field(default_factory=dict)
+    """The tenant of each RabbitMQ user whose requests name it in ``user_id`` (RabbitMQ checks it)."""
+
+    def quota(self, tenant: str) -> Quota:
+        """The tenant's quotas (none when the catalog names none)."""
+        policy = self.tenants.get(tenant)
+        return Quota() if policy is None else policy.quota()
+
+    def tenant_of_user(self, user: str) -> str | None:
+        """The tenant a RabbitMQ user's requests belong to; None when the catalog maps no such user."""
+        entry = self.rabbitmq_users.get(user)
+        return None if entry is None else entry.tenant
+
+    def requester(self, user: str | None, *, allow_untenanted: bool) -> tuple[str | None, str | None]:
+        """Whose a RabbitMQ request is, from its ``user_id`` (which RabbitMQ checked against the publishing
+        connection's user): ``(tenant, None)``; ``(None, None)`` for an operator's request, where
+        ``allow_untenanted`` (RUNBRAKE_RABBITMQ_ALLOW_UNTENANTED) lets an unmapped one be; ``(None, why)``
+        when it is refused."""
+        tenant = self.tenant_of_user(user) if user else None
+        if tenant is not None or allow_untenanted:
+            return tenant, None
+        if user is None:
+            return None, ("the request has no user_id, and only a user the catalog's [rabbitmq_users] maps to a "
+                          "tenant may ask (RUNBRAKE_RABBITMQ_ALLOW_UNTENANTED is false)")
+        return None, (f"user_id {user[:100]!r} is not in the catalog's [rabbitmq_users], and only a mapped user "
+                      "may ask (RUNBRAKE_RABBITMQ_ALLOW_UNTENANTED is false)")
 
     @classmethod
     def empty(cls) -> Catalog:
@@ -206,6 +256,13 @@ class Catalog(SpecModel):
         if names:
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: names use 1 to 64 letters, digits, '-' or '_' "
                                                   f"(no '__'): {', '.join(names)}")
+        tenants = [f"tenants.{n}" for n in catalog.tenants if not LABEL_KEY.fullmatch(n)]
+        tenants += [f"rabbitmq_users.{u}.tenant" for u, e in catalog.rabbitmq_users.items()
+                    if not LABEL_KEY.fullmatch(e.tenant)]
+        tenants += [f"rabbitmq_users.{u[:64]}" for u in catalog.rabbitmq_users if not 1 <= len(u) <= 255]
+        if tenants:
+            raise ConfigError("RUNBRAKE_CATALOG", f"{where}: a tenant is 1 to 63 of a-z, 0-9, '_', '.', '-' and a "
+                                                  f"RabbitMQ user 1 to 255 characters: {', '.join(tenants)}")
         servers = {name: server.model_copy(update={"name": name}) for name, server in catalog.mcp_servers.items()}
         return catalog.model_copy(update={"mcp_servers": servers})
 
@@ -247,7 +304,10 @@ class Catalog(SpecModel):
         webhooks = {name: {"url": shown.url(hook.url), "secret_env": hook.secret_env,
                            "secret_set": shown.is_set(hook.secret_env), "events": list(hook.events)}
                     for name, hook in self.webhooks.items()}
-        return {"mcp_servers": servers, "models": models, "webhooks": webhooks}
+        tenants = {name: policy.model_dump(exclude_none=True) for name, policy in self.tenants.items()}
+        users = {user: {"tenant": entry.tenant} for user, entry in self.rabbitmq_users.items()}
+        return {"mcp_servers": servers, "models": models, "tenants": tenants, "rabbitmq_users": users,
+                "webhooks": webhooks}
 
 
     def _policy(self, model: str) -> dict[str, Any]:
@@ -481,6 +541,9 @@ class Admission:
             if schema_bytes > self.max_output_schema_bytes:
                 refuse(("output_schema",), f"is {schema_bytes} bytes; the limit is {self.max_output_schema_bytes} "
                                            "(RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES)")
+        if "tenant" in spec.labels:
+            refuse(("labels", "tenant"), "is set from the credential that enqueues the run, never by a spec "
+                                         "(docs/http-api.md, \"Tenants and quotas\")")
         catalog = self.catalog
         servers = self._servers(spec, catalog, refuse)
         model = self._model(spec, catalog, refuse)

@@ -12,6 +12,7 @@
      ├── TransitionRefused           a guarded transition found another status (``found``)
      ├── RunBoundReached             a run reached max_steps or the tool calls a turn may ask for
      ├── IdempotencyConflict         an idempotency key came again with a different spec
+     ├── QuotaExceeded               a tenant's quota refused an enqueue (nothing written)
      ├── InvalidRunId                a malformed run id
      ├── PublishError                RabbitMQ did not take (or confirm) a message
      │    └── ResumeUnsent           the resume message of an approval (the approval stands)
@@ -210,6 +211,19 @@ class IdempotencyConflict(RunbrakeError):
         super().__init__(f"idempotency key {key[:100]!r} already created run {run_id} from a different spec")
         self.key = key
         self.run_id = run_id
+
+
+class QuotaExceeded(RunbrakeError):
+    """Raised when an enqueue would take a tenant over one of its quotas (the catalog's ``[tenants.NAME]``);
+    nothing was written. ``retry_after_s`` is when asking again may pass (0: when one of its runs ends)."""
+
+    def __init__(self, tenant: str, quota: str, limit: int, retry_after_s: int) -> None:
+        what = "runs in flight" if quota == "max_runs_in_flight" else "enqueues a minute"
+        super().__init__(f"tenant {tenant!r} is at its quota of {limit} {what} ({quota})")
+        self.tenant = tenant
+        self.quota = quota
+        self.limit = limit
+        self.retry_after_s = retry_after_s
 
 
 class InvalidRunId(RunbrakeError):

@@ -104,16 +104,17 @@ def deny_run(store: RunStore, run_id: str, *, decided_by: str, reason: str) -> D
 # -- the operations, refusals raised ---------------------------------------------------------------
 
 
-def enqueue(producer: Producer, spec: RunSpec, *, scope: str | None = None) -> Enqueued:
+def enqueue(producer: Producer, spec: RunSpec, *, scope: str | None = None, tenant: str | None = None) -> Enqueued:
     """Persist the run and send its message (:meth:`Producer.enqueue`, whose errors are already typed).
 
     Raises:
         SpecError: the spec breaks the admission policy (nothing written or sent).
         IdempotencyConflict: the idempotency key created a run from a different spec.
+        QuotaExceeded: the tenant is at one of its quotas (nothing written or sent).
         StoreError: Redis could not be reached (nothing sent).
         PublishError: RabbitMQ did not confirm the message (the run is failed, ``enqueue_failed``).
     """
-    return producer.enqueue(spec, scope=scope)
+    return producer.enqueue(spec, scope=scope, tenant=tenant)
 
 
 def cancel(store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str,

@@ -85,13 +85,33 @@ class Claim(Transition):
 
 
 @dataclass(frozen=True, slots=True)
+class Quota:
+    """A tenant's quotas (the catalog's ``[tenants.NAME]``); None: no bound."""
+
+    max_runs_in_flight: int | None = None
+    max_enqueues_per_minute: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaHit:
+    """The quota a create was refused by: its name, its limit, and when asking again may pass (seconds; 0:
+    when a run of the tenant ends, which nobody can say)."""
+
+    quota: str
+    limit: int
+    retry_after_s: int
+
+
+@dataclass(frozen=True, slots=True)
 class Created:
     """What a create did: the run id, and False when an idempotency key named an existing run (with
-    ``conflict`` when that run was created from a different request)."""
+    ``conflict`` when that run was created from a different request), or when a quota refused it
+    (``over_quota``; nothing written, no run id)."""
 
     run_id: str
     created: bool
     conflict: bool = False
+    over_quota: QuotaHit | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -267,6 +267,11 @@ class Settings(BaseSettings):
     allow_inline: Annotated[bool, _BOOL] = False
     """Accept inline MCP servers and models in a spec (development and tests only: whoever enqueues then
     chooses what the worker starts and reaches)."""
+    rabbitmq_allow_untenanted: Annotated[bool, _BOOL] = True
+    """Accept run and cancel requests on RabbitMQ whose `user_id` the catalog's `[rabbitmq_users]` does not map
+    to a tenant (or that carry none): they act as an operator, on every run. True keeps the requests of
+    backends that predate tenants working; set it false once the catalog maps every publishing user, and the
+    others are refused (answered, or dead-lettered with the reason). docs/security.md, "Tenants"."""
     max_spec_bytes: Annotated[int, _integer(1024, 64 * 1_048_576)] = 1_048_576
     """Largest run spec accepted, in bytes (1 MiB); a larger one makes the CLI exit 2 and `POST /v1/runs`
     answer `413`."""

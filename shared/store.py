@@ -23,7 +23,7 @@ import redis.sentinel
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
 from runbrake.shared.outcome import DeliveryStatus
-from runbrake.shared.records import CancelRequest, Claim, Created, OutboxEntry, RunRecord, Transition
+from runbrake.shared.records import CancelRequest, Claim, Created, OutboxEntry, Quota, RunRecord, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
@@ -219,9 +219,20 @@ class RunStore:
 
     # -- transitions ----------------------------------------------------------------------------
 
-    def create(self, request: Mapping[str, Any], *, idempotency_key: str | None = None) -> Created:
-        """Write a queued run with its request. The same idempotency key returns the same run."""
-        return self.execute(core.create(self.keys, request, idempotency_key=idempotency_key))
+    def create(self, request: Mapping[str, Any], *, idempotency_key: str | None = None, tenant: str | None = None,
+               quota: Quota | None = None) -> Created:
+        """Write a queued run with its request. The same idempotency key returns the same run. A tenant's
+        run is counted against ``quota`` in the same script (over it: nothing written, ``over_quota``)."""
+        return self.execute(core.create(self.keys, request, idempotency_key=idempotency_key, tenant=tenant,
+                                        quota=quota))
+
+    def tenant_of(self, run_id: str) -> str | None:
+        """The run's tenant ("" for none); None when no run has that id."""
+        return self.execute(core.tenant_of(self.keys, run_id))
+
+    def in_flight(self, tenant: str) -> int:
+        """How many of the tenant's runs are queued, running or waiting for approval."""
+        return self.execute(core.in_flight(self.keys, tenant))
 
     def claim(self, run_id: str, owner: str, *, lease_s: float) -> Claim:
         """queued → running, stamping owner, started_at and the lease."""

@@ -51,7 +51,7 @@ def test_instructions_history_and_settings_reach_the_endpoint_and_the_record_hol
                                               usage=(200, 30))).times(1)
     llm_mock.server.when_tool_result("call_1").reply(reply("It is 5.", usage=(321, 42)))
     spec = agent_spec(llm_mock, toolbox_http, instructions="Answer in one short sentence.", messages=HISTORY,
-                      labels={"tenant": "acme", "user": "u-7"},
+                      labels={"team": "acme", "user": "u-7"},
                       model_settings={"top_p": 0.9, "stop": ["END"], "seed": 7, "tool_choice": "auto",
                                       "parallel_tool_calls": False})
 
@@ -78,7 +78,7 @@ def test_instructions_history_and_settings_reach_the_endpoint_and_the_record_hol
     data = store.get(run.run_id).to_dict()
     assert {k: data[k] for k in ("input", "instructions", "labels", "model", "output", "output_json", "usage")} == {
         "input": "What is 2 + 3?", "instructions": "Answer in one short sentence.",
-        "labels": {"tenant": "acme", "user": "u-7"}, "model": "mock", "output": "It is 5.", "output_json": None,
+        "labels": {"team": "acme", "user": "u-7"}, "model": "mock", "output": "It is 5.", "output_json": None,
         "usage": {"input_tokens": 521, "output_tokens": 72, "total_tokens": 593, "model_calls": 2},
     }
     model_steps = [s for s in record.steps if s.kind is StepKind.MODEL]
@@ -134,7 +134,7 @@ def test_a_model_step_appended_twice_with_one_token_counts_its_usage_once(store:
     """The usage is summed where the step is appended: a write retried after a lost answer (the same token)
     is recorded once and counted once, whichever worker appends it."""
     run_id = store.create(RunSpec.parse({"input": "x", "model": {"provider": "scripted", "turns": [
-        {"content": "ok"}]}, "labels": {"tenant": "acme"}}).raw).run_id
+        {"content": "ok"}]}, "labels": {"team": "acme"}}).raw).run_id
     step = RunStep(kind=StepKind.MODEL, round=1, content="ok",
                    detail={"usage": {"input_tokens": 10, "output_tokens": 3, "total_tokens": 13}})
 
@@ -146,7 +146,7 @@ def test_a_model_step_appended_twice_with_one_token_counts_its_usage_once(store:
     record = store.get(run_id)
     assert len(record.steps) == 2
     assert record.usage.to_dict() == {"input_tokens": 10, "output_tokens": 3, "total_tokens": 13, "model_calls": 1}
-    assert (record.labels, record.model, record.input_preview) == ({"tenant": "acme"}, "scripted", "x")
+    assert (record.labels, record.model, record.input_preview) == ({"team": "acme"}, "scripted", "x")
 
 
 def scripted(labels: dict[str, str]) -> dict[str, Any]:
@@ -158,27 +158,27 @@ def test_runs_are_filtered_by_labels_over_the_cli_the_http_api_and_the_client(
     api: ApiProcess, producer: Producer, store: RunStore
 ) -> None:
     ids = {name: producer.enqueue(RunSpec.parse(scripted(labels))).run_id for name, labels in {
-        "acme-u1": {"tenant": "acme", "user": "u1"}, "acme-u2": {"tenant": "acme", "user": "u2"},
-        "other": {"tenant": "other", "user": "u1"}, "none": {}}.items()}
+        "acme-u1": {"team": "acme", "user": "u1"}, "acme-u2": {"team": "acme", "user": "u2"},
+        "other": {"team": "other", "user": "u1"}, "none": {}}.items()}
 
     def listed(answer: Callable[[], Any]) -> set[str]:
         return {ids_by_run[run["run_id"]] for run in answer()}
 
     ids_by_run = {run_id: name for name, run_id in ids.items()}
-    cli = runbrake("runs", "--label", "tenant=acme", "--json")
+    cli = runbrake("runs", "--label", "team=acme", "--json")
     assert cli.returncode == 0, cli.stderr
     assert listed(lambda: json.loads(cli.stdout)) == {"acme-u1", "acme-u2"}
-    both = runbrake("runs", "--label", "tenant=acme", "--label", "user=u1", "--json")
+    both = runbrake("runs", "--label", "team=acme", "--label", "user=u1", "--json")
     assert listed(lambda: json.loads(both.stdout)) == {"acme-u1"}
 
-    answer = httpx2.get(f"{api.url}/v1/runs", params=[("label", "tenant:acme"), ("label", "user:u2")])
+    answer = httpx2.get(f"{api.url}/v1/runs", params=[("label", "team:acme"), ("label", "user:u2")])
     assert answer.status_code == 200
     assert listed(lambda: answer.json()["runs"]) == {"acme-u2"}
     with Client(api.url) as client:
         assert listed(lambda: client.runs(labels={"user": "u1"})["runs"]) == {"acme-u1", "other"}
-        [summary] = client.runs(labels={"tenant": "other"})["runs"]
+        [summary] = client.runs(labels={"team": "other"})["runs"]
     assert (summary["labels"], summary["input_preview"], summary["model"]) == (
-        {"tenant": "other", "user": "u1"}, "run of {'tenant': 'other', 'user': 'u1'}", "scripted")
+        {"team": "other", "user": "u1"}, "run of {'team': 'other', 'user': 'u1'}", "scripted")
     assert "input" not in summary
 
 

@@ -68,6 +68,26 @@ def test_on_a_cluster_a_create_touches_the_slot_of_its_idempotency_key_and_its_r
         assert keys.shard(run_id) == keys.idempotency_shard(idempotency_key)
 
 
+@pytest.mark.parametrize("idempotency_key", [None, "order-1"])
+def test_on_a_cluster_a_tenants_runs_and_counts_share_the_tenants_slot(idempotency_key: str | None) -> None:
+    """One script counts all of a tenant's runs against its quotas: they all live in the tenant's shard, and a
+    run's end releases it from the count in its own slot (docs/architecture.md, "The run store on a Redis
+    Cluster")."""
+    keys = core.Keys("ns", retention_s=60, cluster=True)
+    tenant_slot = key_slot(keys.tenants(keys.tenant_shard("alpha")).encode())
+
+    creates = [core.create(keys, {"input": "x"}, idempotency_key=idempotency_key, tenant="alpha") for _ in range(20)]
+
+    assert all(_slots(op) == [{tenant_slot}] for op in creates)
+    run_id = creates[0].calls[0].args[0]  # type: ignore[union-attr]
+    ends = [core.settle(keys, run_id, RunStatus.FAILED, TerminationReason.TOOL_LOOP_ERROR),
+            core.cancel(keys, run_id, reason="r", requested_by="me"), core.reap(keys, run_id),
+            core.in_flight(keys, "alpha")]
+    assert all(_slots(op) in ([{tenant_slot}], []) for op in ends)
+    assert {key_slot(str(call.args[1]).encode()) for call in core.in_flight(keys, "alpha").calls
+            if isinstance(call, core.Command)} == {tenant_slot}
+
+
 def test_on_a_cluster_runs_spread_over_every_shard_and_readers_ask_each() -> None:
     keys = core.Keys("ns", cluster=True)
 

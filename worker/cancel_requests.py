@@ -26,6 +26,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
 from runbrake.shared import tracing
+from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import StoreError
 from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
@@ -53,9 +54,11 @@ class CancelRequestConsumer(ConsumerThread):
 
     role = "cancel_requests"
 
-    def __init__(self, settings: Settings, store: RunStore) -> None:
+    def __init__(self, settings: Settings, store: RunStore, admission: Admission) -> None:
         super().__init__(settings)
         self._store = store
+        self._admission = admission
+        """Its catalog's [rabbitmq_users] says whose tenant a request's user_id is."""
         self._topology = Topology.of(settings)
         self._publisher = CancelPublisher(settings)
         """The wake-up's own connection, used from this thread only."""
@@ -83,7 +86,18 @@ class CancelRequestConsumer(ConsumerThread):
         requested_by = request.requested_by or (f"amqp:{verified}" if verified else "amqp")
         if verified and request.requested_by:
             requested_by = f"{request.requested_by} (amqp:{verified})"
+        tenant, refused = self._admission.catalog.requester(
+            verified if isinstance(verified, str) and verified else None,
+            allow_untenanted=self._settings.rabbitmq_allow_untenanted)
+        if refused is not None:
+            self._dead_letter(channel, method, properties, body, refused)
+            return
         try:
+            if tenant is not None and self._store.tenant_of(request.run_id) != tenant:
+                # Another tenant's run is answered as a missing one: the requester learns nothing of it.
+                log.warning("cancel_request_unknown_run", run_id=request.run_id, tenant=tenant)
+                channel.basic_ack(delivery_tag=method.delivery_tag)
+                return
             # A traced publisher's trace goes on through the fence and the wake-up (docs/operating.md, "Traces").
             with tracing.current().span("runbrake.cancel_request", {"runbrake.run_id": request.run_id},
                                         parent=cancel_traceparent(properties), kind="consumer"):

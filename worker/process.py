@@ -109,7 +109,7 @@ def run_worker_process(
     parts: list[Part] = [
         *([metrics.MetricsServer(settings.metrics_port + index, settings.health_host)] if settings.metrics_port
           else []),
-        CancelRequestConsumer(settings, store),  # docs/messages.md, "Cancel requests"
+        CancelRequestConsumer(settings, store, admission),  # docs/messages.md, "Cancel requests"
         # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
         run_requests,
         listener,

@@ -27,7 +27,14 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
 from runbrake.shared import operations
-from runbrake.shared.errors import FieldProblem, IdempotencyConflict, PublishError, SpecError, StoreError
+from runbrake.shared.errors import (
+    FieldProblem,
+    IdempotencyConflict,
+    PublishError,
+    QuotaExceeded,
+    SpecError,
+    StoreError,
+)
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import (
     DEAD_REASON_HEADER,
@@ -89,7 +96,7 @@ class RunRequestConsumer(ConsumerThread):
             self._dead_letter(channel, method, properties, body, problem)
             return
         # RabbitMQ checks a user_id property against the publishing connection's user: when set, it names who
-        # published. The hook for tenants (issue 19, item 5): it is passed along as who asked, nothing more.
+        # published, and the catalog's [rabbitmq_users] says whose tenant's runs that user creates.
         user: str | None = texts["user_id"] or None
         try:
             answer = self._admit(body, message_id=texts["message_id"] or None, user=user)
@@ -132,11 +139,21 @@ class RunRequestConsumer(ConsumerThread):
             # ack) must not create a second run. The stored request stays the body as it came.
             spec = spec.model_copy(update={"idempotency_key": MESSAGE_ID_KEY_PREFIX + str(message_id)})
         who = f"amqp:{user}" if user else "amqp"
+        tenant, refused = self._producer.catalog.requester(
+            user, allow_untenanted=self._settings.rabbitmq_allow_untenanted)
+        if refused is not None:
+            log.info("run_request_untenanted", by=who)
+            return _refusal("request refused", [FieldProblem(loc=("properties", "user_id"), msg=refused)])
         try:
-            enqueued = operations.enqueue(self._producer, spec, scope=idempotency_scope(user))
+            enqueued = operations.enqueue(self._producer, spec, scope=idempotency_scope(user), tenant=tenant)
         except SpecError as exc:  # the admission policy: the catalog, inline definitions, the bounds
             log.info("run_request_refused", by=who, problems=[p.field for p in exc.problems][:20])
             return _refusal("run spec refused", exc.problems)
+        except QuotaExceeded as exc:
+            log.info("run_request_over_quota", by=who, tenant=tenant, quota=exc.quota)
+            retry = (f"; ask again in {exc.retry_after_s} s" if exc.retry_after_s
+                     else "; ask again once one of its runs ends")
+            return _refusal(str(exc), [FieldProblem(loc=("tenant",), msg=f"{exc.quota} is {exc.limit}{retry}")])
         except IdempotencyConflict as exc:
             loc: tuple[str, ...] = ("properties", "message_id") if keyed_by_message else ("idempotency_key",)
             log.info("run_request_conflict", by=who, run_id=exc.run_id)

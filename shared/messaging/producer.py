@@ -8,7 +8,7 @@ import structlog
 
 from runbrake.shared import tracing
 from runbrake.shared.catalog import Admission, Catalog
-from runbrake.shared.errors import IdempotencyConflict, PublishError
+from runbrake.shared.errors import IdempotencyConflict, PublishError, QuotaExceeded
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker
 from runbrake.shared.messaging.wire import Topology, run_message
 from runbrake.shared.spec import RunSpec
@@ -40,7 +40,12 @@ class Producer:
         self._topology = Topology(store.namespace)
         self._admission = Admission(Catalog.empty()) if admission is None else admission
 
-    def enqueue(self, spec: RunSpec, *, scope: str | None = None) -> Enqueued:
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog in force now (its tenants' quotas, its RabbitMQ users)."""
+        return self._admission.catalog
+
+    def enqueue(self, spec: RunSpec, *, scope: str | None = None, tenant: str | None = None) -> Enqueued:
         """Persist the run (queued, with its request) and send its message.
 
         Fail-closed: when the send fails, the run is settled failed (reason
@@ -48,25 +53,32 @@ class Producer:
         the caller gets the error. A repeated idempotency key returns the first run
         and sends nothing. ``scope`` (the HTTP API's token name) gives the submitter idempotency keys
         of its own: the store keeps the key as ``<scope>:<key>``, which no other token can name (a token
-        name has no ``:``); without one, the key is the spec's (the CLI, a token-less API).
+        name has no ``:``); without one, the key is the spec's (the CLI, a token-less API). A ``tenant``'s
+        run carries the label ``tenant`` and is counted against the tenant's quotas in the catalog, in the
+        script that writes it (docs/http-api.md, "Tenants and quotas").
 
         Raises:
             SpecError: the spec breaks the admission policy (nothing written or sent).
             IdempotencyConflict: the idempotency key created a run from a different spec.
+            QuotaExceeded: the tenant is at one of its quotas (nothing written or sent).
             StoreError: when Redis cannot be reached (nothing was sent).
             PublishError: when RabbitMQ did not confirm the message (the run is failed).
         """
         with tracing.current().span("runbrake.enqueue", kind="producer") as span:
-            enqueued = self._enqueue(spec, scope=scope)
+            enqueued = self._enqueue(spec, scope=scope, tenant=tenant)
             span.set({"runbrake.run_id": enqueued.run_id, "runbrake.run.created": enqueued.created})
             return enqueued
 
-    def _enqueue(self, spec: RunSpec, *, scope: str | None) -> Enqueued:
+    def _enqueue(self, spec: RunSpec, *, scope: str | None, tenant: str | None) -> Enqueued:
         self._admission.admit(spec)
         key = spec.idempotency_key
         if key is not None and scope is not None:
             key = f"{scope}:{key}"
-        created = self._store.create(spec.raw, idempotency_key=key)
+        quota = self._admission.catalog.quota(tenant) if tenant else None
+        created = self._store.create(spec.raw, idempotency_key=key, tenant=tenant, quota=quota)
+        if created.over_quota is not None:
+            hit = created.over_quota
+            raise QuotaExceeded(tenant or "", hit.quota, hit.limit, hit.retry_after_s)
         if created.conflict:
             raise IdempotencyConflict(spec.idempotency_key or "", created.run_id)
         if not created.created:

@@ -1,12 +1,13 @@
 """Request one run on RabbitMQ alone and print the answer (docs/messages.md, "Run requests"): plain pika, no
 runbrake.
 
-    python request_run.py AMQP_URL NAMESPACE BODY [--no-reply] [--message-id ID] [--reply-to QUEUE]
+    python request_run.py AMQP_URL NAMESPACE BODY [--no-reply] [--message-id ID] [--reply-to QUEUE] [--user-id USER]
 
 BODY (a run spec, or anything: the tests also send malformed ones; ``-`` reads it from stdin) is published
 as it is, with publisher confirms and ``mandatory``. By default the answer is awaited on an exclusive,
 server-named queue, matched by ``correlation_id``, and printed on stdout as one JSON line; ``--reply-to``
-names another queue to answer (the answer is then not awaited), ``--no-reply`` asks for none.
+names another queue to answer (the answer is then not awaited), ``--no-reply`` asks for none; ``--user-id``
+sets the user_id property (RabbitMQ refuses one that is not the connection's user).
 
 Exit 0 once the request was confirmed (and answered, when awaited); 1 when it was returned unroutable (no
 worker of the namespace ever started), not confirmed, or not answered within 60 s.
@@ -23,7 +24,7 @@ ANSWER_TIMEOUT_S = 60
 
 
 def request_run(amqp_url: str, namespace: str, body: bytes, *, reply: bool = True, message_id: str | None = None,
-                reply_to: str | None = None) -> bytes | None:
+                reply_to: str | None = None, user_id: str | None = None) -> bytes | None:
     """Publish a run request; return the answer's body (None when no answer is awaited)."""
     exchange = f"{namespace}.run-requests"
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
@@ -41,7 +42,7 @@ def request_run(amqp_url: str, namespace: str, body: bytes, *, reply: bool = Tru
             properties=pika.BasicProperties(content_type="application/json", delivery_mode=2,
                                             reply_to=reply_to if reply else None,
                                             correlation_id=correlation_id if reply else None,
-                                            message_id=message_id),
+                                            message_id=message_id, user_id=user_id),
             mandatory=True,  # an unroutable request comes back instead of vanishing
         )
         if not awaited:
@@ -65,11 +66,12 @@ if __name__ == "__main__":
     parser.add_argument("--no-reply", action="store_true")
     parser.add_argument("--message-id")
     parser.add_argument("--reply-to")
+    parser.add_argument("--user-id")
     args = parser.parse_args()
     try:
         body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode("utf-8")
         answer = request_run(args.url, args.namespace, body, reply=not args.no_reply,
-                             message_id=args.message_id, reply_to=args.reply_to)
+                             message_id=args.message_id, reply_to=args.reply_to, user_id=args.user_id)
     except (pika.exceptions.AMQPError, TimeoutError) as exc:
         print(f"not answered: {exc!r}", file=sys.stderr)
         sys.exit(1)
