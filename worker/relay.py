@@ -193,13 +193,18 @@ class EventRelay(PartThread):
                     self._store.outbox_groups()
                     groups_made = True
                 self._round()
+                if backoff > _FIRST_BACKOFF_S:
+                    log.info("event_relay_resumed")
                 backoff = _FIRST_BACKOFF_S
             except (pika.exceptions.AMQPError, PublishError, StoreError) as exc:
                 self.leading = False
                 self._publisher.close()
                 if self._stopping.is_set():
                     break
-                log.warning("event_relay_interrupted", error=str(exc) or repr(exc), retry_in_s=backoff)
+                # Once per outage at warning (docs/operating.md, "A RabbitMQ cluster": a few lines, not one per
+                # attempt); the attempts after it at debug, until event_relay_resumed.
+                (log.warning if backoff == _FIRST_BACKOFF_S else log.debug)(
+                    "event_relay_interrupted", error=str(exc) or repr(exc), retry_in_s=backoff)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
             except Exception:

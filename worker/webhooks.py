@@ -125,10 +125,13 @@ class WebhookDispatcher(PartThread):
                         self._store.webhook_groups()
                         groups_made = True
                     self._round(client, pool)
+                    if wait > 0.2:
+                        log.info("webhooks_resumed")
                     wait = 0.2
                 except StoreError as exc:
                     self.leading = False
-                    log.warning("webhooks_interrupted", error=str(exc), retry_in_s=wait)
+                    # Once per outage at warning, the attempts after it at debug, until webhooks_resumed.
+                    (log.warning if wait == 0.2 else log.debug)("webhooks_interrupted", error=str(exc), retry_in_s=wait)
                     self._stopping.wait(wait)
                     wait = min(wait * 2, 5.0)
                 except Exception:
