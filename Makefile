@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services browser lint typecheck docs configuration test fuzz demo bench wheel-check lock manifests soak clean
+.PHONY: setup services browser lint typecheck docs configuration test test-long fuzz demo bench wheel-check lock manifests soak clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -61,7 +61,12 @@ configuration: setup
 	$(PY) -m runbrake.shared._settings_doc > docs/configuration.md
 
 test: setup services browser lint typecheck docs
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not long"
+
+# The tests that take minutes of wall clock each, outside make test to keep CI under 25 minutes: the 3-minute
+# soak (tests/test_soak.py), the three-node RabbitMQ cluster and the Redis Sentinel failover (tests/chaos/).
+test-long: setup services
+	$(PY) -m pytest -m long
 
 # The property-based tests with many examples, at random (make test runs a bounded, derandomised few):
 # every input (the spec, the envelopes and cancel requests on the real queues, the catalog and tokens files)

@@ -21,6 +21,8 @@ RESTARTS = 3
 """Every 45 s: a restart (a hand-over, then a new worker's start) took 40-60 s on this 2-core machine when it
 was shared by several test runs, so five in three minutes (the soak's default) did not all fit."""
 
+pytestmark = pytest.mark.long  # make test-long (docs/development.md)
+
 
 @pytest.mark.integration
 @pytest.mark.timeout(MINUTES * 60 + 420)
