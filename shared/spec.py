@@ -607,6 +607,7 @@ _TAGGED_UNIONS: Final[tuple[tuple[tuple[str | None, ...], frozenset[str] | Regis
     (("model",), PROVIDERS),
     (("mcp_servers",), frozenset({"catalog", "inline"})),
     (("mcp_servers", None), TRANSPORTS),  # None: any server name
+    (("models", None), PROVIDERS),  # the catalog's models, by name
 )
 """Where the spec has a tagged union, and its tags: pydantic puts a member's tag into an error's loc
 (``model.scripted.turns``), a level the JSON does not have."""

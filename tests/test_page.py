@@ -181,21 +181,21 @@ def test_the_page_shows_what_a_run_is_asked_what_it_answers_and_what_it_cost_and
     add_to_catalog({"toolbox": toolbox_http.spec}, models={"mock": {
         "provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}})
     asked = {"input": "What is the sum of 2 and 3?", "model": "mock", "mcp_servers": ["toolbox"],
-             "instructions": "Answer as JSON.", "labels": {"tenant": "acme"},
+             "instructions": "Answer as JSON.", "labels": {"team": "acme"},
              "output_schema": {"type": "object", "required": ["sum"], "properties": {"sum": {"type": "integer"}}}}
     acme = httpx2.post(f"{api.url}/v1/runs", json=asked).json()["run_id"]
-    other = httpx2.post(f"{api.url}/v1/runs", json={**asked, "labels": {"tenant": "globex"}}).json()["run_id"]
+    other = httpx2.post(f"{api.url}/v1/runs", json={**asked, "labels": {"team": "globex"}}).json()["run_id"]
     for run_id in (acme, other):
         assert wait_for_run(store, run_id).status is RunStatus.COMPLETED
 
     page, errors = open_page(browser, f"{api.url}/", locale="en-US")
     row = page.locator(f"[data-run-id='{acme}']")
     expect(row.get_by_test_id("run-input")).to_have_text("What is the sum of 2 and 3?")
-    expect(row.get_by_test_id("run-labels")).to_have_text("tenant=acme")
+    expect(row.get_by_test_id("run-labels")).to_have_text("team=acme")
     expect(row.get_by_test_id("run-tokens")).to_have_text("230")
     expect(row.get_by_test_id("run-duration")).to_have_text(ELAPSED)
 
-    page.get_by_test_id("filter-label").fill("tenant:acme")
+    page.get_by_test_id("filter-label").fill("team:acme")
     page.get_by_test_id("filter-apply").click()
     expect(page.locator(f"[data-run-id='{other}']")).to_have_count(0)
     expect(page.get_by_test_id("run-row")).to_have_count(1)
