@@ -26,6 +26,7 @@ from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import SpecError
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, DEAD_SIZE_HEADER, Topology, decode_run_request
 from tests.amqp_clients import CLIENTS, node_client, queue_types
+from tests.events_helpers import assert_valid_bodies, expected_keys, position
 from tests.mcp_helpers import Toolbox
 from tests.polling import poll_until
 from tests.test_fuzz_inputs import SHAPED, examples
@@ -225,19 +226,30 @@ def test_a_reply_to_naming_a_queue_of_its_own_is_refused_so_a_reply_cannot_becom
     assert declared.method.message_count == 0
 
 
-def test_a_run_requested_from_node_with_amqplib_is_answered_and_completes(
+def test_a_backend_on_node_requests_a_run_and_follows_its_events_to_the_end_over_rabbitmq_alone(
     worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore, rabbitmq: Settings
 ) -> None:
-    script = node_client("request_run.mjs")
+    """The whole backend story in one amqplib client: enqueue on <ns>.run-requests, the answer on its reply-to,
+    then the run's events on <ns>.events in order, up to run.completed (tests/clients/backend_run.mjs)."""
+    script = node_client("backend_run.mjs")
 
     sent = subprocess.run(["node", str(script), rabbitmq.rabbitmq_url, rabbitmq.namespace, summing_spec(toolbox_http)],
                           capture_output=True, text=True, timeout=90, check=False)
 
     assert sent.returncode == 0, sent.stderr
-    answer = json.loads(sent.stdout)
+    first, *lines = [json.loads(line) for line in sent.stdout.splitlines() if line.strip()]
+    answer = first["answer"]
     ANSWER_SCHEMA.validate(answer)
     assert (answer["status"], answer["created"]) == ("queued", True)
     completed_with_the_sum(store, answer["run_id"])
+    record = store.get(answer["run_id"])
+    assert [e["routing_key"] for e in lines] == expected_keys(record) == [
+        "run.queued", "run.running", "step.model", "step.tool", "step.model", "run.completed"]
+    ids = [e["message_id"] for e in lines]
+    assert ids == sorted(ids, key=position)
+    assert len(set(ids)) == len(ids)
+    assert {e["body"]["run_id"] for e in lines} == {answer["run_id"]}
+    assert_valid_bodies([e["body"] for e in lines])  # docs/messages.md, "Run events: JSON Schema"
 
 
 def test_an_invalid_spec_from_node_is_answered_with_errors_naming_the_field_and_nothing_is_written(
