@@ -503,23 +503,6 @@ else
 end
 return 1
 """)
-# KEYS: a line.  The delivery at its head, as field/value pairs (empty when the line is empty).
-WEBHOOK_HEAD = _script("webhook_head", """
-local head = redis.call('LINDEX', KEYS[1], 0)
-if not head then return {} end
-return redis.call('HGETALL', head)
-""")
-
-# KEYS: an index (the log or the failing set).  ARGV: count.  The newest deliveries' fields, newest first.
-WEBHOOK_LIST = _script("webhook_list", """
-local found = {}
-for _, key in ipairs(redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
-  found[#found + 1] = redis.call('HGETALL', key)
-end
-return found
-""")
-
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT,
-       WEBHOOK_HEAD, WEBHOOK_LIST)
+       REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

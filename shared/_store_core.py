@@ -1210,27 +1210,34 @@ def webhooks_due(keys: Keys, *, now: float, count: int) -> Op[list[str]]:
               lambda answers: [str(m) for m in answers[0]])
 
 
-def webhook_heads(keys: Keys, members: Sequence[str]) -> Op[list[dict[str, str]]]:
-    """The delivery at the head of each line (empty for a line that has none)."""
-    def parse(answers: list[Any]) -> list[dict[str, str]]:
-        return [_fields(answer) if isinstance(answer, dict | list) else {} for answer in answers]
-
+def webhook_line_heads(keys: Keys, members: Sequence[str]) -> Op[list[str]]:
+    """The key of the delivery at the head of each line ("" for a line that has none); their fields are read
+    by :func:`webhook_fields`. Two reads rather than one script: a script may touch only the keys it is given,
+    and the head's key is known only once the line was read (docs/architecture.md, "Pitfalls: Lua scripts and
+    hash tags")."""
     calls = []
     for member in members:
         webhook, _, run_id = member.partition("|")
-        line = keys.webhook_key(f"webhook-line:{webhook}:{run_id}")
-        calls.append(ScriptCall(_scripts.WEBHOOK_HEAD, (line,), ()))
-    return Op("read webhook deliveries", tuple(calls), parse)
+        calls.append(Command(("LINDEX", keys.webhook_key(f"webhook-line:{webhook}:{run_id}"), 0)))
+    return Op("read webhook lines", tuple(calls), lambda answers: [str(a) if a is not None else "" for a in answers])
 
 
-def webhook_deliveries(keys: Keys, *, failing: bool, count: int) -> Op[list[dict[str, str]]]:
-    """The latest deliveries (or only those failing: retrying or given up), newest first."""
+def webhook_index(keys: Keys, *, failing: bool, count: int) -> Op[list[str]]:
+    """The keys of the latest deliveries (or only those failing: retrying or given up), newest first."""
     index = keys.webhook_key("webhook-failing" if failing else "webhook-log")
+    return Op("list webhook deliveries", (Command(("ZREVRANGE", index, 0, count - 1)),),
+              lambda answers: [str(m) for m in answers[0]])
+
+
+def webhook_fields(delivery_keys: Sequence[str]) -> Op[list[dict[str, str]]]:
+    """Each delivery's fields, in the order given (empty for one deleted meanwhile, or a "" key)."""
+    wanted = [key for key in delivery_keys if key]
 
     def parse(answers: list[Any]) -> list[dict[str, str]]:
-        return [_fields(answer) for answer in answers[0] if answer]
+        found = dict(zip(wanted, (_fields(answer) for answer in answers), strict=True))
+        return [found.get(key, {}) if key else {} for key in delivery_keys]
 
-    return Op("list webhook deliveries", (ScriptCall(_scripts.WEBHOOK_LIST, (index,), (count,)),), parse)
+    return Op("read webhook deliveries", tuple(Command(("HGETALL", key)) for key in wanted), parse)
 
 
 def webhook_expired(keys: Keys, *, before: float, count: int) -> Op[list[str]]:

@@ -268,7 +268,8 @@ class AsyncRunStore:
 
     async def webhook_deliveries(self, *, failing: bool = False, count: int = 100) -> list[dict[str, str]]:
         """The latest webhook deliveries (or only those retrying or given up), newest first (docs/webhooks.md)."""
-        return await self.execute(core.webhook_deliveries(self.keys, failing=failing, count=count))
+        delivery_keys = await self.execute(core.webhook_index(self.keys, failing=failing, count=count))
+        return [found for found in await self.execute(core.webhook_fields(delivery_keys)) if found]
 
     async def ping(self) -> None:
         """Raises StoreError when Redis does not answer."""

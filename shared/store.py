@@ -448,7 +448,10 @@ class RunStore:
 
     def webhook_heads(self, lines: Sequence[str]) -> list[dict[str, str]]:
         """The delivery at the head of each line (empty when none)."""
-        return self.execute(core.webhook_heads(self.keys, lines)) if lines else []
+        if not lines:
+            return []
+        heads: list[str] = self.execute(core.webhook_line_heads(self.keys, lines))
+        return self.execute(core.webhook_fields(heads))
 
     def webhook_sweep(self, *, before: float, count: int = 500) -> int:
         """Delete up to ``count`` deliveries last touched before ``before``; answers how many."""
@@ -457,7 +460,8 @@ class RunStore:
 
     def webhook_deliveries(self, *, failing: bool = False, count: int = 100) -> list[dict[str, str]]:
         """The latest webhook deliveries (or only those retrying or given up), newest first (docs/webhooks.md)."""
-        return self.execute(core.webhook_deliveries(self.keys, failing=failing, count=count))
+        delivery_keys: list[str] = self.execute(core.webhook_index(self.keys, failing=failing, count=count))
+        return [found for found in self.execute(core.webhook_fields(delivery_keys)) if found]
 
     def persistence(self) -> list[tuple[str, dict[str | None, str | None]]]:
         """Each node's ``appendonly`` and ``save`` (every primary of a cluster), for the worker's warning
