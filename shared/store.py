@@ -355,30 +355,14 @@ class RunStore:
 
     # -- the outbox (docs/architecture.md, "The outbox"; worker/relay.py reads it) ----------------------
 
-    def outbox_groups(self) -> int:
-        """Make the relay's consumer group on every outbox where it is missing; answers how many were made."""
-        return self.execute(core.outbox_groups(self.keys))
+    def relay_cursor(self) -> OutboxCursor:
+        """The relay's reading of the outbox (its group ``relay``) and its lease."""
+        return OutboxCursor(self, core.RELAY_GROUP, self.keys.relay_lease)
 
-    def relay_lease(self, relay: str, *, lease_s: float) -> bool:
-        """Take or renew the lease of the one relay that publishes; answers whether ``relay`` holds it."""
-        return self.execute(core.relay_lease(self.keys, relay, lease_s=lease_s))
-
-    def relay_release(self, relay: str) -> bool:
-        """Give the relay's lease up if ``relay`` holds it."""
-        return self.execute(core.relay_release(self.keys, relay))
-
-    def outbox_pending(self, relay: str, *, count: int) -> tuple[list[OutboxEntry], int]:
-        """Take over the entries handed out and not acknowledged, oldest first, and say how many pending
-        ones were trimmed before they were published."""
-        return self.execute(core.outbox_pending(self.keys, relay, count=count))
-
-    def outbox_new(self, relay: str, *, count: int, block_ms: int | None = None) -> list[OutboxEntry]:
-        """The next entries nobody was handed yet (waiting up to ``block_ms`` for one on a single Redis)."""
-        return self.execute(core.outbox_new(self.keys, relay, count=count, block_ms=block_ms))
-
-    def outbox_ack(self, entries: Sequence[OutboxEntry]) -> int:
-        """Acknowledge published entries."""
-        return self.execute(core.outbox_ack(self.keys, entries)) if entries else 0
+    def webhook_cursor(self) -> OutboxCursor:
+        """The webhook dispatcher's reading of the outbox (its group ``webhooks``, a cursor beside the relay's)
+        and its lease."""
+        return OutboxCursor(self, core.WEBHOOK_GROUP, self.keys.webhook_key("webhook-lease"))
 
     def outbox_after(self, after: str | None, *, count: int) -> tuple[list[OutboxEntry], str | None]:
         """The next ``count`` events after the event id ``after`` (None: from the oldest kept), and the oldest
@@ -386,32 +370,6 @@ class RunStore:
         return self.execute(core.outbox_after(self.keys, after, count=count))
 
     # -- webhooks (docs/webhooks.md, "How delivery works"; worker/webhooks.py delivers) -----------------
-
-    def webhook_groups(self) -> int:
-        """Make the webhook dispatcher's consumer group on every outbox where it is missing."""
-        return self.execute(core.outbox_groups(self.keys, core.WEBHOOK_GROUP))
-
-    def webhook_lease(self, dispatcher: str, *, lease_s: float) -> bool:
-        """Take or renew the lease of the one dispatcher that delivers; answers whether it holds it."""
-        return self.execute(core.relay_lease(self.keys, dispatcher, lease_s=lease_s,
-                                             key=self.keys.webhook_key("webhook-lease")))
-
-    def webhook_release(self, dispatcher: str) -> bool:
-        """Give the dispatcher's lease up if ``dispatcher`` holds it."""
-        return self.execute(core.relay_release(self.keys, dispatcher, key=self.keys.webhook_key("webhook-lease")))
-
-    def webhook_outbox_pending(self, dispatcher: str, *, count: int) -> tuple[list[OutboxEntry], int]:
-        """The outbox entries the dispatchers' group handed out and nobody acknowledged (taken over)."""
-        return self.execute(core.outbox_pending(self.keys, dispatcher, count=count, group=core.WEBHOOK_GROUP))
-
-    def webhook_outbox_new(self, dispatcher: str, *, count: int, block_ms: int | None = None) -> list[OutboxEntry]:
-        """The next outbox entries the dispatchers' group was not handed yet."""
-        return self.execute(core.outbox_new(self.keys, dispatcher, count=count, block_ms=block_ms,
-                                            group=core.WEBHOOK_GROUP))
-
-    def webhook_outbox_ack(self, entries: Sequence[OutboxEntry]) -> int:
-        """Acknowledge entries whose deliveries were queued."""
-        return self.execute(core.outbox_ack(self.keys, entries, core.WEBHOOK_GROUP)) if entries else 0
 
     def run_requests(self, run_ids: Sequence[str]) -> list[str | None]:
         """The stored request (spec JSON) of each run; None for a run that is gone."""
@@ -481,3 +439,40 @@ class RunStore:
         for key in client.scan_iter(match=f"{self.namespace}:*", count=500):
             deleted += client.delete(key)
         return deleted
+
+
+class OutboxCursor:
+    """One consumer group's reading of the outbox, and the lease of the one reader of all a namespace's
+    processes that reads through it (the relay's, the webhook dispatcher's: worker/outbox_reader.py)."""
+
+    def __init__(self, store: RunStore, group: str, lease_key: str) -> None:
+        self._store = store
+        self.group = group
+        self._lease_key = lease_key
+
+    def make_groups(self) -> int:
+        """Make the group on every outbox where it is missing; answers how many were made."""
+        return self._store.execute(core.outbox_groups(self._store.keys, self.group))
+
+    def lease(self, reader: str, *, lease_s: float) -> bool:
+        """Take or renew the lease; answers whether ``reader`` holds it."""
+        return self._store.execute(core.relay_lease(self._store.keys, reader, lease_s=lease_s, key=self._lease_key))
+
+    def release(self, reader: str) -> bool:
+        """Give the lease up if ``reader`` holds it (a reader that stops: the next one need not wait it out)."""
+        return self._store.execute(core.relay_release(self._store.keys, reader, key=self._lease_key))
+
+    def pending(self, reader: str, *, count: int) -> tuple[list[OutboxEntry], int]:
+        """Take over the entries the group handed out and nobody acknowledged, oldest first, and say how many
+        pending ones were trimmed before they were taken."""
+        return self._store.execute(core.outbox_pending(self._store.keys, reader, count=count, group=self.group))
+
+    def new(self, reader: str, *, count: int, block_ms: int | None = None) -> list[OutboxEntry]:
+        """The next entries nobody in the group was handed yet (waiting up to ``block_ms`` for one on a single
+        Redis)."""
+        return self._store.execute(core.outbox_new(self._store.keys, reader, count=count, block_ms=block_ms,
+                                                   group=self.group))
+
+    def ack(self, entries: Sequence[OutboxEntry]) -> int:
+        """Acknowledge entries the reader is done with (they stay in the outbox until the retention ends)."""
+        return self._store.execute(core.outbox_ack(self._store.keys, entries, self.group)) if entries else 0

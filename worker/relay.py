@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -38,22 +36,19 @@ from runbrake.shared.messaging.wire import RunEventMessage, Topology, connection
 from runbrake.shared.records import OutboxEntry, stream_position
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
-from runbrake.worker.parts import Health, PartThread
+from runbrake.worker.outbox_reader import LEASE_S, OutboxReader
+from runbrake.worker.parts import Health
 
 log = structlog.get_logger(__name__)
 
 BATCH: Final = 500
 """Entries read (per shard) and published per round: their confirms are awaited together."""
-LEASE_S: Final = 10.0
-"""How long the publishing relay's lease lasts unrenewed: a relay that died is replaced after this."""
 CONFIRM_TIMEOUT_S: Final = 30.0
 """How long a batch's confirms are awaited before the connection is given up (the entries stay pending)."""
 BLOCK_MS: Final = 500
 """How long one read waits for a new entry on a single Redis (below the store's socket timeout)."""
 POLL_S: Final = 0.1
 """How long a relay on a Redis Cluster (which polls its shards) waits after a round that found nothing."""
-_FIRST_BACKOFF_S: Final = 0.2
-_MAX_BACKOFF_S: Final = 5.0
 
 
 class ConfirmedPublisher:
@@ -156,26 +151,19 @@ class ConfirmedPublisher:
             self._refused += len(confirmed)
 
 
-def consumer_name() -> str:
-    """A name for one part of one process in an outbox's consumer group and in its lease: the host, the pid
-    and a random suffix (a restarted process is a new consumer)."""
-    host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60]
-    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-class EventRelay(PartThread):
+class EventRelay(OutboxReader):
     """Publishes the outbox on ``<ns>.events`` while it holds the relay's lease; stands by otherwise."""
 
     role = "event_relay"
+    event = "event_relay"
+    working = "leading"
+    unread = "unpublished"
+    outages = (pika.exceptions.AMQPError, PublishError, StoreError)
 
     def __init__(self, settings: Settings, store: RunStore) -> None:
-        super().__init__("runbrake-event-relay")
-        self._store = store
+        super().__init__("runbrake-event-relay", store.relay_cursor())
+        self._cluster = store.cluster
         self._publisher = ConfirmedPublisher(settings, self._stopping)
-        self.name_in_group = consumer_name()
-        """This relay's consumer name in the group, and its name in the lease."""
-        self.leading = False
-        """Whether this relay held the lease at its last round (it publishes)."""
         self.published = 0
         """Events this relay published (and acknowledged) since it started."""
 
@@ -184,78 +172,31 @@ class EventRelay(PartThread):
             return Health(False, "not running")
         return Health(True, "publishing" if self.leading else "standing by")
 
-    def run(self) -> None:
-        backoff = _FIRST_BACKOFF_S
-        groups_made = False
-        while not self._stopping.is_set():
-            try:
-                if not groups_made:
-                    self._store.outbox_groups()
-                    groups_made = True
-                self._round()
-                if backoff > _FIRST_BACKOFF_S:
-                    log.info("event_relay_resumed")
-                backoff = _FIRST_BACKOFF_S
-            except (pika.exceptions.AMQPError, PublishError, StoreError) as exc:
-                self.leading = False
-                self._publisher.close()
-                if self._stopping.is_set():
-                    break
-                # Once per outage at warning (docs/operating.md, "A RabbitMQ cluster": a few lines, not one per
-                # attempt); the attempts after it at debug, until event_relay_resumed.
-                (log.warning if backoff == _FIRST_BACKOFF_S else log.debug)(
-                    "event_relay_interrupted", error=str(exc) or repr(exc), retry_in_s=backoff)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
-            except Exception:
-                # Nothing an entry holds should get here (entries are decoded defensively); if something does,
-                # the relay starts over rather than stop publishing for good.
-                self.leading = False
-                self._publisher.close()
-                log.exception("event_relay_crashed", retry_in_s=backoff)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
-        self._publisher.close()
-        with contextlib.suppress(StoreError):
-            self._store.relay_release(self.name_in_group)
-        log.info("event_relay_stopped", published=self.published)
-
-    def _renew(self) -> bool:
-        self.leading = self._store.relay_lease(self.name_in_group, lease_s=LEASE_S)
-        return self.leading
-
-    def _round(self) -> None:
-        """Publish the next batch, if this relay holds the lease."""
+    def _work(self) -> None:
+        """Publish the next batch."""
         if not self._publisher.connected:
             self._publisher.connect()
-        leading = self._store.relay_lease(self.name_in_group, lease_s=LEASE_S)
-        if leading != self.leading:
-            log.info("event_relay_leading" if leading else "event_relay_standing_by", relay=self.name_in_group)
-            self.leading = leading
-        if not leading:
-            self._stopping.wait(LEASE_S / 3)
-            return
-        entries, trimmed = self._store.outbox_pending(self.name_in_group, count=BATCH)
-        if trimmed:
-            log.error("event_relay_events_trimmed_unpublished", events=trimmed,
-                      cause="older than RUNBRAKE_RETENTION_S before RabbitMQ took them")
+        entries = self._next_entries(count=BATCH, block_ms=None if self._cluster else BLOCK_MS)
         if not entries:
-            block = None if self._store.cluster else BLOCK_MS
-            entries = self._store.outbox_new(self.name_in_group, count=BATCH, block_ms=block)
-        if not entries:
-            if self._store.cluster:
+            if self._cluster:
                 self._stopping.wait(POLL_S)
             return
         messages = []
         for entry in entries:
-            message = event_message(entry, cluster=self._store.cluster)
+            message = event_message(entry, cluster=self._cluster)
             if message is None:
                 log.warning("event_relay_entry_unreadable", stream_id=entry.stream_id, shard=entry.shard)
             else:
                 messages.append(message)
         self._publisher.publish(messages, still_leading=self._renew)
-        self._store.outbox_ack(entries)
+        self._cursor.ack(entries)
         self.published += len(messages)
+
+    def _interrupted(self) -> None:
+        self._publisher.close()
+
+    def _totals(self) -> dict[str, Any]:
+        return {"published": self.published}
 
 
 def event_message(entry: OutboxEntry, *, cluster: bool) -> RunEventMessage | None:

@@ -20,7 +20,6 @@ all those of a namespace, the holder of a lease in Redis delivers (as the relay 
 from __future__ import annotations
 
 import binascii
-import contextlib
 import datetime
 import json
 import os
@@ -30,27 +29,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final
+from typing import Any, Final
 
 import httpx2
 import standardwebhooks
 import structlog
 
 from runbrake.shared.catalog import Catalog, CatalogFile, WebhookSpec
-from runbrake.shared.errors import StoreError
-from runbrake.shared.messaging.wire import encode_run_event
 from runbrake.shared.outcome import DeliveryStatus
-from runbrake.shared.records import OutboxEntry, stream_position
+from runbrake.shared.records import OutboxEntry
 from runbrake.shared.redaction import remember, scrub
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
-from runbrake.worker.parts import Health, PartThread
-from runbrake.worker.relay import consumer_name
+from runbrake.worker.outbox_reader import OutboxReader
+from runbrake.worker.parts import Health
+from runbrake.worker.relay import event_message
 
 log = structlog.get_logger(__name__)
 
-LEASE_S: Final = 10.0
-"""How long the delivering dispatcher's lease lasts unrenewed."""
 BATCH: Final = 500
 """Outbox entries read per round (per shard)."""
 BLOCK_MS: Final = 100
@@ -86,78 +82,56 @@ def notify_of(request: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if isinstance(n, str)))
 
 
-class WebhookDispatcher(PartThread):
+class WebhookDispatcher(OutboxReader):
     """Queues the outbox's events for the webhooks runs name, and delivers them, while it holds the lease."""
 
     role = "webhook_dispatcher"
+    event = "webhooks"
+    working = "delivering"
+    unread = "unqueued"
 
     def __init__(self, settings: Settings, store: RunStore, catalog: Catalog | CatalogFile | None = None) -> None:
-        super().__init__("runbrake-webhooks")
+        super().__init__("runbrake-webhooks", store.webhook_cursor())
         self._settings = settings
         self._store = store
         self._catalog = catalog if catalog is not None else (
             CatalogFile(settings.catalog) if settings.catalog else Catalog.empty())
-        self.name_in_group = consumer_name()
-        self.leading = False
         self.delivered = 0
         """Deliveries this dispatcher got a 2xx for since it started."""
         self._notify: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
         self._next_sweep = 0.0
+        self._client: httpx2.Client | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def health(self) -> Health:
         if not self.is_alive():
             return Health(False, "not running")
         return Health(True, "delivering" if self.leading else "standing by")
 
-    def run(self) -> None:
-        timeout = self._settings.webhook_timeout_s
-        client = httpx2.Client(timeout=httpx2.Timeout(timeout), follow_redirects=False, trust_env=False,
-                               limits=httpx2.Limits(max_connections=self._settings.webhook_concurrency))
-        pool = ThreadPoolExecutor(self._settings.webhook_concurrency, thread_name_prefix="runbrake-webhook")
-        wait = 0.2
-        groups_made = False
-        try:
-            while not self._stopping.is_set():
-                try:
-                    if not groups_made:
-                        self._store.webhook_groups()
-                        groups_made = True
-                    self._round(client, pool)
-                    if wait > 0.2:
-                        log.info("webhooks_resumed")
-                    wait = 0.2
-                except StoreError as exc:
-                    self.leading = False
-                    # Once per outage at warning, the attempts after it at debug, until webhooks_resumed.
-                    (log.warning if wait == 0.2 else log.debug)("webhooks_interrupted", error=str(exc), retry_in_s=wait)
-                    self._stopping.wait(wait)
-                    wait = min(wait * 2, 5.0)
-                except Exception:
-                    self.leading = False
-                    log.exception("webhooks_crashed", retry_in_s=wait)
-                    self._stopping.wait(wait)
-                    wait = min(wait * 2, 5.0)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            client.close()
-            with contextlib.suppress(StoreError):
-                self._store.webhook_release(self.name_in_group)
-            log.info("webhooks_stopped", delivered=self.delivered)
+    def _open(self) -> None:
+        self._client = httpx2.Client(
+            timeout=httpx2.Timeout(self._settings.webhook_timeout_s), follow_redirects=False, trust_env=False,
+            limits=httpx2.Limits(max_connections=self._settings.webhook_concurrency))
+        self._pool = ThreadPoolExecutor(self._settings.webhook_concurrency, thread_name_prefix="runbrake-webhook")
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()
+
+    def _totals(self) -> dict[str, Any]:
+        return {"delivered": self.delivered}
 
     # -- one round ----------------------------------------------------------------------------------
 
-    def _round(self, client: httpx2.Client, pool: ThreadPoolExecutor) -> None:
-        leading = self._store.webhook_lease(self.name_in_group, lease_s=LEASE_S)
-        if leading != self.leading:
-            log.info("webhooks_delivering" if leading else "webhooks_standing_by", dispatcher=self.name_in_group)
-            self.leading = leading
-        if not leading:
-            self._stopping.wait(LEASE_S / 3)
-            return
+    def _work(self) -> None:
+        assert self._client is not None
+        assert self._pool is not None
         catalog = self._current_catalog()
-        sent = self._send_due(client, pool, catalog)
+        sent = self._send_due(self._client, self._pool, catalog)
         queued = self._queue_new(catalog, block=not sent)
         if not sent and not queued and self._store.cluster:
             self._stopping.wait(0.1)
@@ -170,12 +144,7 @@ class WebhookDispatcher(PartThread):
 
     def _queue_new(self, catalog: Catalog, *, block: bool) -> int:
         """Queue the deliveries of the outbox's next events; answers how many entries were read."""
-        entries, trimmed = self._store.webhook_outbox_pending(self.name_in_group, count=BATCH)
-        if trimmed:
-            log.error("webhooks_events_trimmed_unqueued", events=trimmed)
-        if not entries:
-            wait = BLOCK_MS if block and not self._store.cluster else None
-            entries = self._store.webhook_outbox_new(self.name_in_group, count=BATCH, block_ms=wait)
+        entries = self._next_entries(count=BATCH, block_ms=BLOCK_MS if block and not self._store.cluster else None)
         if not entries:
             return 0
         if catalog.webhooks:
@@ -183,7 +152,7 @@ class WebhookDispatcher(PartThread):
             now = time.time()
             for entry in entries:
                 self._queue_entry(entry, catalog, now)
-        self._store.webhook_outbox_ack(entries)
+        self._cursor.ack(entries)
         return len(entries)
 
     def _learn_notify(self, entries: Sequence[OutboxEntry]) -> None:
@@ -200,19 +169,14 @@ class WebhookDispatcher(PartThread):
         names = [n for n in self._notify.get(entry.run_id, ()) if n in catalog.webhooks]
         if not names:
             return
-        position = stream_position(entry.stream_id)
-        if position is None:
-            return
-        event_id = f"{entry.stream_id}.{entry.shard:x}" if self._store.cluster else entry.stream_id
-        message = encode_run_event(event_id, entry.run_id, entry.event, entry.labels,
-                                   occurred_at=position[0] / 1000)
+        message = event_message(entry, cluster=self._store.cluster)
         if message is None:
             return
         for name in names:
             if not catalog.webhooks[name].wants(message.routing_key):
                 continue
-            self._store.webhook_queue(name, entry.run_id, event_id, event_type=message.routing_key,
-                                      body=message.body.decode(), occurred_at=position[0] / 1000, now=now)
+            self._store.webhook_queue(name, entry.run_id, message.event_id, event_type=message.routing_key,
+                                      body=message.body.decode(), occurred_at=message.occurred_at, now=now)
 
     def _send_due(self, client: httpx2.Client, pool: ThreadPoolExecutor, catalog: Catalog) -> int:
         """Start sending the head of each due line not in flight; answers how many were started."""

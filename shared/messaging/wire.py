@@ -515,6 +515,8 @@ class RunEventMessage:
     routing_key: str
     body: bytes
     properties: pika.BasicProperties
+    occurred_at: float
+    """When the store wrote it (epoch seconds, from the stream id)."""
 
 
 def encode_run_event(event_id: str, run_id: str, event: str, labels: str, *,
@@ -557,7 +559,7 @@ def encode_run_event(event_id: str, run_id: str, event: str, labels: str, *,
         content_type="application/json", delivery_mode=2, message_id=event_id, type=body["type"],
         timestamp=int(occurred_at), app_id="runbrake", headers=headers)
     encoded = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    return RunEventMessage(event_id, body["type"], encoded, properties)
+    return RunEventMessage(event_id, body["type"], encoded, properties, occurred_at)
 
 
 def _labels(raw: str) -> dict[str, str]:
