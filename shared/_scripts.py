@@ -442,6 +442,14 @@ end
 return 1
 """)
 
+# KEYS: an outbox.  ARGV: retention seconds.  Every entry older than the retention goes, exactly (the XADDs trim
+# approximately, whole stream nodes: docs/architecture.md, "The outbox"); answers how many.
+OUTBOX_TRIM = _script("outbox_trim", """
+local floor = (tonumber(redis.call('TIME')[1]) - tonumber(ARGV[1])) * 1000
+if floor <= 0 then return 0 end
+return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%d', floor))
+""")
+
 # KEYS: relay lease.  ARGV: relay name, lease_ms
 # The one relay that publishes (docs/architecture.md, "The relay"): the holder renews, another takes the
 # lease only once it expired. Answers 1 when ``relay name`` holds it now.
@@ -504,5 +512,5 @@ end
 return 1
 """)
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT)
+       REAP, REDRIVE, OUTBOX_GROUP, OUTBOX_TRIM, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

@@ -1087,6 +1087,13 @@ def outbox_groups(keys: Keys, group: str = RELAY_GROUP) -> Op[int]:
     ), lambda answers: sum(int(a) for a in answers))
 
 
+def outbox_trim(keys: Keys, *, retention_s: float) -> Op[int]:
+    """Delete every outbox entry older than the retention, on every shard; answers how many."""
+    return Op("trim the outbox", tuple(
+        ScriptCall(_scripts.OUTBOX_TRIM, (keys.outbox(shard),), (int(retention_s),)) for shard in keys.shards
+    ), lambda answers: sum(int(a) for a in answers))
+
+
 def relay_lease(keys: Keys, relay: str, *, lease_s: float, key: str | None = None) -> Op[bool]:
     """Take or renew the lease of the one relay that publishes (or of the lease ``key``: the webhook
     dispatcher's); answers whether ``relay`` holds it."""

@@ -355,6 +355,10 @@ class RunStore:
 
     # -- the outbox (docs/architecture.md, "The outbox"; worker/relay.py reads it) ----------------------
 
+    def trim_outbox(self, *, retention_s: float) -> int:
+        """Delete the outbox entries older than ``retention_s`` exactly (the writes trim approximately)."""
+        return self.execute(core.outbox_trim(self.keys, retention_s=retention_s))
+
     def relay_cursor(self) -> OutboxCursor:
         """The relay's reading of the outbox (its group ``relay``) and its lease."""
         return OutboxCursor(self, core.RELAY_GROUP, self.keys.relay_lease)

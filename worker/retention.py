@@ -4,8 +4,9 @@ forever), then deleted whole (docs/security.md, "How long records are kept").
 The scripts that end a run (settle, cancel, reap) enter it into ``<ns>:finished`` at the time its
 retention ends, and set the run's own keys to expire a little later. One :class:`Sweeper` thread per
 worker process deletes what is due: the run's keys, its idempotency key and its entry in the index of
-runs, together, so ``runbrake runs`` never lists a run whose record is gone. Sweepers of several
-processes may delete the same run: deleting is idempotent.
+runs, together, so ``runbrake runs`` never lists a run whose record is gone; and the outbox's entries older than
+the retention (docs/architecture.md, "The outbox"), exactly. Sweepers of several processes may delete the same
+run: deleting is idempotent.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Sweeper(Periodic):
                          interval_s=min(MAX_SWEEP_INTERVAL_S, max(0.5, settings.retention_s / 2)),
                          enabled=settings.retention_s > 0)
         self._store = store
+        self._retention_s = settings.retention_s
 
     def tick(self) -> None:
         self.sweep()
@@ -38,6 +40,8 @@ class Sweeper(Periodic):
         """Delete what is due now; a store outage is logged and tried again next time. Returns the count."""
         try:
             deleted = self._store.sweep_expired()
+            # The outbox's entries of the same window, exactly: a run's events go with its record.
+            self._store.trim_outbox(retention_s=self._retention_s)
         except StoreError as exc:
             log.warning("retention_sweep_failed", error=str(exc))
             return 0
