@@ -173,6 +173,27 @@ async def quick_run(url: str, get_sum: Mapping[str, Any], echo: Mapping[str, Any
                 raise PeerError(f"{tool} answered isError: {result.content!r:.200}")
 
 
+async def slow_then_echo(url: str, seconds: float, after: Mapping[str, Any]) -> None:
+    """The run ``bench/peers.py`` cancels: connect, list the tools, call ``slow(seconds)``, then echo ``after``
+    (the run's next tool call: the server seeing it means something ran after the cancel).
+
+    Raises:
+        PeerError: a call answered with ``isError``.
+    """
+    async with open_client(url) as client:
+        await client.list_tools()
+        for tool, arguments in (("slow", {"seconds": seconds}), ("echo", after)):
+            result = await client.call_tool(tool, dict(arguments))
+            if result.is_error:
+                raise PeerError(f"{tool} answered isError: {result.content!r:.200}")
+
+
+def end_key(namespace: str, marker: str) -> str:
+    """The Redis hash where a peer's cancelled run notes that its own cleanup (``finally``) ran: ``outcome``
+    (the exception that ended it, or ``returned``) and ``t`` (epoch seconds)."""
+    return f"{namespace}:peers:end:{marker}"
+
+
 # -- the worker process ------------------------------------------------------------------------------
 
 
