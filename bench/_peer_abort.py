@@ -15,32 +15,20 @@ that its cleanup ran (:func:`bench._peer.end_key`). How Dramatiq itself ended ea
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any, Final
 
 import dramatiq
 import redis
 import redis.asyncio
-from dramatiq import Message, Middleware, Worker
+from dramatiq import Message, Middleware
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq_abort import Abortable, abort
 from dramatiq_abort.backends import RedisBackend
 
-from bench._peer import (
-    STOP_GRACE_MS,
-    build_peer_broker,
-    declare_peer_actor,
-    end_key,
-    peer_queue,
-    slow_then_echo,
-)
+from bench._peer import build_peer_broker, declare_peer_actor, noted_slow_run, peer_queue, serve
 from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.settings import Settings
 
@@ -94,14 +82,7 @@ def declare_slow_actor(broker: RabbitmqBroker, settings: Settings) -> Any:
     notes = redis.asyncio.Redis.from_url(settings.redis_url)
 
     async def peer_slow(marker: str, url: str, seconds: float, after: dict[str, Any]) -> None:
-        outcome = "returned"
-        try:
-            await slow_then_echo(url, seconds, after)
-        except BaseException as exc:
-            outcome = type(exc).__name__
-            raise
-        finally:
-            await notes.hset(end_key(settings.namespace, marker), mapping={"outcome": outcome, "t": repr(time.time())})
+        await noted_slow_run(notes, settings.namespace, marker, url, seconds, after)
 
     return dramatiq.actor(broker=broker, actor_name=SLOW_ACTOR, queue_name=peer_queue(Topology.of(settings)),
                           max_retries=0)(peer_slow)
@@ -116,22 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     broker.add_middleware(Verdicts(settings))
     declare_peer_actor(broker, settings)
     declare_slow_actor(broker, settings)
-    queue = peer_queue(Topology.of(settings))
-    worker = Worker(broker, queues={queue}, worker_threads=args.threads, worker_timeout=200)
-    worker.queue_prefetch = args.threads
-    stop = threading.Event()
-
-    def on_signal(_signum: int, _frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    worker.start()
-    print(json.dumps({"event": "worker_started", "threads": args.threads, "queues": [queue], "pid": os.getpid()}),
-          flush=True)
-    stop.wait()
-    worker.stop(timeout=STOP_GRACE_MS)
-    broker.close()
+    serve(broker, peer_queue(Topology.of(settings)), threads=args.threads)
     return 0
 
 

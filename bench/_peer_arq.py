@@ -23,7 +23,7 @@ from typing import Any, Final
 from arq.connections import RedisSettings
 from arq.worker import run_worker
 
-from bench._peer import PeerKeys, end_key, quick_run, slow_then_echo
+from bench._peer import PeerKeys, noted_slow_run, quick_run
 from runbrake.shared.settings import Settings
 
 ARQ_PREFIXES: Final = ("arq:job:", "arq:result:", "arq:in-progress:", "arq:retry:")
@@ -56,15 +56,7 @@ async def quick(ctx: dict[str, Any], tag: str, url: str, get_sum: dict[str, Any]
 
 async def slow(ctx: dict[str, Any], marker: str, url: str, seconds: float, after: dict[str, Any]) -> None:
     """The run the benchmark cancels with ``Job.abort``; its ``finally`` notes that cleanup ran."""
-    outcome = "returned"
-    try:
-        await slow_then_echo(url, seconds, after)
-    except BaseException as exc:
-        outcome = type(exc).__name__
-        raise
-    finally:
-        await ctx["redis"].hset(end_key(ctx["namespace"], marker), mapping={"outcome": outcome,
-                                                                           "t": repr(time.time())})
+    await noted_slow_run(ctx["redis"], ctx["namespace"], marker, url, seconds, after)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -147,9 +147,16 @@ class PeerCleanup:
     _bench: Bench
 
     def cleanup(self, marker: str, ident: str) -> str | None:
-
         note = self._bench.store.redis.hgetall(end_key(self._bench.namespace, marker))
         return f"finally ran ({note['outcome']})" if note else None
+
+
+def sent_round(bench: Bench, worker: Worker, tag: str, count: int, send: Callable[[int], None], *, producers: int,
+               timeout: float) -> RoundOutcome:
+    """``send(i)`` for each of ``count`` runs from ``producers`` threads, then :func:`wait_counted`."""
+    started = time.time()
+    in_threads(producers, count, send)
+    return wait_counted(bench, tag, count, worker, started, timeout=timeout)
 
 
 def wait_counted(bench: Bench, tag: str, count: int, worker: Worker, started: float, *, timeout: float) -> RoundOutcome:
@@ -182,7 +189,6 @@ class Runbrake:
     ways = ("cancel_run",)
 
     def __init__(self, bench: Bench, endpoint: Endpoint, *, concurrency: int, producers: int) -> None:
-
         # `runbrake worker` with its default process count (one per CPU this process may use), the runs at once
         # shared out among them
         processes = len(os.sched_getaffinity(0))
@@ -203,7 +209,6 @@ class Runbrake:
         return self._side.run_round(count, tag, timeout=timeout)
 
     def start_slow(self, way: str, marker: str, seconds: float, after: dict[str, Any]) -> str:
-
         spec = RunSpec.parse({
             "input": f"slow run {marker}",
             "model": {"provider": "scripted", "turns": [
@@ -217,11 +222,9 @@ class Runbrake:
         return self._producer.enqueue(spec).run_id
 
     def cancel(self, way: str, ident: str) -> None:
-
         cancel_run(self._bench.store, self._publisher, ident, reason="benchmark", requested_by="bench.peers")
 
     def recorded(self, ident: str) -> Recorded | None:
-
         record = self._bench.store.get(ident)
         step = next((s for s in record.steps if s.kind is StepKind.TOOL), None)
         if step is None or step.tool_outcome is None:
@@ -289,6 +292,7 @@ class Arq(PeerCleanup):
 
         self._bench = bench
         self._endpoint = endpoint
+        self._producers = producers
         self._queue = arq_queue(bench.namespace)
         stack = contextlib.ExitStack()
         bench.on_close(stack.close)
@@ -320,14 +324,17 @@ class Arq(PeerCleanup):
         tag = f"{self.name}-{tag}"
         url = self._endpoint.url
 
-        async def enqueue_all() -> None:
+        async def enqueue_part(start: int) -> None:
+            for i in range(start, count, self._producers):
+                get_sum, echo = quick_run_arguments(i, echo_argument=ECHO)
+                await self._pool.enqueue_job("quick", tag, url, get_sum, echo, _job_id=self._job_id(tag, str(i)),
+                                             _queue_name=self._queue)
 
+        async def enqueue_all() -> None:
+            # as many at once as the other contestants' producer threads (the pool's connections are bounded)
             async with anyio.create_task_group() as group:
-                for i in range(count):
-                    get_sum, echo = quick_run_arguments(i, echo_argument=ECHO)
-                    group.start_soon(functools.partial(
-                        self._pool.enqueue_job, "quick", tag, url, get_sum, echo,
-                        _job_id=self._job_id(tag, str(i)), _queue_name=self._queue))
+                for start in range(self._producers):
+                    group.start_soon(enqueue_part, start)
 
         started = time.time()
         self._portal.call(enqueue_all)
@@ -377,7 +384,6 @@ class CeleryPrefork(PeerCleanup):
             "celery worker", ["-m", "bench._peer_celery", "--concurrency", str(concurrency)], timeout=120.0)
 
     def _delete_broker_objects(self) -> None:
-
         from bench._peer_celery import celery_exchanges, celery_queue
 
         connection = pika.BlockingConnection(pika.URLParameters(self._bench.settings.rabbitmq_url))
@@ -399,9 +405,7 @@ class CeleryPrefork(PeerCleanup):
             get_sum, echo = quick_run_arguments(i, echo_argument=ECHO)
             self._app.send_task(QUICK_TASK, args=(tag, self._endpoint.url, get_sum, echo))
 
-        started = time.time()
-        in_threads(self._producers, count, send)
-        return wait_counted(self._bench, tag, count, self.worker, started, timeout=timeout)
+        return sent_round(self._bench, self.worker, tag, count, send, producers=self._producers, timeout=timeout)
 
     def start_slow(self, way: str, marker: str, seconds: float, after: dict[str, Any]) -> str:
         from bench._peer_celery import SLOW_TASK
@@ -457,9 +461,7 @@ class Dbos(PeerCleanup):
             self._client.enqueue({"workflow_name": QUICK_WORKFLOW, "queue_name": QUEUE}, tag, self._endpoint.url,
                                  get_sum, echo)
 
-        started = time.time()
-        in_threads(self._producers, count, send)
-        return wait_counted(self._bench, tag, count, self.worker, started, timeout=timeout)
+        return sent_round(self._bench, self.worker, tag, count, send, producers=self._producers, timeout=timeout)
 
     def start_slow(self, way: str, marker: str, seconds: float, after: dict[str, Any]) -> str:
         from bench._peer_dbos import QUEUE, SLOW_PREEMPTIBLE_WORKFLOW, SLOW_WORKFLOW
