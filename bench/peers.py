@@ -188,14 +188,15 @@ class Runbrake:
     name = "runbrake"
     ways = ("cancel_run",)
 
-    def __init__(self, bench: Bench, endpoint: Endpoint, *, concurrency: int, producers: int) -> None:
-        # `runbrake worker` with its default process count (one per CPU this process may use), the runs at once
-        # shared out among them
-        processes = len(os.sched_getaffinity(0))
-        self.processes = processes
-        per_process = max(1, concurrency // processes)
+    def __init__(self, bench: Bench, endpoint: Endpoint, *, concurrency: int, producers: int,
+                 processes: int | None = None) -> None:
+        # `runbrake worker` with its default process count (one per CPU this process may use) unless told, the
+        # runs at once shared out among them
+        self.processes = processes or len(os.sched_getaffinity(0))
+        per_process = max(1, concurrency // self.processes)
         self.worker = bench.start_logging_process(
-            "runbrake worker", ["-c", RUNBRAKE_CLI, "worker", "--concurrency", str(per_process)])
+            "runbrake worker", ["-c", RUNBRAKE_CLI, "worker", "--processes", str(self.processes),
+                                "--concurrency", str(per_process)])
         broker = build_broker(bench.settings)
         bench.on_close(broker.close)
         self._publisher = CancelPublisher(bench.settings)
@@ -718,6 +719,9 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per contestant, alternating (default 5)")
     parser.add_argument("--cancels", type=int, default=20, help="cancels per way of cancelling (default 20)")
     parser.add_argument("--concurrency", type=int, default=8, help="runs at once per contestant (default 8)")
+    parser.add_argument("--runbrake-processes", type=int, metavar="N",
+                        help="runbrake's worker processes (default: its own default, one per CPU), sharing "
+                             "--concurrency among them")
     parser.add_argument("--producers", type=int, default=4, help="threads enqueueing a round (default 4)")
     parser.add_argument("--warmup", type=int, default=16, help="runs per contestant before the rounds")
     parser.add_argument("--peers", default=",".join(PEERS),
@@ -733,6 +737,8 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--runs must be 1-10000, --rounds 1-100, --cancels 1-1000")
     if not 1 <= args.concurrency <= 256 or not 1 <= args.producers <= 64 or not 0 <= args.warmup <= 10_000:
         parser.error("--concurrency must be 1-256, --producers 1-64, --warmup 0-10000")
+    if args.runbrake_processes is not None and not 1 <= args.runbrake_processes <= args.concurrency:
+        parser.error("--runbrake-processes must be 1 to --concurrency")
     if args.quiet_wait < 0 or args.quiet_load <= 0 or args.timeout <= 0:
         parser.error("--quiet-wait must be at least 0, --quiet-load and --timeout above 0")
     peers = [name.strip() for name in args.peers.split(",") if name.strip()]
@@ -760,9 +766,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         contestants: dict[str, Contestant] = {}
         for name in ("runbrake", *args.peers):
             print(f"starting {name}…")
+            options = {"processes": args.runbrake_processes} if name == "runbrake" else {}
             try:
                 contestants[name] = CONTESTANTS[name](bench, endpoint, concurrency=args.concurrency,
-                                                      producers=args.producers)
+                                                      producers=args.producers, **options)
             except (ImportError, BenchError, OSError, RuntimeError) as exc:
                 if name == "runbrake":
                     raise
