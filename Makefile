@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup services browser lint typecheck docs configuration test test-long fuzz demo bench wheel-check lock manifests soak clean
+.PHONY: setup services browser lint typecheck docs configuration test test-long fuzz demo bench bench-peers wheel-check lock manifests soak clean
 
 # The package folders are mapped to runbrake.* (pyproject.toml), so the editable install is the
 # strict kind: a tree of links under build/ that mypy can read. A module added or removed needs a
@@ -127,6 +127,14 @@ bench: setup services
 	$(PY) -m bench.webhooks
 	$(PY) -m bench.run_requests
 	$(PY) -m bench.replica_ack
+	$(MAKE) bench-peers
+
+# runbrake against Dramatiq + dramatiq-abort, arq, Celery and DBOS (bench/peers.py), with the peers extra; arq
+# without its dependencies: every arq release requires redis<6, runbrake pins redis 8 (docs/benchmarks.md).
+bench-peers: setup services
+	$(PY) -m pip install --quiet -e ".[dev,peers]" --constraint $(CONSTRAINTS) --config-settings editable_mode=strict
+	$(PY) -m pip install --quiet --no-deps "arq==0.28.0"
+	$(PY) -m bench.peers
 
 # An hour of mixed load with its verdict and plot (bench/soak.py; three minutes of it run in make test).
 soak: setup services

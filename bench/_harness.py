@@ -221,6 +221,31 @@ def cpu_seconds(pid: int) -> float | None:
     return cpu_seconds_of(Path(f"/proc/{pid}/stat"))
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used so far by a process and every descendant (a prefork pool's children, runbrake's
+    worker processes), including the descendants that have exited and been waited for (cutime, cstime)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, pending, seen = 0.0, [pid], False
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        seen = True
+        # utime, stime, cutime, cstime: fields 14-17 of proc(5)
+        total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        pending.extend(children.get(current, ()))
+    return total if seen else None
+
+
 def cpu_seconds_of(stat: Path) -> float | None:
     """utime + stime of a /proc/…/stat file, in seconds."""
     try:

@@ -173,6 +173,41 @@ async def quick_run(url: str, get_sum: Mapping[str, Any], echo: Mapping[str, Any
                 raise PeerError(f"{tool} answered isError: {result.content!r:.200}")
 
 
+async def slow_then_echo(url: str, seconds: float, after: Mapping[str, Any]) -> None:
+    """The run ``bench/peers.py`` cancels: connect, list the tools, call ``slow(seconds)``, then echo ``after``
+    (the run's next tool call: the server seeing it means something ran after the cancel).
+
+    Raises:
+        PeerError: a call answered with ``isError``.
+    """
+    async with open_client(url) as client:
+        await client.list_tools()
+        for tool, arguments in (("slow", {"seconds": seconds}), ("echo", after)):
+            result = await client.call_tool(tool, dict(arguments))
+            if result.is_error:
+                raise PeerError(f"{tool} answered isError: {result.content!r:.200}")
+
+
+def end_key(namespace: str, marker: str) -> str:
+    """The Redis hash where a peer's cancelled run notes that its own cleanup (``finally``) ran: ``outcome``
+    (the exception that ended it, or ``returned``) and ``t`` (epoch seconds)."""
+    return f"{namespace}:peers:end:{marker}"
+
+
+async def noted_slow_run(notes: redis.asyncio.Redis, namespace: str, marker: str, url: str, seconds: float,
+                         after: Mapping[str, Any]) -> None:
+    """:func:`slow_then_echo`, its end noted at :func:`end_key` in a ``finally`` (the run's cleanup: whether it
+    ran after a cancel is what the benchmark asks)."""
+    outcome = "returned"
+    try:
+        await slow_then_echo(url, seconds, after)
+    except BaseException as exc:
+        outcome = type(exc).__name__
+        raise
+    finally:
+        await notes.hset(end_key(namespace, marker), mapping={"outcome": outcome, "t": repr(time.time())})
+
+
 # -- the worker process ------------------------------------------------------------------------------
 
 
@@ -204,7 +239,11 @@ def run_peer_worker(settings: Settings, *, threads: int) -> None:
     """Consume the peer's queue until SIGTERM or SIGINT."""
     broker = build_peer_broker(settings)
     declare_peer_actor(broker, settings)
-    queue = peer_queue(Topology.of(settings))
+    serve(broker, peer_queue(Topology.of(settings)), threads=threads)
+
+
+def serve(broker: RabbitmqBroker, queue: str, *, threads: int) -> None:
+    """Consume ``queue`` with ``broker``'s actors on ``threads`` threads until SIGTERM or SIGINT."""
     worker = Worker(broker, queues={queue}, worker_threads=threads, worker_timeout=200)
     worker.queue_prefetch = threads  # as runbrake's worker: at most one prefetched message per thread
     stop = threading.Event()
