@@ -64,7 +64,8 @@ async def test_a_streamed_answer_comes_to_the_same_turn_as_the_whole_one_and_its
     assert streamed.content == ANSWER
     assert [(c.id, c.tool, dict(c.arguments)) for c in streamed.tool_calls] == [
         ("call_7", "add", {"a": 2, "b": [3, {"c": None}]})]
-    assert streamed.usage is not None and streamed.usage.output_tokens == 13
+    assert streamed.usage is not None
+    assert streamed.usage.output_tokens == 13
     assert "".join(pieces) == text.text == ANSWER
     assert len(pieces) == -(-len(ANSWER) // 7)  # one per chunk the endpoint sent
     streamed_body, whole_body = llm_mock.bodies()
@@ -237,6 +238,7 @@ def test_a_cancel_mid_stream_stops_reading_and_keeps_the_partial_text_in_a_cance
     assert (step.kind, step.interrupted, step_outcome(step), step.detail) == (StepKind.MODEL, True, "cancelled",
                                                                             {"partial": True})
     assert seen[-1][1]["text"] in step.content
-    assert step.content and ("word " * 400).startswith(step.content)
+    assert step.content
+    assert ("word " * 400).startswith(step.content)
     assert len(step.content) < len("word " * 400)
     assert len(llm_mock.requests()) == 1
