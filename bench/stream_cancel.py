@@ -1,0 +1,174 @@
+"""Cancel latency of a model call: with ``--runs`` runs streaming their answers at once, against the same runs
+waiting on a whole answer (a catalog model's ``stream = false``), from the cancel call to the cancelled model
+step persisted (docs/benchmarks.md, "Cancel latency while streaming").
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.stream_cancel [--runs 50] [--cancels 50] [--modes stream,whole]
+
+What it does, in its own namespace (``bench-<hex>``), on loopback only:
+
+1. serves ``llm-mock-api`` in a thread of this process: streamed, each answer is 2,000 chunks of 5 characters
+   100 ms apart (some 200 s: a run is always mid-stream when it is cancelled); whole, the answer comes after
+   600 s (the request is in flight, nothing streams);
+2. per mode, a fresh worker (``--concurrency`` = ``--runs`` + 8) and ``--runs`` runs whose one model call is
+   in flight (the endpoint has seen every request); then ``--cancels`` cancels, one at a time, each of the
+   oldest run: t0 = ``time.time()`` right before ``cancel_run`` (fence + cancel message), measured until the
+   run's model step (interrupted, ``cancelled``) is in the store, its ``recorded_at``; after each, a new run
+   is started and awaited in its model call, so every cancel finds ``--runs`` calls in flight;
+3. prints p50/p99 per mode and the difference of the p99s (the aim: within 2 ms), and writes
+   ``bench/results/stream_cancel.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from llm_mock_api import MockServer, MockServerOptions
+from llm_mock_api.types.reply import ReplyObject, ReplyOptions
+from llm_mock_api.types.request import MockRequest
+
+from bench._harness import Bench, BenchError, machine, print_machine, summary_ms, wait_until
+from runbrake.shared.logging import configure_logging
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.spec import RunSpec
+from runbrake.shared.steps import RunStep, StepKind
+
+AIM_P99_DIFFERENCE_MS = 2.0
+CHUNKS, CHUNK_CHARS, CHUNK_MS = 2000, 5, 100
+WHOLE_AFTER_S = 600.0
+WAIT_S = 120.0
+
+
+class Endpoint:
+    """llm-mock-api in a thread of its own, counting the requests it began to answer."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self._lock = threading.Lock()
+        self._stop: Future[Any] = Future()
+        self.server = MockServer(MockServerOptions(host="127.0.0.1", port=0, default_latency=0, default_chunk_size=0))
+        started: Future[str] = Future()
+
+        async def serve() -> None:
+            try:
+                await self.server.start()
+            except BaseException as exc:
+                started.set_exception(exc)
+                raise
+            started.set_result(self.server.url)
+            await asyncio.wrap_future(self._stop)
+
+        self._thread = threading.Thread(target=asyncio.run, args=(serve(),), name="llm-mock-api", daemon=True)
+        self._thread.start()
+        self.url = started.result(timeout=10)
+
+        async def answer(request: MockRequest) -> ReplyObject:
+            with self._lock:
+                self.asked += 1
+            if not request.streaming:
+                await asyncio.sleep(WHOLE_AFTER_S)  # a whole answer that takes its time: the call is in flight
+            return ReplyObject(text="words" * CHUNKS)
+
+        self.server.when("bench").reply(answer, ReplyOptions(latency=CHUNK_MS, chunk_size=CHUNK_CHARS))
+
+    def close(self) -> None:
+        self._stop.set_result(None)  # the daemon thread goes with the process; answers still asleep are not awaited
+
+
+def model_step(bench: Bench, run_id: str) -> RunStep | None:
+    return next((s for s in bench.store.get(run_id).steps if s.kind is StepKind.MODEL), None)
+
+
+def measure(bench: Bench, endpoint: Endpoint, mode: str, runs: int, cancels: int) -> dict[str, Any]:
+    bench.catalog.write_text(
+        f'[models.{mode}]\nprovider = "openai"\nbase_url = "{endpoint.url}/v1"\nmodel = "m"\n'
+        f"stream = {'true' if mode == 'stream' else 'false'}\n", encoding="utf-8")
+    broker = build_broker(bench.settings)
+    producer = Producer(bench.store, broker, bench.admission())
+    publisher = CancelPublisher(bench.settings)
+    worker = bench.start_worker(concurrency=runs + 8)
+    spec = RunSpec.parse({"input": "bench", "model": mode})
+    in_flight: list[str] = []
+    samples: list[float] = []
+    try:
+        def start_one() -> None:
+            asked = endpoint.asked
+            in_flight.append(producer.enqueue(spec).run_id)
+            wait_until(lambda: endpoint.asked > asked, timeout=WAIT_S, what="the model call to reach the endpoint")
+
+        for _ in range(runs):
+            start_one()
+        for _ in range(cancels):
+            run_id = in_flight.pop(0)
+            t0 = time.time()
+            if not cancel_run(bench.store, publisher, run_id, reason="benchmark", requested_by="bench").won:
+                raise BenchError(f"the cancel of run {run_id} did not win the fence")
+            step = wait_until(functools.partial(model_step, bench, run_id), timeout=WAIT_S,
+                              what=f"the model step of run {run_id}")
+            if not step.interrupted:
+                raise BenchError(f"run {run_id}'s model step was not interrupted")
+            if mode == "stream" and not step.content:
+                raise BenchError(f"run {run_id} was cancelled before it streamed any text")
+            samples.append(step.recorded_at - t0)
+            start_one()
+        for run_id in in_flight:
+            cancel_run(bench.store, publisher, run_id, reason="benchmark done", requested_by="bench")
+    finally:
+        publisher.close()
+        broker.close()
+        worker.process.stop()
+    return {"runs_in_flight": runs, **summary_ms(samples), "samples_s": [round(s, 6) for s in samples]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.stream_cancel", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=50, help="model calls in flight at every cancel (default 50)")
+    parser.add_argument("--cancels", type=int, default=50, help="cancels measured per mode (default 50)")
+    parser.add_argument("--modes", default="stream,whole", help="stream and/or whole (default both)")
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"stream", "whole"} or min(args.runs, args.cancels) < 1:
+        parser.error("--modes takes stream and/or whole; --runs and --cancels must be at least 1")
+    configure_logging("WARNING")
+    info = machine()
+    results: dict[str, Any] = {"benchmark": "stream_cancel", "machine": info,
+                               "command": " ".join(["python -m bench.stream_cancel",
+                                                    *(argv if argv is not None else sys.argv[1:])]),
+                               "modes": {}}
+    endpoint = Endpoint()
+    try:
+        with Bench("stream_cancel") as bench:
+            for mode in modes:
+                print(f"{mode}: {args.runs} runs in their model call, {args.cancels} cancels…", flush=True)
+                results["modes"][mode] = measure(bench, endpoint, mode, args.runs, args.cancels)
+            if set(modes) == {"stream", "whole"}:
+                difference = results["modes"]["stream"]["p99"] - results["modes"]["whole"]["p99"]
+                results["p99_difference_ms"] = round(difference, 2)
+                results["aim_met"] = difference <= AIM_P99_DIFFERENCE_MS
+            path = bench.write_results(results)
+    finally:
+        endpoint.close()
+    print_machine(info)
+    print(f"{'mode':8} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for mode, figures in results["modes"].items():
+        print(f"{mode:8} {figures['n']:>4} {figures['p50']:>8} {figures['p95']:>8} {figures['p99']:>8} "
+              f"{figures['max']:>8}")
+    if "p99_difference_ms" in results:
+        print(f"p99 stream - whole: {results['p99_difference_ms']} ms (aim: within {AIM_P99_DIFFERENCE_MS} ms)")
+    print(f"written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
