@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import httpx2
+import jsonschema
 import pytest
 from llm_mock_api.types.reply import ReplyOptions
 
@@ -37,6 +39,14 @@ TOOLS = (ToolInfo(server="calc", name="add", description="Add two numbers",
 CONVERSATION = (Message(role="system", content="Answer briefly."), Message(role="user", content="What is 2 + 3?"))
 ANSWER = "Two and three make five; " * 8
 WAIT_S = 60.0
+HTTP_API = Path(__file__).parent.parent / "docs" / "http-api.md"
+
+
+def delta_schema() -> dict[str, Any]:
+    """The JSON Schema of a delta event's data, as docs/http-api.md states it."""
+    blocks = HTTP_API.read_text(encoding="utf-8").split("```json\n")[1:]
+    schema: dict[str, Any] = next(json.loads(b.split("```")[0]) for b in blocks if "urn:runbrake:http:delta" in b)
+    return schema
 
 
 def _provider(kind: str, mock: LlmMock, *, stream: bool | None = None) -> ModelProvider:
@@ -211,6 +221,8 @@ def test_a_streamed_run_sends_coalesced_deltas_and_records_what_a_whole_answer_r
     assert record.usage == other.usage
     deltas = [data for event, data in events if event == "delta"]
     assert len(deltas) >= 2
+    for delta in deltas:
+        jsonschema.validate(delta, delta_schema())
     assert {d["round"] for d in deltas} == {1}
     assert "".join(d["text"] for d in deltas) in ANSWER  # in order; the text since the last one, each
     assert len(deltas) <= elapsed / MIN_INTERVAL_S + 1 < len(ANSWER) // 2
