@@ -8,9 +8,9 @@ Run from the repository root::
 
 What it does, in its own namespace (``bench-<hex>``), on loopback only:
 
-1. serves ``llm-mock-api`` in a thread of this process: streamed, each answer is 2,000 chunks of 5 characters
-   100 ms apart (some 200 s: a run is always mid-stream when it is cancelled); whole, the answer comes after
-   600 s (the request is in flight, nothing streams);
+1. serves ``llm-mock-api`` in a process of its own (counting in Redis the requests it began): streamed,
+   each answer is 2,000 chunks of 5 characters 100 ms apart (some 200 s: a run is always mid-stream when it
+   is cancelled); whole, the answer comes after 600 s (the request is in flight, nothing streams);
 2. per mode, a fresh worker (``--concurrency`` = ``--runs`` + 8) and ``--runs`` runs whose one model call is
    in flight (the endpoint has seen every request); then ``--cancels`` cancels, one at a time, each of the
    oldest run: t0 = ``time.time()`` right before ``cancel_run`` (fence + cancel message), measured until the
@@ -25,22 +25,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
+import httpx2
+import redis
 from llm_mock_api import MockServer, MockServerOptions
 from llm_mock_api.types.reply import ReplyObject, ReplyOptions
 from llm_mock_api.types.request import MockRequest
 
-from bench._harness import Bench, BenchError, machine, print_machine, summary_ms, wait_until
+from bench._harness import Bench, BenchError, free_port, machine, print_machine, summary_ms, wait_until
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.steps import RunStep, StepKind
 
@@ -51,39 +53,55 @@ WAIT_S = 120.0
 
 
 class Endpoint:
-    """llm-mock-api in a thread of its own, counting the requests it began to answer."""
+    """llm-mock-api in a process of its own (``python -m bench.stream_cancel --serve PORT KEY``): streaming
+    50 answers must not take the GIL from the cancels this process times. It counts the requests it began to
+    answer in the Redis key ``KEY``."""
 
-    def __init__(self) -> None:
-        self.asked = 0
-        self._lock = threading.Lock()
-        self._stop: Future[Any] = Future()
-        self.server = MockServer(MockServerOptions(host="127.0.0.1", port=0, default_latency=0, default_chunk_size=0))
-        started: Future[str] = Future()
+    def __init__(self, bench: Bench) -> None:
+        port = free_port()
+        self.key = f"{bench.namespace}:bench-asked"
+        self._redis = bench.store.redis
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench.stream_cancel", "--serve", str(port), self.key],
+            env=bench.env, stdout=subprocess.DEVNULL, stderr=(bench.workdir / "endpoint.log").open("wb"))
+        bench.on_close(self.close)
+        self.url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(self.url), timeout=30, what="llm-mock-api to listen")
 
-        async def serve() -> None:
-            try:
-                await self.server.start()
-            except BaseException as exc:
-                started.set_exception(exc)
-                raise
-            started.set_result(self.server.url)
-            await asyncio.wrap_future(self._stop)
-
-        self._thread = threading.Thread(target=asyncio.run, args=(serve(),), name="llm-mock-api", daemon=True)
-        self._thread.start()
-        self.url = started.result(timeout=10)
-
-        async def answer(request: MockRequest) -> ReplyObject:
-            with self._lock:
-                self.asked += 1
-            if not request.streaming:
-                await asyncio.sleep(WHOLE_AFTER_S)  # a whole answer that takes its time: the call is in flight
-            return ReplyObject(text="words" * CHUNKS)
-
-        self.server.when("bench").reply(answer, ReplyOptions(latency=CHUNK_MS, chunk_size=CHUNK_CHARS))
+    @property
+    def asked(self) -> int:
+        return int(self._redis.get(self.key) or 0)
 
     def close(self) -> None:
-        self._stop.set_result(None)  # the daemon thread goes with the process; answers still asleep are not awaited
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx2.get(url, timeout=1)
+    except httpx2.HTTPError:
+        return False
+    return True
+
+
+def serve(port: int, key: str) -> None:
+    """The endpoint's process: streamed, 2,000 chunks 100 ms apart; whole, the answer after 600 s."""
+    counter = redis.Redis.from_url(Settings.from_env().redis_url)
+
+    async def answer(request: MockRequest) -> ReplyObject:
+        counter.incr(key)
+        if not request.streaming:
+            await asyncio.sleep(WHOLE_AFTER_S)  # a whole answer that takes its time: the call is in flight
+        return ReplyObject(text="words" * CHUNKS)
+
+    async def main() -> None:
+        server = MockServer(MockServerOptions(host="127.0.0.1", port=port, default_latency=0, default_chunk_size=0))
+        server.when("bench").reply(answer, ReplyOptions(latency=CHUNK_MS, chunk_size=CHUNK_CHARS))
+        await server.start()
+        await asyncio.Event().wait()  # until the benchmark terminates the process
+
+    asyncio.run(main())
 
 
 def model_step(bench: Bench, run_id: str) -> RunStep | None:
@@ -136,7 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=50, help="model calls in flight at every cancel (default 50)")
     parser.add_argument("--cancels", type=int, default=50, help="cancels measured per mode (default 50)")
     parser.add_argument("--modes", default="stream,whole", help="stream and/or whole (default both)")
+    parser.add_argument("--serve", nargs=2, metavar=("PORT", "KEY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve:
+        serve(int(args.serve[0]), args.serve[1])
+        return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"stream", "whole"} or min(args.runs, args.cancels) < 1:
         parser.error("--modes takes stream and/or whole; --runs and --cancels must be at least 1")
@@ -146,19 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "command": " ".join(["python -m bench.stream_cancel",
                                                     *(argv if argv is not None else sys.argv[1:])]),
                                "modes": {}}
-    endpoint = Endpoint()
-    try:
-        with Bench("stream_cancel") as bench:
-            for mode in modes:
-                print(f"{mode}: {args.runs} runs in their model call, {args.cancels} cancels…", flush=True)
-                results["modes"][mode] = measure(bench, endpoint, mode, args.runs, args.cancels)
-            if set(modes) == {"stream", "whole"}:
-                difference = results["modes"]["stream"]["p99"] - results["modes"]["whole"]["p99"]
-                results["p99_difference_ms"] = round(difference, 2)
-                results["aim_met"] = difference <= AIM_P99_DIFFERENCE_MS
-            path = bench.write_results(results)
-    finally:
-        endpoint.close()
+    with Bench("stream_cancel") as bench:
+        endpoint = Endpoint(bench)
+        for mode in modes:
+            print(f"{mode}: {args.runs} runs in their model call, {args.cancels} cancels…", flush=True)
+            results["modes"][mode] = measure(bench, endpoint, mode, args.runs, args.cancels)
+        if set(modes) == {"stream", "whole"}:
+            difference = results["modes"]["stream"]["p99"] - results["modes"]["whole"]["p99"]
+            results["p99_difference_ms"] = round(difference, 2)
+            results["aim_met"] = difference <= AIM_P99_DIFFERENCE_MS
+        path = bench.write_results(results)
     print_machine(info)
     print(f"{'mode':8} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for mode, figures in results["modes"].items():
