@@ -16,7 +16,8 @@ What it does, in its own namespace (``bench-<hex>``), on loopback only:
    oldest run: t0 = ``time.time()`` right before ``cancel_run`` (fence + cancel message), measured until the
    run's model step (interrupted, ``cancelled``) is in the store, its ``recorded_at``; after each, a new run
    is started and awaited in its model call, so every cancel finds ``--runs`` calls in flight;
-3. prints p50/p99 per mode and the difference of the p99s (the aim: within 2 ms), and writes
+3. prints p50/p99 per mode, the worker's CPU seconds per second while the cancels ran, and the difference of
+   the p99s (the aim: within 2 ms), and writes
    ``bench/results/stream_cancel.json``.
 """
 
@@ -37,7 +38,7 @@ from llm_mock_api import MockServer, MockServerOptions
 from llm_mock_api.types.reply import ReplyObject, ReplyOptions
 from llm_mock_api.types.request import MockRequest
 
-from bench._harness import Bench, BenchError, free_port, machine, print_machine, summary_ms, wait_until
+from bench._harness import Bench, BenchError, cpu_seconds, free_port, machine, print_machine, summary_ms, wait_until
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
@@ -127,6 +128,7 @@ def measure(bench: Bench, endpoint: Endpoint, mode: str, runs: int, cancels: int
 
         for _ in range(runs):
             start_one()
+        cpu_before, wall_before = cpu_seconds(worker.pid), time.monotonic()
         for _ in range(cancels):
             run_id = in_flight.pop(0)
             t0 = time.time()
@@ -140,13 +142,17 @@ def measure(bench: Bench, endpoint: Endpoint, mode: str, runs: int, cancels: int
                 raise BenchError(f"run {run_id} was cancelled before it streamed any text")
             samples.append(step.recorded_at - t0)
             start_one()
+        cpu_after, wall = cpu_seconds(worker.pid), time.monotonic() - wall_before
         for run_id in in_flight:
             cancel_run(bench.store, publisher, run_id, reason="benchmark done", requested_by="bench")
     finally:
         publisher.close()
         broker.close()
         worker.process.stop()
-    return {"runs_in_flight": runs, **summary_ms(samples), "samples_s": [round(s, 6) for s in samples]}
+    # How busy the worker was meanwhile: with 50 answers streaming, it reads their chunks and publishes deltas.
+    busy = None if cpu_before is None or cpu_after is None else round((cpu_after - cpu_before) / wall, 3)
+    return {"runs_in_flight": runs, "worker_cpu_s_per_s": busy, **summary_ms(samples),
+            "samples_s": [round(s, 6) for s in samples]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,10 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["aim_met"] = difference <= AIM_P99_DIFFERENCE_MS
         path = bench.write_results(results)
     print_machine(info)
-    print(f"{'mode':8} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    print(f"{'mode':8} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8} {'worker cpu':>10}")
     for mode, figures in results["modes"].items():
         print(f"{mode:8} {figures['n']:>4} {figures['p50']:>8} {figures['p95']:>8} {figures['p99']:>8} "
-              f"{figures['max']:>8}")
+              f"{figures['max']:>8} {figures['worker_cpu_s_per_s']!s:>10}")
     if "p99_difference_ms" in results:
         print(f"p99 stream - whole: {results['p99_difference_ms']} ms (aim: within {AIM_P99_DIFFERENCE_MS} ms)")
     print(f"written to {path}")
