@@ -464,8 +464,9 @@ def _routes(app: FastAPI) -> None:
     @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
     async def events(request: Request, who: Reader, run_id: RunId,
                      last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
-        """Server-sent events: ``step`` (replayed, then live), ``progress``, ``status``; ends after the
-        run's terminal status. Reconnect with ``Last-Event-ID`` (a step sequence) to resume."""
+        """Server-sent events: ``step`` (replayed, then live), ``progress``, ``status``, and ``delta`` (a
+        streamed model answer's text since the last one, live only); ends after the run's terminal status.
+        Reconnect with ``Last-Event-ID`` (a step sequence) to resume."""
         state = _state(request)
         last = _last_event_id(last_event_id)
         await _visible(state, who, run_id)

@@ -31,7 +31,8 @@ __all__ = ["ApiError", "Client", "Event"]
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One server-sent event: ``step``, ``progress``, ``status`` or ``end``; ``id`` is a step's sequence."""
+    """One server-sent event: ``step``, ``progress``, ``delta``, ``status`` or ``end``; ``id`` is a step's
+    sequence."""
 
     event: str
     data: Any

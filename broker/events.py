@@ -347,7 +347,21 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "
         if not isinstance(progress, dict):
             raise Unreadable("progress must be an object")
         return Event(StreamEvent.PROGRESS, run_id, 0, frame(StreamEvent.PROGRESS, progress))
+    if kind == StreamEvent.DELTA:
+        return Event(StreamEvent.DELTA, run_id, 0, frame(StreamEvent.DELTA, _delta(message.get("delta"))))
     return None
+
+
+def _delta(delta: object) -> dict[str, Any]:
+    """A ``delta`` event's data as the worker publishes it (worker/deltas.py): its round and text, nothing else."""
+    if not isinstance(delta, dict):
+        raise Unreadable("delta must be an object")
+    round_number, text = delta.get("round"), delta.get("text")
+    if not isinstance(round_number, int) or isinstance(round_number, bool) or round_number < 1:
+        raise Unreadable("a delta's round is a positive integer")
+    if not isinstance(text, str):
+        raise Unreadable("a delta's text is a string")
+    return {"round": round_number, "text": text}
 
 
 class _RunStream:

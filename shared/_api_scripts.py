@@ -17,4 +17,13 @@ redis.call('PUBLISH', ARGV[3], '{"event":"progress","run_id":"' .. ARGV[2] .. '"
 return 1
 """)
 
-ALL: tuple[Script, ...] = (SET_PROGRESS,)
+# KEYS: run.  ARGV: delta_json, run_id, events channel
+# The text a model call streamed since the last delta (docs/http-api.md, "Events"): announced only, never
+# kept (worker/deltas.py), and only while the run is running, so none follows a cancel that won the fence.
+PUBLISH_DELTA = _script("publish_delta", """
+if redis.call('HGET', KEYS[1], 'status') ~= '$status_running' then return 0 end
+redis.call('PUBLISH', ARGV[3], '{"event":"delta","run_id":"' .. ARGV[2] .. '","delta":' .. ARGV[1] .. '}')
+return 1
+""")
+
+ALL: tuple[Script, ...] = (SET_PROGRESS, PUBLISH_DELTA)

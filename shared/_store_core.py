@@ -984,6 +984,16 @@ def set_progress(keys: Keys, run_id: str, progress: Mapping[str, Any]) -> Op[boo
         context={"run_id": run_id})
 
 
+def publish_delta(keys: Keys, run_id: str, delta: Mapping[str, Any]) -> Op[bool]:
+    """Announce the text a model call streamed since the last delta (``{"round", "text"}``), unless the run
+    is no longer running (False); nothing is kept. Fail-soft like progress: a delta is a preview, the
+    model step that follows is the record (docs/architecture.md, "Streaming")."""
+    return Op(f"publish a delta of run {run_id}", (ScriptCall(
+        _api_scripts.PUBLISH_DELTA, (keys.run(run_id),), (delta, Ident(run_id), Ident(keys.events))),),
+        lambda answers: bool(answers[0]), fallback=False, fallback_event="delta_publish_failed",
+        context={"run_id": run_id})
+
+
 def clear_progress(keys: Keys, run_id: str) -> Op[None]:
     """Forget the progress of a call whose step was recorded. Fail-soft (readers ignore stale progress)."""
     return Op(f"clear progress of run {run_id}", (Command(("HDEL", keys.run(run_id), "progress")),),

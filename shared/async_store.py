@@ -231,6 +231,10 @@ class AsyncRunStore:
         """Keep and announce the call in flight's latest progress (refused unless the run is running)."""
         return await self.execute(core.set_progress(self.keys, run_id, progress))
 
+    async def publish_delta(self, run_id: str, delta: Mapping[str, Any]) -> bool:
+        """Announce a model call's streamed text since the last delta (refused unless the run is running)."""
+        return await self.execute(core.publish_delta(self.keys, run_id, delta))
+
     async def clear_progress(self, run_id: str) -> None:
         await self.execute(core.clear_progress(self.keys, run_id))
 

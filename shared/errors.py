@@ -27,6 +27,7 @@
      ├── NotImplementedHere          a provider or transport this process has no implementation of
      │                               (shared/registry.py; a LookupError too)
      ├── ProviderError               the model provider failed
+     │    └── MidStream              a streamed answer broke after it began: not retried (worker/model_stream.py)
      ├── ToolTransportError          an MCP call did not produce a result
      │    ├── ToolCallCancelled      it was cut off on purpose: the run was cancelled
      │    └── ToolArgumentsRefused   the server refused the call's arguments (JSON-RPC -32602)

@@ -287,6 +287,8 @@ def _only_in_a_catalog(value: object, info: ValidationInfo) -> object:
 _MaxRetries = SkipJsonSchema[Annotated[Annotated[int, Field(ge=0, le=20)] | None, BeforeValidator(_only_in_a_catalog)]]
 _ModelTimeout = SkipJsonSchema[Annotated[
     Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None, BeforeValidator(_only_in_a_catalog)]]
+# Whether the model's answer is streamed (docs/architecture.md, "Streaming"): the operator's call, like the above.
+_Stream = SkipJsonSchema[Annotated[bool | None, BeforeValidator(_only_in_a_catalog)]]
 
 
 @dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
@@ -305,6 +307,8 @@ class OpenAIModel:
     """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
     timeout_s: _ModelTimeout = None
     """Catalog only: seconds one request to the model may take (default 120)."""
+    stream: _Stream = None
+    """Catalog only: ``false`` asks for the whole answer at once; by default it is streamed (``delta`` events)."""
 
 
 @dataclass(frozen=True, config=ConfigDict(**_SPEC_CONFIG, json_schema_extra=_require("provider")))
@@ -323,12 +327,14 @@ class AnthropicModel:
     """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
     timeout_s: _ModelTimeout = None
     """Catalog only: seconds one request to the model may take (default 120)."""
+    stream: _Stream = None
+    """Catalog only: ``false`` asks for the whole answer at once; by default it is streamed (``delta`` events)."""
 
 
 def _describe_endpoint(model: OpenAIModel | AnthropicModel, shown: Shown) -> dict[str, Any]:
     return {"base_url": shown.url(model.base_url), "model": model.model, "api_key_env": model.api_key_env,
             "api_key_set": None if model.api_key_env is None else shown.is_set(model.api_key_env),
-            "max_retries": model.max_retries, "timeout_s": model.timeout_s}
+            "max_retries": model.max_retries, "timeout_s": model.timeout_s, "stream": model.stream is not False}
 
 
 def _endpoint_variables(model: OpenAIModel | AnthropicModel) -> tuple[str, ...]:

@@ -14,6 +14,8 @@ class StreamEvent(StrEnum):
     """A step was recorded; its ``id`` is the step's sequence (``Last-Event-ID`` resumes after it)."""
     PROGRESS = "progress"
     """A tool in flight reported progress."""
+    DELTA = "delta"
+    """The text a model call streamed since the last one (``{"round", "text"}``); never stored, never replayed."""
     STATUS = "status"
     """The run's status (and termination reason) as it is now, or as it just changed."""
     END = "end"

@@ -212,3 +212,34 @@ def test_the_page_shows_what_a_run_is_asked_what_it_answers_and_what_it_cost_and
     expect(page.get_by_test_id("run-usage")).to_have_text("200 ein + 30 aus = 230 Tokens, 1 Modellaufrufe")
     screenshot(page, "runs-page-answer-de.png")
     assert errors == []
+
+
+def test_the_page_shows_the_answer_as_it_streams_in_and_keeps_what_a_cancel_cut_off(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, llm_mock: LlmMock, store: RunStore,
+) -> None:
+    from llm_mock_api.types.reply import ReplyOptions
+    from playwright.sync_api import expect
+
+    # Some 40 s of streaming, a word every 100 ms: the page sees it grow, then the cancel stops it.
+    llm_mock.server.when("story").reply(reply("word " * 400), ReplyOptions(latency=100, chunk_size=5))
+    add_to_catalog(models={"mock": {"provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}})
+    run_id = httpx2.post(f"{api.url}/v1/runs", json={"input": "Tell a story.", "model": "mock"}).json()["run_id"]
+
+    page, errors = open_page(browser, f"{api.url}/#/runs/{run_id}", locale="de-DE")
+    forming = page.get_by_test_id("forming")
+    expect(forming).to_contain_text("antwortet…")
+    expect(page.get_by_test_id("forming-text")).to_contain_text("word word")
+    screenshot(page, "runs-page-streaming-de.png")
+    page.get_by_test_id("cancel").click()
+    page.get_by_test_id("confirm").click()
+
+    expect(page.get_by_test_id("run-status")).to_have_text("abgebrochen")
+    expect(forming).to_have_count(0)
+    model_row = page.locator("[data-testid=step-row][data-kind=model]")
+    expect(model_row.get_by_test_id("outcome")).to_have_text("abgebrochen")
+    expect(model_row).to_contain_text("word word")
+    record = wait_for_run(store, run_id, lambda r: bool(r.steps))
+    assert record.status is RunStatus.CANCELLED
+    assert record.steps[0].content.startswith("word word")
+    assert page.evaluate("window.__notReloaded") is True
+    assert errors == []

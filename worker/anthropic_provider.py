@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from anthropic import AnthropicError, AsyncAnthropic, DefaultAsyncHttpxClient, omit
+from anthropic.types import Message as AnthropicMessage
 from anthropic.types import (
     MessageParam,
     TextBlockParam,
@@ -39,6 +40,8 @@ from runbrake.worker.conversation import (
     ToolInfo,
     Usage,
 )
+from runbrake.worker.deltas import StreamedText
+from runbrake.worker.model_stream import MessageAssembly, read_answer
 from runbrake.worker.models import EndpointProvider, api_key, provider_error, tls_context
 
 __all__ = ["DEFAULT_MAX_TOKENS", "AnthropicProvider"]
@@ -57,8 +60,10 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
     """Asks the Messages API for the next turn; tools are shown as ``<server>__<tool>``."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
-                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
-        """Send the conversation, tools and settings; map the answer back to runbrake's values.
+                       settings: ModelSettings = NO_SETTINGS, text: StreamedText | None = None) -> ModelTurn:
+        """Send the conversation, tools and settings; map the answer back to runbrake's values. The answer is
+        streamed (its text handed to ``text`` as it arrives, the events assembled into the message a whole
+        answer gives) unless the catalog model says ``stream = false`` (docs/architecture.md, "Streaming").
 
         ``temperature``, ``top_p`` and ``seed`` are not sent: the Messages API (as the SDK states it) has no
         such parameters. A ``tool_use`` naming a tool the run does not have, or input that is not an object,
@@ -66,25 +71,33 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
 
         Raises:
             ProviderError: when the API key variable is unset, on any ``anthropic`` error (status, connection,
-                timeout), or when the answer is not a message.
+                timeout), when the answer is not a message, or when a streamed answer broke off
+                (:class:`~worker.model_stream.MidStream`, not retried).
         """
         system, conversation = _conversation(messages)
+        where = f"{self._spec.base_url} ({self._spec.model})"
+        request: dict[str, Any] = {
+            "model": self._spec.model,
+            "max_tokens": settings.max_output_tokens or DEFAULT_MAX_TOKENS,
+            "messages": conversation,
+            "system": system if system is not None else omit,
+            "tools": [_tool_param(t) for t in tools] if tools else omit,
+            "tool_choice": _tool_choice(settings) if tools else omit,
+            "stop_sequences": list(settings.stop) if settings.stop else omit,
+            "output_config": _output_config(settings),
+            "timeout": settings.timeout_s or self._timeout_s,
+        }
         async with self.connection.client() as client:
             try:
-                message = await client.messages.create(
-                    model=self._spec.model,
-                    max_tokens=settings.max_output_tokens or DEFAULT_MAX_TOKENS,
-                    messages=conversation,
-                    system=system if system is not None else omit,
-                    tools=[_tool_param(t) for t in tools] if tools else omit,
-                    tool_choice=_tool_choice(settings) if tools else omit,
-                    stop_sequences=list(settings.stop) if settings.stop else omit,
-                    output_config=_output_config(settings),
-                    timeout=settings.timeout_s or self._timeout_s,
-                )
+                if self._spec.stream is False:
+                    message: object = await client.messages.create(**request)
+                else:
+                    async with client.messages.with_streaming_response.create(**request, stream=True) as response:
+                        body = await read_answer(response, MessageAssembly(text), where=where)
+                    message = AnthropicMessage.construct(**body)
             except AnthropicError as exc:
                 # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-                raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
+                raise provider_error(where, exc) from exc
         return _turn(message, tools)
 
     def _client(self) -> AsyncAnthropic:

@@ -27,6 +27,7 @@ from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.tool_result import Failure, ToolResult, bound
 from runbrake.worker.conversation import NO_SETTINGS, Message, ModelSettings, ModelTurn, ToolCall, ToolInfo
+from runbrake.worker.deltas import StreamedText
 from runbrake.worker.models import ModelProvider
 from runbrake.worker.registry import cut_off_after
 from runbrake.worker.structured import AnswerCheck, hand_back
@@ -44,6 +45,9 @@ class LoopHooks(Protocol):
     def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
         """A fresh, unentered scope registered as one of the run's calls in flight while the block runs;
         with ``grace_s``, a cancel lets the call go on that long before it cuts it off."""
+
+    def streamed_text(self, round_number: int, *, max_chars: int) -> StreamedText:
+        """Where a model call's streamed text goes: kept for its step, announced as ``delta`` events."""
 
     @property
     def handing_over(self) -> bool:
@@ -213,31 +217,39 @@ class ToolLoop:
         started = self._clock()
         turn: ModelTurn | None = None
         error: ProviderError | None = None
-        with self._hooks.in_flight() as interrupt, interrupt:
-            try:
-                turn = await self._provider.complete(
-                    state.messages, self._runner.tools, round_index=state.model_calls, settings=self._settings
-                )
-            except ProviderError as exc:
-                error = exc
+        # A streamed answer's text as it arrives: what a cut-off call had said is kept in its step.
+        text = self._hooks.streamed_text(round_number, max_chars=self._max_model_content_chars)
+        try:
+            with self._hooks.in_flight() as interrupt, interrupt:
+                try:
+                    turn = await self._provider.complete(state.messages, self._runner.tools,
+                                                         round_index=state.model_calls, settings=self._settings,
+                                                         text=text)
+                except ProviderError as exc:
+                    error = exc
+        finally:
+            text.close()
         duration_ms = _ms(self._clock() - started)
         if turn is None and error is None:
             # The scope swallowed the cancellation: the call was interrupted on purpose.
             handing_over = self._hooks.handing_over
+            partial = {"partial": True} if text.chars and not handing_over else {}
             await self._hooks.record(
                 RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
                         content="model call interrupted: the worker shut down and handed the run over"
-                        if handing_over else "model call interrupted by a cancel",
-                        detail={"reason": HANDOFF_REASON} if handing_over else {})
+                        if handing_over else text.text or "model call interrupted by a cancel",
+                        detail={"reason": HANDOFF_REASON} if handing_over else partial)
             )
             if handing_over:  # the probe found no cancel: the next worker makes this call again
                 raise _HandOverDue
             # The probe above raises; reaching here means the cancel key could not be read.
             raise ProviderError("model call was interrupted but the run's cancel could not be confirmed")
         if error is not None:
+            # A streamed answer that broke off keeps what it had said, as a failed step (never as an answer).
+            failed = {**_attempts(error.attempts, error.retried), **({"partial": True} if text.chars else {})}
             await self._hooks.record(
                 RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, error=str(error),
-                        detail=_attempts(error.attempts, error.retried))
+                        content=text.text, detail=failed)
             )
             raise error
         assert turn is not None

@@ -26,6 +26,7 @@ import httpx2
 import structlog
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient, OpenAIError, omit
 from openai.types.chat import (
+    ChatCompletion,
     ChatCompletionFunctionToolParam,
     ChatCompletionMessageFunctionToolCall,
     ChatCompletionMessageFunctionToolCallParam,
@@ -47,6 +48,8 @@ from runbrake.worker.conversation import (
     Usage,
     model_tool_call,
 )
+from runbrake.worker.deltas import StreamedText
+from runbrake.worker.model_stream import ChatCompletionAssembly, read_answer
 
 __all__ = [
     "Connection",
@@ -82,7 +85,7 @@ class ModelProvider(Protocol):
     """Something that answers a conversation with the next model turn."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
-                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
+                       settings: ModelSettings = NO_SETTINGS, text: StreamedText | None = None) -> ModelTurn:
         """Ask the model for its next turn.
 
         Args:
@@ -91,6 +94,8 @@ class ModelProvider(Protocol):
             round_index: the 0-based index of this model call within the whole run; it
                 continues across segments (e.g. after an approval resume).
             settings: how to ask (temperature, output schema, …): each passed where the provider has the notion.
+            text: where a provider that streams puts the answer's text as it arrives (worker/deltas.py): read
+                by the loop when the call is cut off.
 
         Raises:
             ProviderError: when the provider fails to produce a turn.
@@ -99,14 +104,15 @@ class ModelProvider(Protocol):
 
 
 class ScriptedProvider:
-    """Plays the turns of a ``scripted`` model spec, one per round, statelessly."""
+    """Plays the turns of a ``scripted`` model spec, one per round, statelessly; it does not stream."""
 
     def __init__(self, spec: ScriptedModel) -> None:
         self._spec = spec
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
-                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
-        """Return ``turns[round_index]`` after its ``delay_ms`` (``settings`` has nothing to change here).
+                       settings: ModelSettings = NO_SETTINGS, text: StreamedText | None = None) -> ModelTurn:
+        """Return ``turns[round_index]`` after its ``delay_ms`` (``settings`` and ``text`` have nothing to do
+        here).
 
         Raises:
             ProviderError: for a turn with ``fail``, or when no turn exists for ``round_index``.
@@ -155,31 +161,44 @@ class EndpointProvider(Generic[_S, _C]):
 
 
 class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
-    """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``."""
+    """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``. The answer
+    is streamed unless the catalog model says ``stream = false`` (docs/architecture.md, "Streaming")."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
-                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
-        """Send the conversation and tools; map the answer back to runbrake's values.
+                       settings: ModelSettings = NO_SETTINGS, text: StreamedText | None = None) -> ModelTurn:
+        """Send the conversation and tools; map the answer back to runbrake's values (streamed: assembled
+        into the completion a whole answer gives, its text handed to ``text`` as it arrives).
 
         Raises:
             ProviderError: when the API key variable is unset, on any ``openai`` error (status,
-                connection, timeout), or when the answer is not a chat completion. A call to a tool the
+                connection, timeout), when the answer is not a chat completion, or when a streamed answer
+                broke off (:class:`~worker.model_stream.MidStream`, not retried). A call to a tool the
                 run does not have, or with arguments that are not a JSON object, is no error: it comes
                 back as a :class:`ToolCall` with a ``problem``, for the loop to hand back to the model.
         """
+        where = f"{self._spec.base_url} ({self._spec.model})"
+        request: dict[str, Any] = {
+            "model": self._spec.model,
+            "messages": [_message_param(m) for m in messages],
+            "tools": [_tool_param(t) for t in tools] if tools else omit,
+            "timeout": settings.timeout_s or self._timeout_s,
+            **_settings_params(settings, has_tools=bool(tools)),
+        }
         async with self.connection.client() as client:
             try:
-                completion = await client.chat.completions.create(
-                    model=self._spec.model,
-                    messages=[_message_param(m) for m in messages],
-                    tools=[_tool_param(t) for t in tools] if tools else omit,
-                    timeout=settings.timeout_s or self._timeout_s,
-                    **_settings_params(settings, has_tools=bool(tools)),
-                )
+                if self._spec.stream is False:
+                    completion: object = await client.chat.completions.create(**request)
+                else:
+                    # include_usage: the last chunk carries the usage a whole answer has.
+                    async with client.chat.completions.with_streaming_response.create(
+                        **request, stream=True, stream_options={"include_usage": True},
+                    ) as response:
+                        body = await read_answer(response, ChatCompletionAssembly(text), where=where)
+                    completion = ChatCompletion.construct(**body)
             except OpenAIError as exc:
                 # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
                 # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
-                raise provider_error(f"{self._spec.base_url} ({self._spec.model})", exc) from exc
+                raise provider_error(where, exc) from exc
         return _turn(completion, {t.server for t in tools})
 
     def _client(self) -> AsyncOpenAI:
@@ -384,8 +403,9 @@ class RetryingProvider:
             await connection.release()
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
-                       settings: ModelSettings = NO_SETTINGS) -> ModelTurn:
-        """The provider's turn, with ``attempts`` and the attempts ``retried`` before it.
+                       settings: ModelSettings = NO_SETTINGS, text: StreamedText | None = None) -> ModelTurn:
+        """The provider's turn, with ``attempts`` and the attempts ``retried`` before it (a streamed answer
+        that broke after it began is not retried: ``MidStream`` is not retryable).
 
         Raises:
             ProviderError: the last attempt's error, with ``attempts`` and ``retried``.
@@ -395,7 +415,8 @@ class RetryingProvider:
         retried: list[RetriedAttempt] = []
         while True:
             try:
-                turn = await self._provider.complete(messages, tools, round_index=round_index, settings=settings)
+                turn = await self._provider.complete(messages, tools, round_index=round_index, settings=settings,
+                                                     text=text)
             except ProviderError as exc:
                 wait_s = self._policy.wait_s(exc, retried, draw=random.random())
                 if wait_s is None:

@@ -44,6 +44,7 @@ from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import metrics
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall
+from runbrake.worker.deltas import DeltaPublisher, StreamedText
 from runbrake.worker.loop import HANDOFF_REASON, LoopEnd, LoopEndKind, LoopState, ToolLoop
 from runbrake.worker.models import ModelProvider, RetryPolicy, provider_for
 from runbrake.worker.progress import ProgressSubscriber
@@ -90,6 +91,8 @@ class RunHooks:
         self._lease_s = lease_s
         self._probed = False
         """True from a probe until the next call starts: nothing happened since that could matter."""
+        self._deltas: DeltaPublisher | None = None
+        """The run's ``delta`` events (worker/deltas.py), made at its first model call."""
 
     async def record(self, step: RunStep) -> None:
         token = uuid.uuid4().hex
@@ -122,6 +125,11 @@ class RunHooks:
     def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
         self._probed = False
         return self._handle.in_flight(grace_s)
+
+    def streamed_text(self, round_number: int, *, max_chars: int) -> StreamedText:
+        if self._deltas is None:
+            self._deltas = DeltaPublisher(self._handle.run_id, self._store.publish_delta)
+        return self._deltas.text(round_number, max_chars=max_chars)
 
     @property
     def handing_over(self) -> bool:

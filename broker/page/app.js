@@ -23,6 +23,7 @@ const UI = {
     "filter.clear": "Clear", "run.instructions": "Instructions", "run.input": "Input", "run.output": "Answer",
     "run.usage": "Usage", "run.model": "Model", "run.labels": "Labels",
     "usage.text": "{input} in + {output} out = {total} tokens, {calls} model calls",
+    "run.forming": "answering…",
   },
   de: {
     "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.created": "Erstellt",
@@ -36,6 +37,7 @@ const UI = {
     "filter.clear": "Zurücksetzen", "run.instructions": "Anweisungen", "run.input": "Eingabe", "run.output": "Antwort",
     "run.usage": "Verbrauch", "run.model": "Modell", "run.labels": "Labels",
     "usage.text": "{input} ein + {output} aus = {total} Tokens, {calls} Modellaufrufe",
+    "run.forming": "antwortet…",
   },
 };
 
@@ -304,7 +306,7 @@ function listView() {
 
 function runView(runId) {
   const state = { run: null, steps: new Map(), status: null, reason: "", progress: null, error: null,
-    deciding: null, message: null };
+    deciding: null, message: null, forming: null };
   const main = document.getElementById("main");
   let stream = null;
   const ticker = setInterval(() => { const cell = document.querySelector("[data-testid=elapsed]"); if (cell) cell.textContent = elapsedText(); }, 200);
@@ -365,6 +367,26 @@ function runView(runId) {
       el("td", { class: "num", "data-testid": "elapsed" }, elapsedText()),
       el("td", { class: "outcome o-in_flight" }, label("run.in_flight")),
       el("td", { class: "detail" }, user(flight.call.server + "." + flight.call.tool), " ", progress));
+  }
+
+  // The model's answer as it streams in (delta events), until its model step is recorded.
+  function formingRow(forming) {
+    return el("tr", { class: "in-flight", "data-testid": "forming", "data-round": forming.round },
+      el("td", { class: "num" }, "…"), el("td", { class: "num" }, forming.round), el("td", {}, label("kind.model")),
+      el("td", { class: "num" }, ""), el("td", { class: "outcome o-in_flight" }, t("run.forming")),
+      el("td", { class: "detail", "data-testid": "forming-text" }, user(forming.text)));
+  }
+
+  function formingNow() {
+    const f = state.forming;
+    if (!f || state.status !== "running") return null;
+    return [...state.steps.values()].some((s) => s.kind === "model" && s.round >= f.round) ? null : f;
+  }
+
+  // A delta carries the text since the one before; a new round starts a new answer.
+  function addDelta(delta) {
+    const f = state.forming;
+    state.forming = f && f.round === delta.round ? { round: f.round, text: f.text + delta.text } : { round: delta.round, text: delta.text };
   }
 
   function actions() {
@@ -444,6 +466,8 @@ function runView(runId) {
     const rows = sortedSteps().map(stepRow);
     const flight = inFlight();
     if (flight) rows.push(inFlightRow(flight));
+    const forming = formingNow();
+    if (forming) rows.push(formingRow(forming));
     main.append(el("table", { "data-testid": "timeline" }, el("thead", {}, el("tr", {},
       ...["column.sequence", "column.round", "column.kind", "column.duration", "column.outcome", "column.detail"]
         .map((key) => el("th", {}, label(key))))), el("tbody", {}, rows)));
@@ -484,6 +508,7 @@ function runView(runId) {
         if (changed) refresh(); else render();
       },
       progress: (progress) => { state.progress = progress; render(); },
+      delta: (delta) => { addDelta(delta); render(); },
       end: () => { setConnection(""); refresh(); },
     });
   });
