@@ -35,6 +35,7 @@ from runbrake.shared.errors import (
     RunBoundReached,
     RunbrakeError,
     SpecError,
+    SteerRequested,
     StoreError,
 )
 from runbrake.shared.records import Claim
@@ -49,6 +50,7 @@ from runbrake.worker.models import ModelProvider, RetryPolicy, provider_for
 from runbrake.worker.progress import ProgressSubscriber
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
+from runbrake.worker.steer import steer_step
 from runbrake.worker.subscribers import Subscriber, Subscribers
 from runbrake.worker.toolbox import Toolbox
 
@@ -90,6 +92,8 @@ class RunHooks:
         self._lease_s = lease_s
         self._probed = False
         """True from a probe until the next call starts: nothing happened since that could matter."""
+        self._applying = False
+        """The steer's answers are being recorded: their boundaries do not raise the steer again."""
 
     async def record(self, step: RunStep) -> None:
         token = uuid.uuid4().hex
@@ -103,12 +107,16 @@ class RunHooks:
         if appended.step.sequence >= self._max_steps:
             raise RunBoundReached(TerminationReason.MAX_STEPS,
                                   f"the run recorded its {self._max_steps} steps (max_steps)")
+        if self._handle.steer is not None and not self._applying:
+            raise SteerRequested(self._handle.run_id)
 
     async def checkpoint(self) -> None:
         if self._handle.lost:
             raise OwnershipLost(self._handle.run_id)
         if self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
+        if self._handle.steer is not None:
+            raise SteerRequested(self._handle.run_id)  # applying it probes the cancel key (STEER_APPLY)
         if self._probed:
             return
         self._probed = True
@@ -126,6 +134,39 @@ class RunHooks:
     @property
     def handing_over(self) -> bool:
         return self._handle.handing_over
+
+    @property
+    def steering(self) -> bool:
+        return self._handle.steer is not None and not self._handle.cancel_seen
+
+    async def apply_steer(self, answers: Sequence[RunStep], round_number: int) -> str | None:
+        steer = self._handle.steer
+        if steer is None:
+            return None
+        self._applying = True
+        try:
+            for answer in answers:
+                await self.record(answer)
+        finally:
+            self._applying = False
+        token = uuid.uuid4().hex
+        appended = await durably(
+            lambda: self._store.apply_steer(self._handle.run_id, steer, steer_step(steer, round_number),
+                                            owner=self._handle.owner, token=token),
+            within_s=self._lease_s, what="apply_steer")
+        self._probed = True
+        if appended is not None and (appended.cancelled or self._handle.cancel_seen):
+            raise CancelRequested(self._handle.run_id)  # a cancel wins: the steer is not applied
+        self._handle.steer_applied()
+        if appended is None:
+            log.warning("steer_not_applied", steer_id=steer.id, why="the stored steer is not this one any more")
+            return None
+        log.info("run_steer_applied", sequence=appended.step.sequence, requested_by=steer.requested_by)
+        await self._subscribers.step(self._handle.run_id, appended.step)
+        if appended.step.sequence >= self._max_steps:
+            raise RunBoundReached(TerminationReason.MAX_STEPS,
+                                  f"the run recorded its {self._max_steps} steps (max_steps)")
+        return steer.input
 
 
 async def durably(write: Callable[[], Awaitable[T]], *, within_s: float, what: str) -> T:
@@ -316,6 +357,11 @@ class Runtime:
             if resume:
                 # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
                 await hooks.checkpoint()
+            if claim.steer is not None:
+                # Stored before this segment began (a steered approval, a worker that died or handed over first):
+                # the calls still pending are answered by the steer, never made (docs/architecture.md, "Steer").
+                state.pending_calls, state.approved_call_id = [], None
+                handle.steer_reached(claim.steer)
             with anyio.fail_after(self._settings.run_time_limit_s):
                 end = await self._run_loop(admitted, state, hooks)
         except BaseException as exc:  # noqa: BLE001 - every way a segment ends early, mapped in one place: ending_of
