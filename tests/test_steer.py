@@ -1,0 +1,196 @@
+"""Steer: stop the current turn and go on with a new user message, in the same run (docs/architecture.md,
+"Steer"; issue 18, item 1).
+
+Real worker processes, the toolbox MCP server over HTTP (its events file says when each call started), real
+Redis and RabbitMQ; the model is PyPI ``llm-mock-api`` (tests/llm_mock.py) where what the model receives
+matters, the scripted provider elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from runbrake.shared import RunRecord, RunSpec, RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared.errors import RunNotFound, SpecError, TransitionRefused
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.steer import SteerResult
+from runbrake.shared.operations import steer
+from runbrake.shared.records import SteerRequest
+from tests.catalog_helpers import add_to_catalog
+from tests.llm_mock import LlmMock, reply
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.worker_helpers import WorkerProcess, call, has_step, spec, wait_for_run
+
+pytestmark = pytest.mark.integration
+
+BACKSTOP_OFF = {"RUNBRAKE_CANCEL_POLL_MS": "600000"}
+"""Ten minutes between backstop polls: within a test only the wake-up (or the probe) delivers a steer."""
+WAIT_S = 30.0
+MAX_INPUT_CHARS = 100_000
+
+
+@pytest.fixture(name="publisher")
+def publisher_fixture(rabbitmq: Settings) -> Iterator[CancelPublisher]:
+    publisher = CancelPublisher(rabbitmq)
+    yield publisher
+    publisher.close()
+
+
+def _steer(store: RunStore, publisher: CancelPublisher, producer: Producer, run_id: str, text: Any,
+           reason: Any = "change of plan") -> SteerResult:
+    return steer(store, publisher, producer, run_id, text=text, reason=reason, requested_by="test",
+                 max_input_chars=MAX_INPUT_CHARS)
+
+
+def _model_run(mock: LlmMock, toolbox: Toolbox, text: str, **extra: Any) -> RunSpec:
+    add_to_catalog({"toolbox": {"transport": "http", "url": str(toolbox.spec.url)}},  # type: ignore[union-attr]
+                   models={"mock": {"provider": "openai", "base_url": mock.openai_url, "model": "gpt-mock"}})
+    return RunSpec.parse({"input": text, "model": "mock", "mcp_servers": ["toolbox"], **extra})
+
+
+def _kinds(record: RunRecord) -> list[str]:
+    return [s.kind.value for s in record.steps]
+
+
+def test_a_steer_during_a_tool_call_cuts_it_off_answers_the_call_not_started_and_the_model_gets_the_new_input(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer,
+    store: RunStore, publisher: CancelPublisher,
+) -> None:
+    # One call at a time: the second call of the turn is still waiting for its place when the steer comes.
+    start_worker(RUNBRAKE_MAX_PARALLEL_TOOL_CALLS="1", **BACKSTOP_OFF)
+    llm_mock.server.when("book the trip").reply(reply(tools=[
+        ("toolbox__slow", {"seconds": 60}, "call_slow"), ("toolbox__echo", {"text": "later"}, "call_echo"),
+    ])).times(1)
+    llm_mock.server.when("go by train instead").reply(reply("Booked the train."))
+    run = producer.enqueue(_model_run(llm_mock, toolbox_http, "book the trip"))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+
+    result = _steer(store, publisher, producer, run.run_id, "go by train instead", reason="the flight is full")
+
+    assert (result.found, result.message_confirmed) == (RunStatus.RUNNING, True)
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
+    assert _kinds(record) == ["model", "tool", "tool", "steer", "model"]
+    slow, echo = record.steps[1:3]
+    # The call in flight cut off, the one not started answered: both cancelled, steered, each side effect said.
+    assert [(s.tool_call_id, s.tool_outcome, s.detail["reason"], s.detail["side_effects"]) for s in (slow, echo)] == [
+        ("call_slow", ToolOutcome.CANCELLED, "steered", "unknown"),
+        ("call_echo", ToolOutcome.CANCELLED, "steered", "none")]
+    assert matching_events(toolbox_http.events, "started", tool="echo") == []  # never sent
+    steered = record.steps[3]
+    assert steered.detail["input"] == "go by train instead"
+    assert (steered.detail["reason"], steered.detail["requested_by"]) == ("the flight is full", "test")
+    assert record.steps[-1].content == "Booked the train."
+    assert record.input == "book the trip"  # the run's input stays the original
+    # Not a cancel: no cancel request was ever stored.
+    assert record.cancel is None
+    # The model saw every earlier call answered, then the new message.
+    second = llm_mock.bodies()[1]["messages"]
+    assert [(m["role"], m.get("tool_call_id")) for m in second] == [
+        ("user", None), ("assistant", None), ("tool", "call_slow"), ("tool", "call_echo"), ("user", None)]
+    assert second[-1]["content"] == "go by train instead"
+    assert store.pending_steer(run.run_id) is None  # consumed when applied
+
+
+def test_a_steer_of_a_run_waiting_for_approval_answers_the_waiting_call_and_puts_the_run_back_to_work(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, publisher: CancelPublisher,
+) -> None:
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("echo", text="needs a yes")]},
+        {"content": "went on without it"},
+    ], approval_required=["toolbox.echo"]))
+    wait_for_run(store, run.run_id, lambda r: r.status is RunStatus.WAITING_FOR_APPROVAL, timeout=WAIT_S)
+
+    result = _steer(store, publisher, producer, run.run_id, "skip that, just answer")
+
+    assert result.found is RunStatus.WAITING_FOR_APPROVAL
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "went on without it")
+    assert _kinds(record) == ["model", "tool", "steer", "model"]
+    answered = record.steps[1]
+    assert (answered.tool_outcome, answered.detail["reason"], answered.detail["side_effects"]) == (
+        ToolOutcome.CANCELLED, "steered", "none")
+    assert matching_events(toolbox_http.events, "started", tool="echo") == []  # no approval needed, none made
+
+
+def test_a_cancel_after_a_steer_wins_and_the_run_ends_cancelled(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore, publisher: CancelPublisher,
+) -> None:
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=60, note="first")]},
+        {"tool_calls": [call("slow", seconds=60, note="second")]},
+        {"content": "never reached"},
+    ]))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+
+    _steer(store, publisher, producer, run.run_id, "do something else")
+    assert cancel_run(store, publisher, run.run_id, reason="stop after all", requested_by="test").won
+
+    worker.wait_for_log("run_segment_ended", run_id=run.run_id, timeout=WAIT_S)
+    record = store.get(run.run_id)
+    assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
+    assert _kinds(record).count("steer") <= 1
+    assert not any(s.kind is StepKind.MODEL and s.content == "never reached" for s in record.steps)
+    assert worker.logged("run_segment_ended", run_id=run.run_id)[0]["outcome"] == "cancelled"
+
+
+def test_a_steer_of_a_finished_run_is_refused_naming_its_status_and_an_unknown_run_is_not_found(
+    worker: WorkerProcess, producer: Producer, store: RunStore, publisher: CancelPublisher,
+) -> None:
+    run = producer.enqueue(RunSpec.parse({"input": "hi", "model": {"provider": "scripted",
+                                                                    "turns": [{"content": "hello"}]}}))
+    wait_for_run(store, run.run_id, timeout=WAIT_S)
+
+    with pytest.raises(TransitionRefused) as refused:
+        _steer(store, publisher, producer, run.run_id, "too late")
+    assert refused.value.found is RunStatus.COMPLETED
+    assert "completed" in str(refused.value)
+    with pytest.raises(RunNotFound):
+        _steer(store, publisher, producer, "0" * 32, "nobody")
+    assert store.pending_steer(run.run_id) is None
+    assert not has_step("steer")(store.get(run.run_id))
+
+
+@pytest.mark.parametrize(("text", "reason", "field"), [
+    ("", "why", "input"), ("   ", "why", "input"), (None, "why", "input"),
+    ("x" * (MAX_INPUT_CHARS + 1), "why", "input"), ("fine", "r" * 1001, "reason"),
+])
+def test_a_steer_with_an_empty_or_too_long_input_or_reason_is_refused_naming_the_field_and_writes_nothing(
+    store: RunStore, producer: Producer, publisher: CancelPublisher, text: Any, reason: Any, field: str,
+) -> None:
+    created = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "y"}]}})
+
+    with pytest.raises(SpecError) as refused:
+        _steer(store, publisher, producer, created.run_id, text, reason)
+
+    assert [p.field for p in refused.value.problems] == [field]
+    assert store.pending_steer(created.run_id) is None
+
+
+def test_a_second_steer_before_the_first_is_applied_is_refused_and_the_first_stays_as_it_was(
+    store: RunStore,
+) -> None:
+    created = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "y"}]}})
+    assert store.claim(created.run_id, "owner-1", lease_s=60).won
+    first = SteerRequest(id="a" * 32, input="first", reason="", requested_by="t", requested_at=1.0)
+
+    assert store.steer(created.run_id, first).transition.won
+    again = store.steer(created.run_id, SteerRequest(id="b" * 32, input="second", reason="", requested_by="t",
+                                                     requested_at=2.0))
+
+    assert (again.transition.won, again.pending, again.transition.found) == (False, True, RunStatus.RUNNING)
+    assert store.pending_steer(created.run_id) == first
+
+
+def test_a_queued_run_cannot_be_steered(store: RunStore) -> None:
+    created = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "y"}]}})
+
+    steered = store.steer(created.run_id, SteerRequest(id="a" * 32, input="now", reason="", requested_by="t",
+                                                       requested_at=1.0))
+
+    assert (steered.transition.won, steered.transition.found) == (False, RunStatus.QUEUED)
+    assert store.pending_steer(created.run_id) is None
