@@ -8,11 +8,17 @@ matters, the scripted provider elsewhere.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 
+from runbrake.broker import Client
+from runbrake.broker.client import ApiError
 from runbrake.shared import RunRecord, RunSpec, RunStatus, RunStore, Settings, StepKind, TerminationReason, ToolOutcome
 from runbrake.shared.errors import RunNotFound, SpecError, TransitionRefused
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
@@ -20,9 +26,11 @@ from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.steer import SteerResult
 from runbrake.shared.operations import steer
 from runbrake.shared.records import SteerRequest
+from tests.api_helpers import ApiProcess, write_tokens
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.test_cli import runbrake
 from tests.worker_helpers import WorkerProcess, call, has_step, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -194,3 +202,104 @@ def test_a_queued_run_cannot_be_steered(store: RunStore) -> None:
 
     assert (steered.transition.won, steered.transition.found) == (False, RunStatus.QUEUED)
     assert store.pending_steer(created.run_id) is None
+
+
+# -- the entry points: the HTTP API, the client, the CLI ------------------------------------------------
+
+
+def test_steer_through_the_api_and_the_client_answers_202_then_409_once_finished_and_404_for_an_unknown_run(
+    api: ApiProcess, worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore,
+) -> None:
+    with Client(api.url) as client:
+        run_id = client.enqueue(spec({"toolbox": toolbox_http.spec}, [
+            {"tool_calls": [call("slow", seconds=60)]}, {"content": "on the new course"}]).raw)["run_id"]
+        wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+        steered = client.steer(run_id, "change course", reason="from the API")
+        record = wait_for_run(store, run_id, timeout=WAIT_S)
+        with pytest.raises(ApiError) as late:
+            client.steer(run_id, "too late")
+        with pytest.raises(ApiError) as unknown:
+            client.steer("f" * 32, "nobody")
+
+    assert steered == {"run_id": run_id, "steered": True, "found": "running", "message_confirmed": True}
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "on the new course")
+    steer_step = next(s for s in record.steps if s.kind is StepKind.STEER)
+    assert (steer_step.detail["requested_by"], steer_step.detail["reason"]) == ("anonymous", "from the API")
+    assert (late.value.status_code, late.value.body["status"]) == (409, "completed")
+    assert unknown.value.status_code == 404
+
+
+@pytest.mark.parametrize(("body", "loc"), [
+    ({}, ["body", "input"]), ({"input": ""}, ["body", "input"]), ({"input": "   "}, ["body", "input"]),
+    ({"input": 3}, ["body", "input"]), ({"input": "ok", "reason": "r" * 1001}, ["body", "reason"]),
+    ({"input": "ok", "extra": 1}, ["body", "extra"]),
+])
+def test_a_bad_steer_body_is_422_naming_the_field_and_nothing_is_stored(
+    api: ApiProcess, store: RunStore, body: dict[str, Any], loc: list[str],
+) -> None:
+    run_id = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "y"}]}}).run_id
+    assert store.claim(run_id, "owner-1", lease_s=60).won
+
+    with httpx2.Client(base_url=api.url) as http:
+        answer = http.post(f"/v1/runs/{run_id}/steer", json=body)
+        too_long = http.post(f"/v1/runs/{run_id}/steer", json={"input": "x" * (MAX_INPUT_CHARS + 1)})
+
+    assert answer.status_code == 422
+    assert [e["loc"] for e in answer.json()["errors"]] == [loc]
+    assert too_long.status_code == 422
+    assert [e["loc"] for e in too_long.json()["errors"]] == [["body", "input"]]
+    assert "RUNBRAKE_MAX_INPUT_CHARS" in too_long.json()["errors"][0]["msg"]
+    assert store.pending_steer(run_id) is None
+
+
+def test_a_steer_needs_the_operate_role_and_a_tenant_steers_only_its_own_runs(
+    start_api: Callable[..., ApiProcess], tmp_path: Path, store: RunStore,
+) -> None:
+    tokens = write_tokens(tmp_path / "tokens.toml", {"ops": ("t-ops", ["operate"]), "sub": ("t-sub", ["submit"])})
+    digest = hashlib.sha256(b"t-alpha").hexdigest()
+    tokens.write_text(tokens.read_text()
+                      + f'[tokens.alpha]\nsha256 = "{digest}"\nroles = ["operate"]\ntenant = "alpha"\n')
+    api = start_api(tokens=tokens)
+    run_id = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "y"}]}}).run_id
+    assert store.claim(run_id, "owner-1", lease_s=60).won
+    missing = "0" * 32
+
+    def as_(token: str, run: str) -> httpx2.Response:
+        return http.post(f"/v1/runs/{run}/steer", json={"input": "x"}, headers={"Authorization": f"Bearer {token}"})
+
+    with httpx2.Client(base_url=api.url) as http:
+        submitter, theirs, absent = as_("t-sub", run_id), as_("t-alpha", run_id), as_("t-alpha", missing)
+        operator = as_("t-ops", run_id)
+
+    assert submitter.status_code == 403
+    assert theirs.status_code == absent.status_code == 404
+    assert theirs.text == absent.text.replace(missing, run_id)
+    assert operator.status_code == 202
+    pending = store.pending_steer(run_id)
+    assert pending is not None
+    assert pending.requested_by == "ops"
+
+
+def test_runbrake_steer_exits_0_1_or_2_and_says_what_it_did(store: RunStore, rabbitmq: Settings) -> None:
+    running = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "y"}]}}).run_id
+    assert store.claim(running, "owner-1", lease_s=60).won
+    finished = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "y"}]}}).run_id
+    store.cancel(finished, reason="t", requested_by="t")
+
+    bad = runbrake("steer", running, "")
+    ok = runbrake("steer", running, "new plan", "--reason", "because", "--json")
+    again = runbrake("steer", running, "another")
+    refused = runbrake("steer", finished, "late", "--json")
+
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert "invalid steer: input" in bad.stderr
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout) == {"run_id": running, "steered": True, "found": "running",
+                                     "message_confirmed": True, "message_error": None}
+    assert again.returncode == 1
+    assert "still waiting to be applied" in again.stderr
+    assert refused.returncode == 1
+    assert json.loads(refused.stdout)["found"] == "cancelled"
+    pending = store.pending_steer(running)
+    assert pending is not None
+    assert (pending.input, pending.reason) == ("new plan", "because")
