@@ -120,6 +120,7 @@ manifests: setup
 bench: setup services
 	$(PY) -m bench.throughput
 	$(PY) -m bench.cancel_latency
+	$(PY) -m bench.steer_latency
 	$(PY) -m bench.overhead
 	$(PY) -m bench.api
 	$(PY) -m bench.model_overhead
