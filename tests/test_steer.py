@@ -8,14 +8,18 @@ matters, the scripted provider elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
+from llm_mock_api.types.reply import Reply
+from llm_mock_api.types.request import MockRequest
 
 from runbrake.broker import Client
 from runbrake.broker.client import ApiError
@@ -26,6 +30,8 @@ from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.steer import SteerResult
 from runbrake.shared.operations import steer
 from runbrake.shared.records import SteerRequest
+from runbrake.shared.spec import OnCancel
+from runbrake.shared.timeline import step_outcome
 from tests.api_helpers import ApiProcess, write_tokens
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
@@ -303,3 +309,78 @@ def test_runbrake_steer_exits_0_1_or_2_and_says_what_it_did(store: RunStore, rab
     pending = store.pending_steer(running)
     assert pending is not None
     assert (pending.input, pending.reason) == ("new plan", "because")
+
+
+# -- how a steer reaches the run ---------------------------------------------------------------------------
+
+
+def test_a_steer_whose_wake_up_is_lost_is_found_by_the_backstop_and_applied_once(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
+) -> None:
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=60)]}, {"content": "found by the poll"}]))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+
+    # Stored without its wake-up: as if RabbitMQ had lost the message.
+    assert store.steer(run.run_id, SteerRequest(id="c" * 32, input="poll me", reason="", requested_by="test",
+                                                requested_at=0.0)).transition.won
+
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "found by the poll")
+    assert _kinds(record) == ["model", "tool", "steer", "model"]
+    assert record.steps[1].detail["reason"] == "steered"
+    assert worker.logged("steer_found_by_backstop", run_id=run.run_id)
+    assert len(worker.logged("run_steer_applied", run_id=run.run_id)) == 1
+
+
+def test_a_steer_lets_a_finish_call_complete_records_its_real_result_then_applies(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
+    publisher: CancelPublisher,
+) -> None:
+    start_worker(**BACKSTOP_OFF)
+    finishing = toolbox_http.spec.model_copy(update={"tools_on_cancel": {"slow": OnCancel.FINISH}})
+    run = producer.enqueue(spec({"toolbox": finishing}, [
+        {"tool_calls": [call("slow", seconds=3)]}, {"content": "after the finish"}]))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+
+    _steer(store, publisher, producer, run.run_id, "now this")
+
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "after the finish")
+    assert _kinds(record) == ["model", "tool", "steer", "model"]
+    assert (record.steps[1].tool_outcome, record.steps[1].content) == (ToolOutcome.OK, "slept 3.0 s")
+    assert len(matching_events(toolbox_http.events, "finished", tool="slow")) == 1
+
+
+def test_a_steer_during_a_model_call_records_it_interrupted_drops_its_answer_and_asks_again_with_the_new_input(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer,
+    store: RunStore, publisher: CancelPublisher,
+) -> None:
+    start_worker(**BACKSTOP_OFF)
+    arrived, release = threading.Event(), threading.Event()
+
+    async def slow(_request: MockRequest) -> Reply:
+        arrived.set()
+        while not release.is_set():  # the server's own loop: let it stop the reply when the test ends
+            await asyncio.sleep(0.05)
+        return reply("too late")
+
+    llm_mock.server.when("think hard").reply(slow)
+    llm_mock.server.when("think less").reply(reply("Quick answer."))
+    run = producer.enqueue(_model_run(llm_mock, toolbox_http, "think hard"))
+    try:
+        assert arrived.wait(WAIT_S)
+        _steer(store, publisher, producer, run.run_id, "think less")
+        record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    finally:
+        release.set()
+
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "Quick answer.")
+    assert _kinds(record) == ["model", "steer", "model"]
+    interrupted = record.steps[0]
+    assert (interrupted.interrupted, interrupted.detail["reason"], step_outcome(interrupted)) == (
+        True, "steered", "cancelled")
+    # The interrupted call's answer never entered the conversation: the user's two messages, nothing between.
+    last = llm_mock.bodies()[-1]["messages"]
+    assert [(m["role"], m["content"]) for m in last] == [("user", "think hard"), ("user", "think less")]
+    assert record.usage.model_calls == 1  # the interrupted call is not counted as an answer

@@ -110,5 +110,5 @@ class Backstop(Periodic):
         for run_id, steer_id in pending & self._steers_seen:
             # Delivered again on every poll it stays pending: the registry ignores a steer already delivered.
             if self._registry.steer(run_id, steers[run_id]):
-                log.debug("steer_found_by_backstop", run_id=run_id, steer_id=steer_id)
+                log.info("steer_found_by_backstop", run_id=run_id, steer_id=steer_id)
         self._steers_seen = pending
