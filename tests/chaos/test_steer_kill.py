@@ -1,5 +1,5 @@
-"""kill -9 of the worker right after a steer: the steer is kept in Redis, and the next worker applies it exactly
-once (docs/architecture.md, "Steer: durable, exactly once").
+"""kill -9 of the worker right after a steer, and a hand-over with a steer pending: the steer is kept in Redis,
+and the next worker applies it exactly once (docs/architecture.md, "Steer: durable, exactly once").
 
 The steered run waits for approval, so the steer sends its resume message; the worker that would take it has its
 one slot held by another run's long call and cannot claim it before it is killed. A second worker claims the
@@ -17,6 +17,7 @@ from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.operations import steer
+from runbrake.shared.records import SteerRequest
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -65,3 +66,27 @@ def test_kill_9_of_the_worker_right_after_a_steer_leaves_it_to_the_next_worker_w
     assert len(survivor.logged("run_steer_applied", run_id=steered.run_id)) == 1
     assert store.pending_steer(steered.run_id) is None
     assert matching_events(toolbox_http.events, "started", tool="echo") == []
+
+
+def test_a_steer_pending_at_a_hand_over_is_applied_once_by_the_worker_that_continues_the_run(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
+) -> None:
+    # No backstop and no wake-up: the first worker never learns of the steer before it hands the run over.
+    first = start_worker(RUNBRAKE_DRAIN_S="1", RUNBRAKE_CANCEL_POLL_MS="600000")
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("slow", seconds=60)]}, {"content": "continued with the steer"}]))
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    assert store.steer(run.run_id, SteerRequest(id="d" * 32, input="after the hand-over", reason="",
+                                                requested_by="test", requested_at=0.0)).transition.won
+
+    first.process.send_signal(signal.SIGTERM)
+    first.wait_for_log("run_handed_over", run_id=run.run_id, timeout=WAIT_S)
+    second = start_worker()
+
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "continued with the steer")
+    assert [s.kind.value for s in record.steps] == ["model", "tool", "handoff", "steer", "model"]
+    assert record.steps[1].detail["reason"] == "worker_shutdown"
+    assert record.steps[3].detail["input"] == "after the hand-over"
+    assert len(second.logged("run_steer_applied", run_id=run.run_id)) == 1
+    assert store.pending_steer(run.run_id) is None
