@@ -344,6 +344,19 @@ end
 return {1, st}
 """)
 
+# KEYS: run, steer, unclaimed.  ARGV: now, run_id
+# A steer stored while the run was still running, whose worker suspended the run for approval before the steer
+# reached a boundary: put the run back to work as STEER does for a run that waits (the worker reads the steer
+# key after its SUSPEND won, and sends the resume when this answers 1). Idempotent: marking a steered run again
+# answers 1 again, and a duplicate resume is a no-op (RESUME_CLAIM).
+STEER_WAITING = _script("steer_waiting", """
+if redis.call('HGET', KEYS[1], 'status') ~= '$status_waiting_for_approval' then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'approval', 'steered')
+redis.call('ZADD', KEYS[3], ARGV[1], ARGV[2])
+return 1
+""")
+
 # KEYS: run, steps, cancel, steer, outbox.
 # ARGV: step_body_json, now, run_id, step token, owner, steer id, retention_s, events channel
 # Apply the stored steer exactly once: consume it (DEL) and append its ``steer`` step in one script, owner-guarded
@@ -568,6 +581,6 @@ return found
 """)
 
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       STEER, STEER_APPLY, REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT,
-       WEBHOOK_HEAD, WEBHOOK_LIST)
+       STEER, STEER_WAITING, STEER_APPLY, REAP, REDRIVE, OUTBOX_GROUP, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE,
+       WEBHOOK_RESULT, WEBHOOK_HEAD, WEBHOOK_LIST)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

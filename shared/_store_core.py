@@ -728,6 +728,15 @@ def apply_steer(keys: Keys, run_id: str, request: SteerRequest, step: RunStep, *
         f"apply the steer of run {run_id}", parse))
 
 
+def steer_waiting(keys: Keys, run_id: str) -> Op[bool]:
+    """After a suspend: when a steer is stored, put the run that now waits for approval back to work
+    (STEER_WAITING); True when the caller should send its resume message."""
+    return durable(_script(_scripts.STEER_WAITING, (keys.run(run_id), keys.steer(run_id),
+                                                    keys.unclaimed(keys.shard(run_id))),
+                           (time.time(), Ident(run_id)), f"resume the steered run {run_id}",
+                           lambda answers: bool(answers[0])))
+
+
 def pending_steer(keys: Keys, run_id: str) -> Op[SteerRequest | None]:
     """The steer waiting to be applied (one GET), or None. Fail-soft like the probe."""
     return Op(f"read the steer of run {run_id}", (Command(("GET", keys.steer(run_id))),),

@@ -204,6 +204,10 @@ class AsyncRunStore:
         """Consume the stored steer and record its ``steer`` step, in one script (exactly once)."""
         return await self.execute(core.apply_steer(self.keys, run_id, request, step, owner=owner, token=token))
 
+    async def steer_waiting(self, run_id: str) -> bool:
+        """A steer stored before the run was suspended: mark it steered for its resume (True: send the resume)."""
+        return await self.execute(core.steer_waiting(self.keys, run_id))
+
     async def cancel_requested(self, run_id: str) -> bool:
         """The probe alone (fail-soft: an unreachable Redis answers False and logs)."""
         return await self.execute(core.cancel_requested(self.keys, run_id))

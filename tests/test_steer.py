@@ -384,3 +384,24 @@ def test_a_steer_during_a_model_call_records_it_interrupted_drops_its_answer_and
     last = llm_mock.bodies()[-1]["messages"]
     assert [(m["role"], m["content"]) for m in last] == [("user", "think hard"), ("user", "think less")]
     assert record.usage.model_calls == 1  # the interrupted call is not counted as an answer
+
+
+def test_a_steer_stored_just_before_the_run_suspends_for_approval_puts_it_back_to_work_with_the_steer(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
+) -> None:
+    worker = start_worker(**BACKSTOP_OFF)
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"delay_ms": 3000, "tool_calls": [call("echo", text="needs a yes")]},
+        {"content": "the steer went first"},
+    ], approval_required=["toolbox.echo"]))
+    worker.wait_for_log("run_claimed", run_id=run.run_id, timeout=WAIT_S)
+    # Stored without a wake-up while the model call runs: no boundary sees it before the run suspends.
+    assert store.steer(run.run_id, SteerRequest(id="e" * 32, input="never mind", reason="", requested_by="test",
+                                                requested_at=0.0)).transition.won
+
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "the steer went first")
+    assert _kinds(record) == ["model", "tool", "steer", "model"]
+    assert record.steps[1].detail["reason"] == "steered"
+    assert worker.logged("run_steered_while_suspending", run_id=run.run_id)
+    assert matching_events(toolbox_http.events, "started", tool="echo") == []

@@ -466,7 +466,21 @@ class Runtime:
         call = end.state.pending_calls[0]
         log.info("run_waiting_for_approval", tool=call.qualified_name)
         self.subscribers.status(run_id, RunStatus.WAITING_FOR_APPROVAL)
+        await self._resume_if_steered(run_id)
         return RunOutcome.SUSPENDED
+
+    async def _resume_if_steered(self, run_id: str) -> None:
+        """A steer stored while the run was running that no boundary applied before it was suspended: the run is
+        put back to work as a steer of a waiting run is (docs/architecture.md, "Steer")."""
+        if not await self._store.steer_waiting(run_id):
+            return
+        log.info("run_steered_while_suspending")
+        if self._sender is not None:
+            try:
+                await anyio.to_thread.run_sync(functools.partial(self._sender.send, run_id, resume=True))
+            except Exception as exc:  # noqa: BLE001 - the run waits in the unclaimed set: the re-drive sends it
+                log.warning("run_resume_message_failed", error=str(exc) or repr(exc),
+                            action=f"re-driven within RUNBRAKE_REDRIVE_S ({self._settings.redrive_s} s)")
 
     async def _hand_over(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
         """Save the conversation, put the run back to ``queued`` with a ``handoff`` step, and send its
