@@ -29,9 +29,7 @@ from typing import Any
 
 from bench._harness import Bench, machine, print_machine, summary_ms, wait_until
 from runbrake.shared.logging import configure_logging
-from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
-from runbrake.shared.messaging.producer import Producer
-from runbrake.shared.messaging.rabbitmq import build_broker
+from runbrake.shared.messaging.cancel import cancel_run
 from runbrake.shared.messaging.steer import check_steer, steer_run
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.spec import RunSpec
@@ -76,12 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Bench("steer_latency", env={"RUNBRAKE_CANCEL_POLL_MS": str(args.poll_ms)}) as bench:
         print(f"namespace {bench.namespace}; starting the toolbox server and a worker…")
         server = bench.start_toolbox()
-        broker = build_broker(bench.settings)
-        bench.on_close(broker.close)
-        producer = Producer(bench.store, broker, bench.admission())
-        publisher = CancelPublisher(bench.settings)
-        bench.on_close(publisher.close)
-        publisher.publish("bench-warm-up")  # connects and declares the exchange; no run has this id
+        producer, publisher = bench.producer_and_publisher()
         bench.start_worker(concurrency=4)
         started: set[float] = set()
         for index in range(2 * (args.samples + args.warmup)):

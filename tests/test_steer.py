@@ -8,18 +8,16 @@ matters, the scripted provider elsewhere.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from llm_mock_api.types.reply import Reply
-from llm_mock_api.types.request import MockRequest
 
 from runbrake.broker import Client
 from runbrake.broker.client import ApiError
@@ -34,7 +32,7 @@ from runbrake.shared.spec import OnCancel
 from runbrake.shared.timeline import step_outcome
 from tests.api_helpers import ApiProcess, write_tokens
 from tests.catalog_helpers import add_to_catalog
-from tests.llm_mock import LlmMock, reply
+from tests.llm_mock import LlmMock, held_reply, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.test_cli import runbrake
 from tests.worker_helpers import WorkerProcess, call, has_step, spec, wait_for_run
@@ -46,12 +44,6 @@ BACKSTOP_OFF = {"RUNBRAKE_CANCEL_POLL_MS": "600000"}
 WAIT_S = 30.0
 MAX_INPUT_CHARS = 100_000
 
-
-@pytest.fixture(name="publisher")
-def publisher_fixture(rabbitmq: Settings) -> Iterator[CancelPublisher]:
-    publisher = CancelPublisher(rabbitmq)
-    yield publisher
-    publisher.close()
 
 
 def _steer(store: RunStore, publisher: CancelPublisher, producer: Producer, run_id: str, text: Any,
@@ -68,6 +60,21 @@ def _model_run(mock: LlmMock, toolbox: Toolbox, text: str, **extra: Any) -> RunS
 
 def _kinds(record: RunRecord) -> list[str]:
     return [s.kind.value for s in record.steps]
+
+
+def store_steer(store: RunStore, run_id: str, text: str) -> None:
+    """Store a steer without its wake-up (as if RabbitMQ had lost it, or before anyone could deliver it)."""
+    request = SteerRequest(id=uuid.uuid4().hex, input=text, reason="", requested_by="test", requested_at=0.0)
+    assert store.steer(run_id, request).transition.won
+
+
+def assert_steered_once_and_completed(record: RunRecord, answer: str, kinds: list[str]) -> None:
+    """The run completed with ``answer`` after these steps, one of them the steer, its cut-off call steered."""
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, answer)
+    assert _kinds(record) == kinds
+    assert kinds.count("steer") == 1
+    assert all(s.detail.get("reason") == "steered" for s in record.steps[:kinds.index("steer")]
+               if s.kind is StepKind.TOOL)
 
 
 def test_a_steer_during_a_tool_call_cuts_it_off_answers_the_call_not_started_and_the_model_gets_the_new_input(
@@ -321,14 +328,10 @@ def test_a_steer_whose_wake_up_is_lost_is_found_by_the_backstop_and_applied_once
         {"tool_calls": [call("slow", seconds=60)]}, {"content": "found by the poll"}]))
     wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
 
-    # Stored without its wake-up: as if RabbitMQ had lost the message.
-    assert store.steer(run.run_id, SteerRequest(id="c" * 32, input="poll me", reason="", requested_by="test",
-                                                requested_at=0.0)).transition.won
+    store_steer(store, run.run_id, "poll me")
 
     record = wait_for_run(store, run.run_id, timeout=WAIT_S)
-    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "found by the poll")
-    assert _kinds(record) == ["model", "tool", "steer", "model"]
-    assert record.steps[1].detail["reason"] == "steered"
+    assert_steered_once_and_completed(record, "found by the poll", ["model", "tool", "steer", "model"])
     assert worker.logged("steer_found_by_backstop", run_id=run.run_id)
     assert len(worker.logged("run_steer_applied", run_id=run.run_id)) == 1
 
@@ -358,14 +361,7 @@ def test_a_steer_during_a_model_call_records_it_interrupted_drops_its_answer_and
 ) -> None:
     start_worker(**BACKSTOP_OFF)
     arrived, release = threading.Event(), threading.Event()
-
-    async def slow(_request: MockRequest) -> Reply:
-        arrived.set()
-        while not release.is_set():  # the server's own loop: let it stop the reply when the test ends
-            await asyncio.sleep(0.05)
-        return reply("too late")
-
-    llm_mock.server.when("think hard").reply(slow)
+    llm_mock.server.when("think hard").reply(held_reply(arrived, release))
     llm_mock.server.when("think less").reply(reply("Quick answer."))
     run = producer.enqueue(_model_run(llm_mock, toolbox_http, "think hard"))
     try:
@@ -396,12 +392,9 @@ def test_a_steer_stored_just_before_the_run_suspends_for_approval_puts_it_back_t
     ], approval_required=["toolbox.echo"]))
     worker.wait_for_log("run_claimed", run_id=run.run_id, timeout=WAIT_S)
     # Stored without a wake-up while the model call runs: no boundary sees it before the run suspends.
-    assert store.steer(run.run_id, SteerRequest(id="e" * 32, input="never mind", reason="", requested_by="test",
-                                                requested_at=0.0)).transition.won
+    store_steer(store, run.run_id, "never mind")
 
     record = wait_for_run(store, run.run_id, timeout=WAIT_S)
-    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "the steer went first")
-    assert _kinds(record) == ["model", "tool", "steer", "model"]
-    assert record.steps[1].detail["reason"] == "steered"
+    assert_steered_once_and_completed(record, "the steer went first", ["model", "tool", "steer", "model"])
     assert worker.logged("run_steered_while_suspending", run_id=run.run_id)
     assert matching_events(toolbox_http.events, "started", tool="echo") == []

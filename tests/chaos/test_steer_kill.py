@@ -9,28 +9,22 @@ resume, answers the waiting call as cancelled (steered), records one ``steer`` s
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from runbrake.shared import RunStatus, RunStore, Settings, StepKind, ToolOutcome
+from runbrake.shared import RunStatus, RunStore, ToolOutcome
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.operations import steer
-from runbrake.shared.records import SteerRequest
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.test_steer import assert_steered_once_and_completed, store_steer
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
 
 WAIT_S = 30.0
 
-
-@pytest.fixture(name="publisher")
-def publisher_fixture(rabbitmq: Settings) -> Iterator[CancelPublisher]:
-    publisher = CancelPublisher(rabbitmq)
-    yield publisher
-    publisher.close()
 
 
 def test_kill_9_of_the_worker_right_after_a_steer_leaves_it_to_the_next_worker_which_applies_it_once(
@@ -57,12 +51,9 @@ def test_kill_9_of_the_worker_right_after_a_steer_leaves_it_to_the_next_worker_w
     assert not doomed.logged("run_claimed", run_id=steered.run_id, segment="resume")
     survivor = start_worker(concurrency=2)
     record = wait_for_run(store, steered.run_id, timeout=WAIT_S)
-    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "went on with the steer")
-    assert [s.kind.value for s in record.steps] == ["model", "tool", "steer", "model"]
-    answered, applied = record.steps[1], record.steps[2]
-    assert (answered.tool_outcome, answered.detail["reason"]) == (ToolOutcome.CANCELLED, "steered")
-    assert applied.detail["input"] == "skip it, answer now"
-    assert sum(1 for s in record.steps if s.kind is StepKind.STEER) == 1
+    assert_steered_once_and_completed(record, "went on with the steer", ["model", "tool", "steer", "model"])
+    assert record.steps[1].tool_outcome is ToolOutcome.CANCELLED
+    assert record.steps[2].detail["input"] == "skip it, answer now"
     assert len(survivor.logged("run_steer_applied", run_id=steered.run_id)) == 1
     assert store.pending_steer(steered.run_id) is None
     assert matching_events(toolbox_http.events, "started", tool="echo") == []
@@ -76,8 +67,7 @@ def test_a_steer_pending_at_a_hand_over_is_applied_once_by_the_worker_that_conti
     run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
         {"tool_calls": [call("slow", seconds=60)]}, {"content": "continued with the steer"}]))
     wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
-    assert store.steer(run.run_id, SteerRequest(id="d" * 32, input="after the hand-over", reason="",
-                                                requested_by="test", requested_at=0.0)).transition.won
+    store_steer(store, run.run_id, "after the hand-over")
 
     first.process.send_signal(signal.SIGTERM)
     first.wait_for_log("run_handed_over", run_id=run.run_id, timeout=WAIT_S)
@@ -86,7 +76,7 @@ def test_a_steer_pending_at_a_hand_over_is_applied_once_by_the_worker_that_conti
     record = wait_for_run(store, run.run_id, timeout=WAIT_S)
     assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "continued with the steer")
     assert [s.kind.value for s in record.steps] == ["model", "tool", "handoff", "steer", "model"]
-    assert record.steps[1].detail["reason"] == "worker_shutdown"
+    assert record.steps[1].detail["reason"] == "worker_shutdown"  # cut off by the hand-over, not the steer
     assert record.steps[3].detail["input"] == "after the hand-over"
     assert len(second.logged("run_steer_applied", run_id=run.run_id)) == 1
     assert store.pending_steer(run.run_id) is None
