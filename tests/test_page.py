@@ -170,7 +170,8 @@ def test_the_page_steers_a_running_run_with_a_new_message_and_shows_the_steer_in
     page.get_by_test_id("reason").fill("Flug ausgebucht")
     page.get_by_test_id("confirm").click()
 
-    expect(page.get_by_test_id("run-status")).to_have_text("abgeschlossen")
+    # The worker's part (the cut-off, the steer, the next model call) on a loaded machine: the page's own bound.
+    expect(page.get_by_test_id("run-status")).to_have_text("abgeschlossen", timeout=TIMEOUT_MS)
     steered = page.locator("[data-testid=step-row][data-kind=steer]")
     expect(steered).to_contain_text("Umlenkung")
     expect(steered).to_contain_text("Nimm lieber den Zug (von anonymous)")
