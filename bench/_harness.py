@@ -41,6 +41,9 @@ import pika
 import pika.exceptions
 
 from runbrake.shared.catalog import Admission
+from runbrake.shared.messaging.cancel import CancelPublisher
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.messaging.wire import delete_topology
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
@@ -435,6 +438,16 @@ class Bench:
     def admission(self) -> Admission:
         """What a producer checks specs against: this benchmark's catalog and settings."""
         return Admission.from_settings(self.settings)
+
+    def producer_and_publisher(self) -> tuple[Producer, CancelPublisher]:
+        """A producer (its broker closed at the end) and a cancel publisher already connected, its exchange
+        declared (a wake-up for no run): the first measured cancel or steer pays for neither."""
+        broker = build_broker(self.settings)
+        self.on_close(broker.close)
+        publisher = CancelPublisher(self.settings)
+        self.on_close(publisher.close)
+        publisher.publish("bench-warm-up")
+        return Producer(self.store, broker, self.admission()), publisher
 
     def start_worker(self, *, concurrency: int, noop: bool = False) -> Worker:
         """``python -m runbrake.worker --concurrency N [--noop]`` here; returns once it logged worker_started."""

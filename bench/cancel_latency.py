@@ -76,7 +76,6 @@ from bench._harness import (
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
 from runbrake.shared.messaging.producer import Producer
-from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
@@ -501,12 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Bench("cancel_latency-load" if args.load else "cancel_latency", env=env, keep=args.keep_logs) as bench:
         print(f"namespace {bench.namespace}; starting the toolbox server…")
         server = bench.start_toolbox()
-        broker = build_broker(bench.settings)
-        bench.on_close(broker.close)
-        producer = Producer(bench.store, broker, bench.admission())
-        publisher = CancelPublisher(bench.settings)
-        bench.on_close(publisher.close)
-        publisher.publish("bench-warm-up")  # connects and declares the exchange; no run has this id
+        producer, publisher = bench.producer_and_publisher()
         workers = Workers(bench, server, poll_ms=args.poll_ms)
         fraction = 1
         load: Load | None = None

@@ -99,6 +99,15 @@ class ReasonBody(BaseModel):
     reason: Annotated[str, Field(max_length=MAX_REASON_CHARS)] | None = None
 
 
+class SteerBody(BaseModel):
+    """The body of a steer: the new user message (at most ``RUNBRAKE_MAX_INPUT_CHARS``) and an optional reason,
+    recorded on the ``steer`` step (docs/http-api.md, "Steer a run")."""
+
+    model_config = ConfigDict(extra="forbid")
+    input: Annotated[str, Field(min_length=1, description="The new user message the run goes on with.")]
+    reason: Annotated[str, Field(max_length=MAX_REASON_CHARS)] | None = None
+
+
 # -- per-process state ---------------------------------------------------------------------------
 
 
@@ -508,6 +517,26 @@ def _routes(app: FastAPI) -> None:
         return JSONResponse({"run_id": run_id, "cancelled": True, "message_confirmed": result.message_confirmed},
                             status_code=202)
 
+    @app.post("/v1/runs/{run_id}/steer", status_code=202, tags=["decisions"], responses=_BODY_ERRORS,
+              openapi_extra=_STEER_BODY)
+    async def steer(request: Request, who: Operator, run_id: RunId) -> JSONResponse:
+        """Cut off the run's current turn and go on with a new user message, in the same run (like ``runbrake
+        steer``): 202 once the steer is stored; 409 unless the run is running or waiting for approval, or while
+        a steer of it is still waiting to be applied."""
+        state = _state(request)
+        body = await _steer_body(request, state.settings.max_spec_bytes)
+        await _visible(state, who, run_id)
+        try:
+            result = await state.amqp.run(lambda: operations.steer(
+                state.sync_store, state.amqp.publisher(), Producer(state.sync_store, state.broker), run_id,
+                text=body.input, reason=body.reason or "", requested_by=who.name,
+                max_input_chars=state.settings.max_input_chars))
+        except SpecError as exc:
+            errors = [{"loc": ["body", *p.loc], "msg": p.msg} for p in exc.problems]
+            raise ApiError.answer(422, "invalid steer", errors=errors) from None
+        return JSONResponse({"run_id": run_id, "steered": True, "found": result.found.value,
+                             "message_confirmed": result.message_confirmed}, status_code=202)
+
     @app.post("/v1/runs/{run_id}/approve", tags=["decisions"], responses=_BODY_ERRORS,
               openapi_extra=_REASON_BODY)
     async def approve(request: Request, who: Operator, run_id: RunId) -> dict[str, Any]:
@@ -694,6 +723,30 @@ _REASON_BODY: Final = {"requestBody": {
                    "\"Requests\"). An empty body is {}.",
     "content": {"application/json": {"schema": ReasonBody.model_json_schema()}},
 }}
+
+
+_STEER_BODY: Final = {"requestBody": {
+    "required": True,
+    "description": "Sent with Content-Type: application/json (docs/http-api.md, \"Requests\"); at most "
+                   "RUNBRAKE_MAX_SPEC_BYTES.",
+    "content": {"application/json": {"schema": SteerBody.model_json_schema()}},
+}}
+
+
+async def _steer_body(request: Request, limit: int) -> SteerBody:
+    """The body of a steer (JSON, at most ``limit`` bytes: RUNBRAKE_MAX_SPEC_BYTES), checked for its shape; the
+    input's length is checked by the operation (RUNBRAKE_MAX_INPUT_CHARS)."""
+    body = await _json_body(request, limit, "the body", "RUNBRAKE_MAX_SPEC_BYTES")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ApiError.answer(422, "invalid request", errors=[
+            {"loc": ["body"], "msg": "not JSON: send {\"input\": \"...\", \"reason\": \"...\"}"}]) from None
+    try:
+        return SteerBody.model_validate(data)
+    except ValidationError as exc:
+        errors = [{"loc": ["body", *e["loc"]], "msg": e["msg"]} for e in exc.errors()]
+        raise ApiError.answer(422, "invalid steer", errors=errors) from None
 
 
 async def _json_body(request: Request, limit: int, what: str, setting: str | None = None) -> bytes:

@@ -257,6 +257,50 @@ def cancel(run_id: str, reason: str, requested_by: str | None, as_json: bool) ->
 
 @main.command()
 @click.argument("run_id", type=RUN_ID)
+@click.argument("text")
+@click.option("--reason", default="", help="Why; recorded on the steer step.")
+@click.option("--by", "requested_by", default=None, help="Who asks (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@user_errors
+def steer(run_id: str, text: str, reason: str, requested_by: str | None, as_json: bool) -> None:
+    """Steer RUN_ID: cut off its current turn and go on with TEXT as the next user message, in the same run.
+
+    Only a running run or one waiting for approval can be steered (exit 1 otherwise, naming its status);
+    one steer at a time (docs/usage.md, "Steer a run").
+    """
+    settings = settings_from_env()
+    publisher, broker = CancelPublisher(settings), build_broker(settings)
+    try:
+        with open_store(settings) as store:
+            result = operations.steer(store, publisher, Producer(store, broker), run_id, text=text, reason=reason,
+                                      requested_by=requested_by or whoami(),
+                                      max_input_chars=settings.max_input_chars)
+    except SpecError as exc:
+        for problem in exc.problems:
+            click.echo(f"runbrake: error: invalid steer: {problem.field}: {problem.msg}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except (RunNotFound, TransitionRefused) as exc:
+        if not as_json:
+            raise
+        emit_json({"run_id": run_id, "steered": False,
+                   "found": exc.found.value if isinstance(exc, TransitionRefused) else None,
+                   "message_confirmed": None, "message_error": None})
+        sys.exit(exit_code(exc))
+    finally:
+        publisher.close()
+        broker.close()
+    if as_json:
+        emit_json({"run_id": run_id, "steered": True, "found": result.found.value,
+                   "message_confirmed": result.message_confirmed, "message_error": result.message_error})
+        sys.exit(0)
+    click.echo(f"steered {run_id} (was {result.found.value}); its worker goes on with the new message")
+    if not result.message_confirmed:
+        click.echo(f"steer message: NOT confirmed ({result.message_error}); the steer stands, and workers find "
+                   f"it within RUNBRAKE_CANCEL_POLL_MS ({settings.cancel_poll_ms} ms)")
+
+
+@main.command()
+@click.argument("run_id", type=RUN_ID)
 @click.option("--json", "as_json", is_flag=True, help="Print the run and its steps as one JSON object.")
 @click.option("--lang", type=click.Choice(["en", "de"]), default="en", show_default=True, help="Label language.")
 @user_errors

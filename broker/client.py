@@ -98,6 +98,12 @@ class Client:
         """Cancel a run: ``{run_id, cancelled: true, message_confirmed}``; 409 when it already finished."""
         return self._decide(run_id, "cancel", reason)
 
+    def steer(self, run_id: str, text: str, *, reason: str | None = None) -> dict[str, Any]:
+        """Steer a run: cut off its current turn and go on with ``text`` as the next user message. Answers
+        ``{run_id, steered: true, found, message_confirmed}``; 409 unless it is running or waiting for approval."""
+        body = {"input": text} if reason is None else {"input": text, "reason": reason}
+        return self._answer(self._http.post(f"/v1/runs/{run_id}/steer", json=body))  # type: ignore[no-any-return]
+
     def approve(self, run_id: str, *, reason: str | None = None) -> dict[str, Any]:
         """Approve the call a run waits for; 409 when it does not wait."""
         return self._decide(run_id, "approve", reason)

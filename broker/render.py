@@ -100,6 +100,10 @@ def _detail(step: RunStep, lang: Lang = "en") -> str:
         text = step.error or step.content or (f"{calls_label} {names}" if names else "")
         if names and step.content:
             text = f"{step.content} ({calls_label} {names})"
+    elif step.kind is StepKind.STEER:
+        text = str(step.detail.get("input", ""))
+        if step.detail.get("requested_by"):
+            text += f" ({label('run.by', lang)} {step.detail['requested_by']})"
     else:
         decision = str(step.detail.get("decision", ""))
         text = f"{label(f'decision.{decision}', lang) if decision else ''}: {step.content}"

@@ -228,7 +228,8 @@ if st == '$status_running' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] t
   return {1, '$status_waiting_for_approval'}
 end
 if st ~= '$status_waiting_for_approval' then return {0, st} end
-if redis.call('HGET', KEYS[1], 'approval') ~= 'approved' then return {0, st} end
+local decided = redis.call('HGET', KEYS[1], 'approval')
+if decided ~= 'approved' and decided ~= 'steered' then return {0, st} end
 local expires = lease_end(redis_now(), ARGV[2])
 redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'lease_expires_at', expires,
   'approval', 'consumed')
@@ -321,6 +322,65 @@ release(KEYS[5])
 retain(ARGV[3], ARGV[2])
 announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
 return {1, st}
+""")
+
+# KEYS: run, steer, unclaimed.  ARGV: steer_json, now, run_id
+# Store a steer (docs/architecture.md, "Steer") on a running run or one waiting for approval; one at a time: a
+# steer pending (not yet applied by the worker) refuses another, {0, st, 'pending'}. A run waiting for approval
+# is put back to work like an approval does it (``approval = steered``, in the unclaimed set until its resume
+# message is claimed): the resumed segment answers the calls that waited as cancelled and applies the steer.
+# The request changes no status and appends no step, so it writes no event: the ``steer`` step the worker
+# appends when it applies the steer (STEER_APPLY) is the event.
+STEER = _script("steer", """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {0, ''} end
+if st ~= '$status_running' and st ~= '$status_waiting_for_approval' then return {0, st} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {0, st, 'pending'} end
+redis.call('SET', KEYS[2], ARGV[1])
+if st == '$status_waiting_for_approval' then
+  redis.call('HSET', KEYS[1], 'approval', 'steered')
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
+end
+return {1, st}
+""")
+
+# KEYS: run, steer, unclaimed.  ARGV: now, run_id
+# A steer stored while the run was still running, whose worker suspended the run for approval before the steer
+# reached a boundary: put the run back to work as STEER does for a run that waits (the worker reads the steer
+# key after its SUSPEND won, and sends the resume when this answers 1). Idempotent: marking a steered run again
+# answers 1 again, and a duplicate resume is a no-op (RESUME_CLAIM).
+STEER_WAITING = _script("steer_waiting", """
+if redis.call('HGET', KEYS[1], 'status') ~= '$status_waiting_for_approval' then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'approval', 'steered')
+redis.call('ZADD', KEYS[3], ARGV[1], ARGV[2])
+return 1
+""")
+
+# KEYS: run, steps, cancel, steer, outbox.
+# ARGV: step_body_json, now, run_id, step token, owner, steer id, retention_s, events channel
+# Apply the stored steer exactly once: consume it (DEL) and append its ``steer`` step in one script, owner-guarded
+# like a worker's append, and idempotent by the step's token like APPEND_STEP (a retry after a lost answer
+# answers the same sequence). A cancel wins: with the cancel key set nothing is applied, {0, 1}. A steer that is
+# no longer the one the worker read answers {0, 0, 'gone'}. Otherwise {sequence, 0}.
+STEER_APPLY = _script("steer_apply", _OUTBOX + """
+if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return {0, 0} end
+if redis.call('HGET', KEYS[1], 'last_step') == ARGV[4] then
+  return {tonumber(redis.call('HGET', KEYS[1], 'seq')), redis.call('EXISTS', KEYS[3])}
+end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[5] then return {0, 0, 'owner'} end
+if redis.call('EXISTS', KEYS[3]) == 1 then return {0, 1} end
+local pending = redis.call('GET', KEYS[4])
+if not pending then return {0, 0, 'gone'} end
+local ok, stored = pcall(cjson.decode, pending)
+if not ok or type(stored) ~= 'table' or stored['id'] ~= ARGV[6] then return {0, 0, 'gone'} end
+redis.call('DEL', KEYS[4])
+local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
+redis.call('HSET', KEYS[1], 'last_step', ARGV[4])
+local record = '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[2] .. ',' .. string.sub(ARGV[1], 2)
+redis.call('RPUSH', KEYS[2], record)
+outbox(ARGV[3], '{"event":"step","run_id":"' .. ARGV[3] .. '","step":' .. record .. '}')
+return {seq, 0}
 """)
 
 # KEYS: run, steps, servers, cancel, servers this hour (kept 8 days), outbox.
@@ -418,8 +478,9 @@ if not sent or tonumber(sent) > tonumber(ARGV[2]) then return '' end
 local st = redis.call('HGET', KEYS[2], 'status')
 local kind = ''
 if st == '$status_queued' then kind = 'start' end
-if st == '$status_waiting_for_approval' and redis.call('HGET', KEYS[2], 'approval') == 'approved' then
-  kind = 'resume'
+if st == '$status_waiting_for_approval' then
+  local decided = redis.call('HGET', KEYS[2], 'approval')
+  if decided == 'approved' or decided == 'steered' then kind = 'resume' end
 end
 if kind == '' then
   redis.call('ZREM', KEYS[1], ARGV[1])
@@ -512,5 +573,6 @@ end
 return 1
 """)
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       REAP, REDRIVE, OUTBOX_GROUP, OUTBOX_TRIM, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT)
+       STEER, STEER_WAITING, STEER_APPLY, REAP, REDRIVE, OUTBOX_GROUP, OUTBOX_TRIM, RELAY_LEASE, RELAY_RELEASE,
+       WEBHOOK_QUEUE, WEBHOOK_RESULT)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

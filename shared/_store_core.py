@@ -57,10 +57,12 @@ from runbrake.shared.records import (
     Quota,
     QuotaHit,
     RunRecord,
+    SteerRequest,
     Transition,
     read_cancel_request,
     read_json_field,
     read_record,
+    read_steer_request,
     read_step,
 )
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
@@ -170,6 +172,10 @@ class Keys:
 
     def cancel(self, run_id: str) -> str:
         return f"{self.run(run_id)}:cancel"
+
+    def steer(self, run_id: str) -> str:
+        """The steer waiting to be applied (docs/architecture.md, "Steer"): at most one, deleted when applied."""
+        return f"{self.run(run_id)}:steer"
 
     def index(self, shard: int) -> str:
         """Run ids by creation time."""
@@ -594,12 +600,14 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
             owner_mismatch=transition.owner_mismatch,
             request_json=request if transition.won else None,
             pending=read_json_field(pending) if transition.won else None,
+            steer=read_steer_request(answers[2]) if transition.won else None,
         )
 
     return Op(f"{name} run {run_id}", (
         ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
                    (Ident(owner), float(lease_s), Ident(run_id), keys.retention_s, Ident(keys.events))),
         Command(("HMGET", keys.run(run_id), "request", "pending")),
+        Command(("GET", keys.steer(run_id))),
     ), parse)
 
 
@@ -664,6 +672,98 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Tra
         (request.to_dict(), request.requested_at, Ident(run_id), keys.retention_s, Ident(keys.events)),
         f"cancel run {run_id}", _transition("cancel", run_id),
     ))
+
+
+@dataclass(frozen=True, slots=True)
+class Steered:
+    """What a steer request came to: stored (``won``), or refused with the status found; ``pending`` when a
+    steer not yet applied refused it."""
+
+    transition: Transition
+    pending: bool = False
+
+
+def steer(keys: Keys, run_id: str, request: SteerRequest) -> Op[Steered]:
+    """Store a steer on a running run or one waiting for approval (STEER; docs/architecture.md, "Steer")."""
+    def parse(answers: list[Any]) -> Steered:
+        answer = answers[0]
+        pending = len(answer) > 2 and answer[2] == "pending"
+        return Steered(_read_transition("steer", run_id, answer[:2]), pending=pending)
+
+    return durable(_script(
+        _scripts.STEER, (keys.run(run_id), keys.steer(run_id), keys.unclaimed(keys.shard(run_id))),
+        (request.to_dict(), time.time(), Ident(run_id)), f"steer run {run_id}", parse))
+
+
+def apply_steer(keys: Keys, run_id: str, request: SteerRequest, step: RunStep, *, owner: str,
+                token: str) -> Op[Appended | None]:
+    """Consume the stored steer and append its ``steer`` step, in one script (STEER_APPLY): exactly once. None
+    when the stored steer is not this one any more (nothing appended); ``cancelled`` when a cancel won (nothing
+    appended either: the step answered is not recorded).
+
+    Raises:
+        OwnershipLost: the run is not ``owner``'s any more.
+        RunNotFound: no such run.
+    """
+    recorded_at = time.time()
+    body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
+
+    def parse(answers: list[Any]) -> Appended | None:
+        sequence, cancelled, *refused = answers[0]
+        if refused and refused[0] == "owner":
+            raise OwnershipLost(run_id)
+        if refused:
+            return None
+        if cancelled:
+            return Appended(step, cancelled=True)
+        if not sequence:
+            raise RunNotFound(run_id)
+        return Appended(step.with_sequence(int(sequence), recorded_at), cancelled=False)
+
+    return durable(_script(
+        _scripts.STEER_APPLY,
+        (keys.run(run_id), keys.steps(run_id), keys.cancel(run_id), keys.steer(run_id), keys.outbox_of(run_id)),
+        (body, recorded_at, Ident(run_id), Ident(token), Ident(owner), Ident(request.id), keys.retention_s,
+         Ident(keys.events)),
+        f"apply the steer of run {run_id}", parse))
+
+
+def steer_waiting(keys: Keys, run_id: str) -> Op[bool]:
+    """After a suspend: when a steer is stored, put the run that now waits for approval back to work
+    (STEER_WAITING); True when the caller should send its resume message."""
+    return durable(_script(_scripts.STEER_WAITING, (keys.run(run_id), keys.steer(run_id),
+                                                    keys.unclaimed(keys.shard(run_id))),
+                           (time.time(), Ident(run_id)), f"resume the steered run {run_id}",
+                           lambda answers: bool(answers[0])))
+
+
+def pending_steer(keys: Keys, run_id: str) -> Op[SteerRequest | None]:
+    """The steer waiting to be applied (one GET), or None. Fail-soft like the probe."""
+    return Op(f"read the steer of run {run_id}", (Command(("GET", keys.steer(run_id))),),
+              lambda a: read_steer_request(a[0]),
+              fallback=None, fallback_event="steer_read_failed", context={"run_id": run_id})
+
+
+def wakeups_among(keys: Keys, run_ids: Sequence[str]) -> Op[tuple[set[str], dict[str, SteerRequest]]]:
+    """Which of these runs have a cancel key, and which a steer waiting, in one MGET (one per shard in a
+    cluster) over both keys of each run: the backstop's poll. Fail-soft: none."""
+    groups = list(keys.by_shard(run_ids).values())
+
+    def parse(answers: list[Any]) -> tuple[set[str], dict[str, SteerRequest]]:
+        cancelled: set[str] = set()
+        steers: dict[str, SteerRequest] = {}
+        for ids, answer in zip(groups, answers, strict=True):
+            for run_id, fence, raw in zip(ids, answer[0::2], answer[1::2], strict=True):
+                if fence is not None:
+                    cancelled.add(run_id)
+                pending = read_steer_request(raw)
+                if pending is not None:
+                    steers[run_id] = pending
+        return cancelled, steers
+
+    return Op("poll cancel and steer keys", tuple(
+        Command(("MGET", *(key for i in ids for key in (keys.cancel(i), keys.steer(i))))) for ids in groups),
+        parse, fallback=(set(), {}), fallback_event="cancel_poll_failed", context={"runs": sum(map(len, groups))})
 
 
 def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Op[Appended]:
@@ -922,7 +1022,7 @@ def forget(keys: Keys, runs: Mapping[str, str]) -> Op[int]:
     """Delete these runs (run id → idempotency key): their keys, idempotency keys and index entries together."""
     calls: list[Call] = []
     for run_id, idempotency_key in runs.items():
-        doomed = [keys.run(run_id), keys.steps(run_id), keys.cancel(run_id)]
+        doomed = [keys.run(run_id), keys.steps(run_id), keys.cancel(run_id), keys.steer(run_id)]
         if idempotency_key:
             doomed.append(keys.idempotency(idempotency_key, keys.shard(run_id)))
         calls += [Command(("DEL", *doomed))]

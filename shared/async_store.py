@@ -26,6 +26,7 @@ from runbrake.shared.records import (
     Claim,
     OutboxEntry,
     RunRecord,
+    SteerRequest,
     Transition,
     read_cancel_request,
     read_record,
@@ -197,6 +198,15 @@ class AsyncRunStore:
         """Record a step and probe the cancel key, in one round trip (once per ``token``; refused with
         :class:`OwnershipLost` unless ``owner`` still holds the run)."""
         return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner))
+
+    async def apply_steer(self, run_id: str, request: SteerRequest, step: RunStep, *, owner: str,
+                          token: str) -> Appended | None:
+        """Consume the stored steer and record its ``steer`` step, in one script (exactly once)."""
+        return await self.execute(core.apply_steer(self.keys, run_id, request, step, owner=owner, token=token))
+
+    async def steer_waiting(self, run_id: str) -> bool:
+        """A steer stored before the run was suspended: mark it steered for its resume (True: send the resume)."""
+        return await self.execute(core.steer_waiting(self.keys, run_id))
 
     async def cancel_requested(self, run_id: str) -> bool:
         """The probe alone (fail-soft: an unreachable Redis answers False and logs)."""

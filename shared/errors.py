@@ -35,6 +35,7 @@
 
     BaseException
      ├── CancelRequested             internal control flow: the run's cancel key is set
+     ├── SteerRequested              internal control flow: a steer cut the turn off (worker/steer.py)
      └── OwnershipLost               internal control flow: the run is no longer this worker's
 
     Exception                        private to one module, never raised past it
@@ -390,6 +391,16 @@ class OwnershipLost(BaseException):
     A ``BaseException`` for the reason :class:`CancelRequested` is one: nothing between the store and
     the runtime's ladder may swallow it.
     """
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
+
+
+class SteerRequested(BaseException):
+    """Raised by the runtime's hooks at the first boundary after a steer reached the run; caught by the tool
+    loop, which applies the steer and goes on (docs/architecture.md, "Steer"). Not a cancel, and not an error:
+    a ``BaseException`` for the same reason as :class:`CancelRequested`."""
 
     def __init__(self, run_id: str) -> None:
         super().__init__(run_id)

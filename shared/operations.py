@@ -1,4 +1,4 @@
-"""The operations every entry point offers (the CLI, the HTTP API): enqueue, cancel, approve, deny.
+"""The operations every entry point offers (the CLI, the HTTP API): enqueue, cancel, steer, approve, deny.
 
 :func:`enqueue`, :func:`cancel`, :func:`approve` and :func:`deny` raise a typed error for every refusal
 (``RunNotFound``, ``TransitionRefused`` with the status found, ``IdempotencyConflict``, ``SpecError``) and
@@ -24,6 +24,7 @@ import structlog
 from runbrake.shared.errors import PublishError, ResumeUnsent, RunNotFound, TransitionRefused
 from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
 from runbrake.shared.messaging.producer import Enqueued, Producer
+from runbrake.shared.messaging.steer import SteerResult, check_steer, steer_run
 from runbrake.shared.records import Transition
 from runbrake.shared.redaction import strip_bidi
 from runbrake.shared.spec import RunSpec
@@ -133,6 +134,21 @@ def cancel(store: RunStore, publisher: CancelPublisher | None, run_id: str, *, r
         raise TransitionRefused(run_id, "cancel", result.found,
                                 f"run {run_id} is already {result.found.value}; nothing to cancel")
     return result
+
+
+def steer(store: RunStore, publisher: CancelPublisher, producer: Producer, run_id: str, *, text: object,
+          reason: object, requested_by: str, max_input_chars: int) -> SteerResult:
+    """Check the new message, store the steer, then wake the worker (or resume the run that waited for approval):
+    :func:`~runbrake.shared.messaging.steer.steer_run` (docs/architecture.md, "Steer").
+
+    Raises:
+        SpecError: ``input`` empty or too long, ``reason`` too long (nothing written or sent).
+        RunNotFound: no run has that id.
+        TransitionRefused: the run is neither running nor waiting for approval, or a steer is still pending.
+        StoreError: Redis could not be reached (nothing changed, nothing sent).
+    """
+    request = check_steer(text, reason, max_input_chars=max_input_chars)
+    return steer_run(store, publisher, producer, run_id, request, requested_by=requested_by)
 
 
 def approve(store: RunStore, producer: Producer, run_id: str, *, decided_by: str, reason: str = "") -> Decision:

@@ -55,6 +55,27 @@ class CancelRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class SteerRequest:
+    """A steer waiting to be applied (docs/architecture.md, "Steer"): the new user message, why, who asked and
+    when (epoch seconds); ``id`` names it, so that the script that applies it consumes this one and no other."""
+
+    id: str
+    input: str
+    reason: str
+    requested_by: str
+    requested_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "input": self.input, "reason": self.reason, "requested_by": self.requested_by,
+                "requested_at": self.requested_at}
+
+    def detail(self) -> dict[str, Any]:
+        """The ``steer`` step's ``detail``: what was asked, by whom, why and when."""
+        return {"input": self.input, "reason": self.reason, "requested_by": self.requested_by,
+                "requested_at": self.requested_at}
+
+
+@dataclass(frozen=True, slots=True)
 class Transition:
     """What a guarded transition came to: whether it happened, and the status its guard found."""
 
@@ -77,6 +98,8 @@ class Claim(Transition):
 
     request_json: str | None = None
     pending: Mapping[str, Any] | None = None
+    steer: SteerRequest | None = None
+    """A steer waiting to be applied (a steered approval resumes, or the last worker died or handed over first)."""
 
     @property
     def request(self) -> Mapping[str, Any] | None:
@@ -266,6 +289,22 @@ def read_cancel_request(raw: str | None) -> CancelRequest | None:
         requested_by=str(data.get("requested_by", "")),
         requested_at=float(data.get("requested_at", 0.0)),
     )
+
+
+def read_steer_request(raw: str | bytes | None) -> SteerRequest | None:
+    """A stored steer, or None when there is none or it is not one the steer script wrote (never raises: the
+    backstop reads what anyone could have written to the key)."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        steer = SteerRequest(id=str(data["id"]), input=str(data["input"]), reason=str(data.get("reason", "")),
+                             requested_by=str(data.get("requested_by", "")),
+                             requested_at=float(data.get("requested_at", 0.0)))
+    except (ValueError, TypeError, KeyError, RecursionError):
+        log.warning("steer_unreadable", size=len(raw))
+        return None
+    return steer
 
 
 def read_json_field(value: str | None) -> Mapping[str, Any] | None:

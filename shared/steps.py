@@ -25,6 +25,9 @@ class StepKind(StrEnum):
     HANDOFF = "handoff"
     """The worker executing the run shut down and handed it back to the queue (docs/architecture.md,
     "Drain and hand-over"); another worker continues from the saved conversation."""
+    STEER = "steer"
+    """An operator steered the run: its turn was cut off and the run went on with a new user message
+    (``detail``: ``input``, ``reason``, ``requested_by``, ``requested_at``; docs/architecture.md, "Steer")."""
     UNKNOWN = "unknown"
 
 
@@ -36,6 +39,9 @@ class StepReason(StrEnum):
     """The model asked for a call the run cannot make (a tool it does not have, one outside the catalog's
     allowlist, arguments that are not a JSON object): never executed, the step ``failed`` and its content
     handed back to the model (docs/architecture.md, "Invalid calls go back to the model")."""
+    STEERED = "steered"
+    """A steer cut the call off (or answered it before it started) to go on with a new message: recorded
+    ``cancelled``, but the run goes on (docs/architecture.md, "Steer")."""
 
 
 class StepError(RunbrakeError, ValueError):

@@ -23,7 +23,16 @@ import redis.sentinel
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
 from runbrake.shared.outcome import DeliveryStatus
-from runbrake.shared.records import CancelRequest, Claim, Created, OutboxEntry, Quota, RunRecord, Transition
+from runbrake.shared.records import (
+    CancelRequest,
+    Claim,
+    Created,
+    OutboxEntry,
+    Quota,
+    RunRecord,
+    SteerRequest,
+    Transition,
+)
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
@@ -259,6 +268,19 @@ class RunStore:
 
     def cancel(self, run_id: str, *, reason: str, requested_by: str) -> Transition:
         return self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by))
+
+    def steer(self, run_id: str, request: SteerRequest) -> core.Steered:
+        """Store a steer on a running run or one waiting for approval (docs/architecture.md, "Steer")."""
+        return self.execute(core.steer(self.keys, run_id, request))
+
+    def pending_steer(self, run_id: str) -> SteerRequest | None:
+        """The steer waiting to be applied, or None (fail-soft)."""
+        return self.execute(core.pending_steer(self.keys, run_id))
+
+    def wakeups_among(self, run_ids: Iterable[str]) -> tuple[set[str], dict[str, SteerRequest]]:
+        """Which of these runs have a cancel key, and their steers waiting, in one MGET. Fail-soft."""
+        ids = list(run_ids)
+        return self.execute(core.wakeups_among(self.keys, ids)) if ids else (set(), {})
 
     def renew_leases(self, owners: Mapping[str, str], *, lease_s: float) -> set[str]:
         """Extend these runs' leases (run id → owner) in one round trip; returns those not renewed."""

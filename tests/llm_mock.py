@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import pytest
 from llm_mock_api import MockServer, MockServerOptions
-from llm_mock_api.types.reply import ErrorReply, ReplyObject
+from llm_mock_api.types.reply import ErrorReply, Reply, ReplyObject
 from llm_mock_api.types.reply import ToolCall as MockToolCall
 from llm_mock_api.types.reply import Usage as MockUsage
 from llm_mock_api.types.request import MockRequest
@@ -90,6 +90,20 @@ def reply(text: str | None = None, *, tools: Sequence[_Call] = (),
         usage=MockUsage(input=usage[0], output=usage[1]) if usage is not None else None,
         error=ErrorReply(status=error[0], message=error[1]) if error is not None else None,
     )
+
+
+def held_reply(arrived: threading.Event, release: threading.Event, text: str = "too late") -> Callable[
+        [MockRequest], Awaitable[Reply]]:
+    """A reply that sets ``arrived`` when its request comes and answers ``text`` only once ``release`` is set: a
+    model call in flight for as long as the test wants (set ``release`` when the test ends)."""
+
+    async def reply_when_released(_request: MockRequest) -> Reply:
+        arrived.set()
+        while not release.is_set():  # the server's own loop: let it stop the reply when the test ends
+            await asyncio.sleep(0.05)
+        return reply(text)
+
+    return reply_when_released
 
 
 def start_llm_mock(**options: Any) -> LlmMock:

@@ -4,21 +4,18 @@ how a mistaken call is handed back, how errors come back, and that a cancel inte
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import anyio
 import anyio.to_thread
 import pytest
-from llm_mock_api.types.reply import Reply
-from llm_mock_api.types.request import MockRequest
 
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ProviderError, SpecError
 from runbrake.shared.spec import AnthropicModel, RunSpec
 from runbrake.worker.anthropic_provider import DEFAULT_MAX_TOKENS, AnthropicProvider
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall, ToolInfo, Usage
-from tests.llm_mock import LlmMock, reply
+from tests.llm_mock import LlmMock, held_reply, reply
 
 TOOLS = (ToolInfo(server="time", name="convert_time", description="Convert a time between timezones",
                   input_schema={"type": "object", "properties": {"time": {"type": "string"}}}),)
@@ -174,14 +171,7 @@ async def test_a_request_cancelled_by_a_cancel_scope_raises_cancellation_not_pro
     llm_mock: LlmMock,
 ) -> None:
     arrived, release = threading.Event(), threading.Event()
-
-    async def slow(request: MockRequest) -> Reply:
-        arrived.set()
-        while not release.is_set():  # the server's own loop: let it stop the reply when the test ends
-            await asyncio.sleep(0.05)
-        return reply("too late")
-
-    llm_mock.server.when("12:00").reply(slow)
+    llm_mock.server.when("12:00").reply(held_reply(arrived, release))
     raised: list[BaseException] = []
 
     async def ask() -> None:

@@ -136,7 +136,7 @@ def run_with_every_outcome(store: RunStore) -> str:
 
 
 @pytest.mark.parametrize("command", [[], ["enqueue"], ["cancel"], ["show"], ["runs"], ["servers"], ["webhooks"],
-                                     ["approve"], ["deny"], ["worker"], ["demo"]],
+                                     ["approve"], ["deny"], ["steer"], ["worker"], ["demo"]],
                          ids=lambda c: " ".join(c) or "runbrake")
 def test_runbrake_and_each_subcommand_explain_themselves_with_help(command: list[str]) -> None:
     result = runbrake(*command, "--help")

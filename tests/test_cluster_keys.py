@@ -10,6 +10,7 @@ from redis.crc import key_slot
 
 from runbrake.shared import RunStatus, RunStep, StepKind, TerminationReason
 from runbrake.shared import _store_core as core
+from runbrake.shared.records import SteerRequest
 
 RUN = "0123456789abcdef0123456789abcdef"
 
@@ -37,6 +38,7 @@ def test_on_a_cluster_every_script_of_a_run_touches_one_slot() -> None:
     keys = core.Keys("ns", retention_s=60, cluster=True)
     run_id = uuid.uuid4().hex
     step = RunStep(kind=StepKind.TOOL, round=1, tool_server="calc", tool_name="get-sum")
+    steer = SteerRequest(id="a" * 32, input="new", reason="", requested_by="me", requested_at=1.0)
     ops: list[core.Op[object]] = [
         core.claim(keys, run_id, "w", lease_s=60), core.claim(keys, run_id, "w", lease_s=60, resume=True),
         core.suspend(keys, run_id, "w", {}), core.approve_once(keys, run_id),
@@ -45,6 +47,7 @@ def test_on_a_cluster_every_script_of_a_run_touches_one_slot() -> None:
         core.complete(keys, run_id, step, owner="w"), core.renew_leases(keys, {run_id: "w"}, lease_s=60),
         core.reap(keys, run_id), core.take_redrive(keys, run_id, cutoff=0.0), core.get(keys, run_id),
         core.set_progress(keys, run_id, {}), core.hand_over(keys, run_id, step, owner="w", pending={}),
+        core.steer(keys, run_id, steer), core.apply_steer(keys, run_id, steer, step, owner="w", token="t"),
     ]
 
     for op in ops:
@@ -98,9 +101,9 @@ def test_on_a_cluster_runs_spread_over_every_shard_and_readers_ask_each() -> Non
     assert len(core.outbox_new(keys, "relay-1", count=10).calls) == core.SHARDS  # each shard's outbox
     assert len({key_slot(keys.outbox(shard).encode()) for shard in keys.shards}) == core.SHARDS
     ids = [uuid.uuid4().hex for _ in range(40)]
-    mgets = core.cancelled_among(keys, ids).calls
-    assert all(len({key_slot(str(key).encode()) for key in call.args[1:]}) == 1
-               for call in mgets if isinstance(call, core.Command))
+    for poll in (core.cancelled_among(keys, ids), core.wakeups_among(keys, ids)):
+        assert all(len({key_slot(str(key).encode()) for key in call.args[1:]}) == 1
+                   for call in poll.calls if isinstance(call, core.Command))
 
 
 def test_merging_the_shards_newest_first_stops_where_a_full_shard_was_not_read_further() -> None:

@@ -153,6 +153,39 @@ def test_the_page_shows_what_a_waiting_run_asks_for_and_approves_it(
     assert errors == []
 
 
+def test_the_page_steers_a_running_run_with_a_new_message_and_shows_the_steer_in_its_timeline(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore
+) -> None:
+    from playwright.sync_api import expect
+
+    slow = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=60)]},
+                                                 {"content": "on the new course"}])
+    run_id = httpx2.post(f"{api.url}/v1/runs", json=slow.raw).json()["run_id"]
+    wait_for_event(toolbox_http.events, "started", tool="slow")
+    page, errors = open_page(browser, f"{api.url}/#/runs/{run_id}", locale="de-DE")
+    expect(page.get_by_test_id("run-status")).to_have_text("läuft")
+
+    page.get_by_test_id("steer").click()
+    page.get_by_test_id("steer-input").fill("Nimm lieber den Zug")
+    page.get_by_test_id("reason").fill("Flug ausgebucht")
+    page.get_by_test_id("confirm").click()
+
+    # The worker's part (the cut-off, the steer, the next model call) on a loaded machine: the page's own bound.
+    expect(page.get_by_test_id("run-status")).to_have_text("abgeschlossen", timeout=TIMEOUT_MS)
+    steered = page.locator("[data-testid=step-row][data-kind=steer]")
+    expect(steered).to_contain_text("Umlenkung")
+    expect(steered).to_contain_text("Nimm lieber den Zug (von anonymous)")
+    expect(page.locator("[data-testid=step-row][data-kind=tool]").get_by_test_id("outcome")).to_have_text(
+        "abgebrochen")
+    assert page.evaluate("window.__notReloaded") is True
+    screenshot(page, "runs-page-steered-de.png")
+    record = wait_for_run(store, run_id)
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "on the new course")
+    steer_step = next(s for s in record.steps if s.kind is StepKind.STEER)
+    assert (steer_step.detail["input"], steer_step.detail["reason"]) == ("Nimm lieber den Zug", "Flug ausgebucht")
+    assert errors == []
+
+
 def test_a_run_that_reached_its_step_limit_shows_the_reasons_label_never_its_key(
     browser: Any, api: ApiProcess, worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore
 ) -> None:

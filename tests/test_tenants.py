@@ -112,6 +112,10 @@ def test_another_tenants_run_is_answered_exactly_as_a_missing_one(
         absent = beta.request(method, path.format(missing), json=body)
         assert theirs.status_code == absent.status_code == 404, (path, theirs.text, absent.text)
         assert theirs.text == absent.text.replace(missing, run_id), path  # byte for byte, but for the id
+    theirs = beta.post(f"/v1/runs/{run_id}/steer", json={"input": "x"})
+    absent = beta.post(f"/v1/runs/{missing}/steer", json={"input": "x"})
+    assert theirs.status_code == absent.status_code == 404
+    assert theirs.text == absent.text.replace(missing, run_id)
     assert beta.get("/v1/runs").json()["runs"] == []
     assert beta.get("/v1/runs", params={"label": "tenant:alpha"}).json()["runs"] == []
     assert beta.get("/v1/servers").status_code == 403

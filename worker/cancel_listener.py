@@ -19,7 +19,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
 from runbrake.shared import tracing
-from runbrake.shared.messaging.wire import Topology, cancel_traceparent, decode_cancel
+from runbrake.shared.messaging.wire import Topology, cancel_traceparent, decode_cancel, is_steer_wakeup
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
 from runbrake.worker._consumer import ConsumerThread
@@ -53,6 +53,9 @@ class CancelListener(ConsumerThread):
             return
         if run_id not in self._registry:
             return
+        if is_steer_wakeup(body):
+            self._steer(run_id)
+            return
         # The interrupt continues the canceller's trace (docs/operating.md, "Traces"); off, a no-op.
         with tracing.current().span("runbrake.cancel.interrupt", {"runbrake.run_id": run_id},
                                     parent=cancel_traceparent(properties), kind="consumer") as span:
@@ -65,20 +68,32 @@ class CancelListener(ConsumerThread):
         if interrupted:
             log.info("cancel_message_delivered", run_id=run_id)
 
+    def _steer(self, run_id: str) -> None:
+        """A steer's wake-up: deliver the run's stored steer (Redis is the authority, as for a cancel)."""
+        steer = self._store.pending_steer(run_id)
+        if steer is None:
+            log.info("steer_message_without_steer", run_id=run_id)  # applied already, or forged
+            return
+        if self._registry.steer(run_id, steer):
+            log.info("steer_message_delivered", run_id=run_id, steer_id=steer.id)
+
     def replacement(self) -> Part:
         """A new listener on the same ``ready`` event (readiness and the metrics gauge read that one)."""
         return CancelListener(self._settings, self._store, self._registry, ready=self.ready)
 
 
 class Backstop(Periodic):
-    """Every poll interval, one MGET over the active runs' cancel keys; interrupts a run whose cancel
-    it sees on two polls in a row (the first sighting leaves the message its chance to arrive)."""
+    """Every poll interval, one MGET over the active runs' cancel and steer keys; interrupts a run whose cancel
+    it sees on two polls in a row (the first sighting leaves the message its chance to arrive), and delivers a
+    steer it sees twice the same way."""
 
     def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns) -> None:
         super().__init__("runbrake-cancel-backstop", interval_s=settings.cancel_poll_ms / 1000)
         self._store = store
         self._registry = registry
         self._seen: set[str] = set()
+        self._steers_seen: set[tuple[str, str]] = set()
+        """(run id, steer id) of the steers pending at the last poll."""
 
     def tick(self) -> None:
         self.poll()
@@ -86,8 +101,14 @@ class Backstop(Periodic):
     def poll(self) -> None:
         """One MGET over this process's active runs; interrupt those cancelled since the last poll too."""
         run_ids = self._registry.run_ids()
-        cancelled = self._store.cancelled_among(run_ids)
+        cancelled, steers = self._store.wakeups_among(run_ids)
         for run_id in cancelled & self._seen:
             if self._registry.interrupt(run_id):
                 log.info("cancel_found_by_backstop", run_id=run_id)
         self._seen = cancelled
+        pending = {(run_id, steer.id) for run_id, steer in steers.items()}
+        for run_id, steer_id in pending & self._steers_seen:
+            # Delivered again on every poll it stays pending: the registry ignores a steer already delivered.
+            if self._registry.steer(run_id, steers[run_id]):
+                log.info("steer_found_by_backstop", run_id=run_id, steer_id=steer_id)
+        self._steers_seen = pending

@@ -21,7 +21,14 @@ from typing import Any, Protocol
 
 import anyio
 
-from runbrake.shared.errors import CancelRequested, OwnershipLost, ProviderError, RetriedAttempt, RunBoundReached
+from runbrake.shared.errors import (
+    CancelRequested,
+    OwnershipLost,
+    ProviderError,
+    RetriedAttempt,
+    RunBoundReached,
+    SteerRequested,
+)
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind, StepReason
@@ -30,6 +37,7 @@ from runbrake.worker.conversation import NO_SETTINGS, Message, ModelSettings, Mo
 from runbrake.worker.deltas import StreamedText
 from runbrake.worker.models import ModelProvider
 from runbrake.worker.registry import cut_off_after
+from runbrake.worker.steer import answer_unanswered, interrupted_model_step, steered_step
 from runbrake.worker.structured import AnswerCheck, hand_back
 
 
@@ -52,6 +60,15 @@ class LoopHooks(Protocol):
     @property
     def handing_over(self) -> bool:
         """The worker is shutting down: the run goes back to the queue at its next boundary."""
+
+    @property
+    def steering(self) -> bool:
+        """A steer reached the run (and no cancel did): its calls are cut off, ``SteerRequested`` comes at the next
+        boundary."""
+
+    async def apply_steer(self, answers: Sequence[RunStep], round_number: int) -> str | None:
+        """Record ``answers`` (the calls the steer left unanswered), then consume the steer with its ``steer``
+        step in one script; the new user message, or None when the steer was no longer there to apply."""
 
 
 class ToolRunner(Protocol):
@@ -167,12 +184,30 @@ class ToolLoop:
         self._clock = clock
 
     async def run(self, state: LoopState) -> LoopEnd:
-        """Run until a final answer, ``max_rounds``, or a call that waits for approval.
+        """Run until a final answer, ``max_rounds``, or a call that waits for approval; a steer cuts the turn
+        off and the run goes on with its message (docs/architecture.md, "Steer").
 
         Raises:
             CancelRequested: from the hooks, at the first boundary after a cancel.
             ProviderError: when the model fails (its step is recorded first).
         """
+        while True:
+            try:
+                return await self._rounds(state)
+            except SteerRequested:
+                await self._steered(state)
+
+    async def _steered(self, state: LoopState) -> None:
+        """Apply the steer that stopped the turn: every call it left without a result is answered cancelled,
+        the ``steer`` step is recorded, and its message becomes the conversation's next user message."""
+        state.pending_calls = []
+        state.approved_call_id = None
+        answers = answer_unanswered(state.messages, state.model_calls)
+        text = await self._hooks.apply_steer(answers, state.model_calls)
+        if text is not None:
+            state.messages.append(Message(role="user", content=text))
+
+    async def _rounds(self, state: LoopState) -> LoopEnd:
         if state.pending_calls:
             suspended = await self._run_calls(state, state.pending_calls)
             if suspended is not None:
@@ -230,6 +265,9 @@ class ToolLoop:
         finally:
             text.close()
         duration_ms = _ms(self._clock() - started)
+        if turn is None and error is None and self._hooks.steering:
+            # Cut off by a steer: recorded, and the record's boundary raises SteerRequested.
+            await self._hooks.record(interrupted_model_step(round_number, duration_ms, text.text))
         if turn is None and error is None:
             # The scope swallowed the cancellation: the call was interrupted on purpose.
             handing_over = self._hooks.handing_over
@@ -293,6 +331,8 @@ class ToolLoop:
                 turn.started = index + 1
                 group.start_soon(self._call, turn, index, call, slots)
         if turn.stopped_by is not None:
+            if isinstance(turn.stopped_by, SteerRequested):  # the results so far go with the steer's answers
+                state.messages.extend(turn.results[i] for i in sorted(turn.results))
             raise turn.stopped_by
         state.messages.extend(turn.messages())
         if turn.started < len(turn.calls):  # the hand-over came first: the next worker makes the others
@@ -335,11 +375,13 @@ class ToolLoop:
                     # Cut off by the hand-over, not by a cancel (a cancel found by the append's probe still wins).
                     result = ToolResult.cancelled("the call was cut off: the worker executing the run shut down")
                     step = replace(step, content=result.content, detail={**step.detail, "reason": HANDOFF_REASON})
-            if turn.stopped_by is not None and not isinstance(turn.stopped_by, CancelRequested):
+                elif result.outcome is ToolOutcome.CANCELLED and self._hooks.steering:
+                    step = steered_step(step)  # cut off by a steer: the run goes on (a cancel still wins)
+            if turn.stopped_by is not None and not isinstance(turn.stopped_by, CancelRequested | SteerRequested):
                 return  # the run ends otherwise (a bound, the store, the lease): nothing more is written
             turn.results[index] = Message(role="tool", content=step.content, tool_call_id=call.id)
             await self._hooks.record(step)
-        except (CancelRequested, OwnershipLost, Exception) as exc:  # noqa: BLE001 - kept, raised after the turn
+        except (CancelRequested, SteerRequested, OwnershipLost, Exception) as exc:  # noqa: BLE001 - raised after the turn
             turn.stop(exc)
         finally:
             slots.release()
@@ -383,9 +425,10 @@ class _Turn:
         """Keep the first reason to stop and cut off the calls still in flight: a cancel found by one call's
         probe interrupts its siblings at once, and each is recorded cancelled (none left unrecorded). A
         ``finish`` call is let go on for its grace by a cancel, cut off at once by anything else."""
-        if self.stopped_by is None:
-            self.stopped_by = exc
-        graceful = isinstance(exc, CancelRequested)
+        if self.stopped_by is None or (isinstance(self.stopped_by, SteerRequested)
+                                       and not isinstance(exc, SteerRequested)):
+            self.stopped_by = exc  # anything that ends the run outranks a steer, which only ends the turn
+        graceful = isinstance(exc, CancelRequested | SteerRequested)
         for scope, grace_s in self.scopes.items():
             if graceful and grace_s is not None:
                 if scope not in self.timers:

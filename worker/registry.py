@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
+from runbrake.shared.records import SteerRequest
+
 log = structlog.get_logger(__name__)
 
 
@@ -49,13 +51,20 @@ class RunHandle:
     boundary, its call in flight cut off (docs/architecture.md, "Drain and hand-over"). Not a cancel: a
     cancel that comes after still interrupts, and still wins."""
 
+    steer: SteerRequest | None = None
+    """A steer that reached the run and is not applied yet (docs/architecture.md, "Steer"): calls in flight were
+    cut off, a call that starts meanwhile is cut off on entry, and the hooks raise ``SteerRequested`` at the next
+    boundary. Not a cancel: ``cancel_seen`` stays False, and a cancel that comes after still interrupts."""
+    applied_steers: set[str] = field(default_factory=set)
+    """The ids of the steers applied in this segment: a late wake-up of one of them interrupts nothing."""
+
     @contextmanager
     def in_flight(self, grace_s: float | None = None) -> Iterator[anyio.CancelScope]:
         """A fresh scope for the next call, in flight beside any other; cancelled at once when a cancel (or
         the loss of the run) already reached it. ``grace_s``: the call's tool says ``on_cancel = "finish"``,
         a cancel lets it go on that long (docs/architecture.md, "Cancel policies: finish")."""
         scope = anyio.CancelScope()
-        if self.cancel_seen or self.lost or self.handing_over:
+        if self.cancel_seen or self.lost or self.handing_over or self.steer is not None:
             scope.cancel()
         self.scopes.add(scope)
         if grace_s is not None:
@@ -75,6 +84,20 @@ class RunHandle:
         else:
             self.cancel_seen = True
         self._cut_off("lease_lost" if lost else "cancelled", graceful=not lost)
+
+    def steer_reached(self, steer: SteerRequest) -> None:
+        """A steer reached the run (on the loop): cut off its calls in flight, as a cancel does (a ``finish``
+        call goes on for its grace), unless that steer was applied already or is the one pending."""
+        if steer.id in self.applied_steers or self.steer is not None:
+            return
+        self.steer = steer
+        self._cut_off("steered", graceful=True)
+
+    def steer_applied(self) -> None:
+        """The pending steer was applied (its step recorded): the run's calls run again."""
+        if self.steer is not None:
+            self.applied_steers.add(self.steer.id)
+        self.steer = None
 
     def _hand_over_on_loop(self) -> None:
         self.handing_over = True
@@ -150,6 +173,14 @@ class ActiveRuns:
                 return False
             handle.interrupt_requested = True
         return _on_loop(handle, handle._interrupt_on_loop, lost)
+
+    def steer(self, run_id: str, steer: SteerRequest) -> bool:
+        """Deliver a steer read from Redis to the run's loop (:meth:`RunHandle.steer_reached`). From any thread;
+        False when this process does not execute the run. Unlike :meth:`interrupt`, not once per run: a run may
+        be steered many times, and the steer's id makes a repeated delivery a no-op."""
+        with self._lock:
+            handle = self._runs.get(run_id)
+        return handle is not None and _on_loop(handle, handle.steer_reached, steer)
 
     def hand_over_all(self) -> int:
         """Ask every run of this process to go back to the queue at its next boundary, cutting off its

@@ -35,6 +35,7 @@ from runbrake.shared.errors import (
     RunBoundReached,
     RunbrakeError,
     SpecError,
+    SteerRequested,
     StoreError,
 )
 from runbrake.shared.records import Claim
@@ -50,6 +51,7 @@ from runbrake.worker.models import ModelProvider, RetryPolicy, provider_for
 from runbrake.worker.progress import ProgressSubscriber
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
+from runbrake.worker.steer import steer_step
 from runbrake.worker.subscribers import Subscriber, Subscribers
 from runbrake.worker.toolbox import Toolbox
 
@@ -93,6 +95,8 @@ class RunHooks:
         """True from a probe until the next call starts: nothing happened since that could matter."""
         self._deltas: DeltaPublisher | None = None
         """The run's ``delta`` events (worker/deltas.py), made at its first model call."""
+        self._applying = False
+        """The steer's answers are being recorded: their boundaries do not raise the steer again."""
 
     async def record(self, step: RunStep) -> None:
         token = uuid.uuid4().hex
@@ -106,12 +110,16 @@ class RunHooks:
         if appended.step.sequence >= self._max_steps:
             raise RunBoundReached(TerminationReason.MAX_STEPS,
                                   f"the run recorded its {self._max_steps} steps (max_steps)")
+        if self._handle.steer is not None and not self._applying:
+            raise SteerRequested(self._handle.run_id)
 
     async def checkpoint(self) -> None:
         if self._handle.lost:
             raise OwnershipLost(self._handle.run_id)
         if self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
+        if self._handle.steer is not None:
+            raise SteerRequested(self._handle.run_id)  # applying it probes the cancel key (STEER_APPLY)
         if self._probed:
             return
         self._probed = True
@@ -134,6 +142,39 @@ class RunHooks:
     @property
     def handing_over(self) -> bool:
         return self._handle.handing_over
+
+    @property
+    def steering(self) -> bool:
+        return self._handle.steer is not None and not self._handle.cancel_seen
+
+    async def apply_steer(self, answers: Sequence[RunStep], round_number: int) -> str | None:
+        steer = self._handle.steer
+        if steer is None:
+            return None
+        self._applying = True
+        try:
+            for answer in answers:
+                await self.record(answer)
+        finally:
+            self._applying = False
+        token = uuid.uuid4().hex
+        appended = await durably(
+            lambda: self._store.apply_steer(self._handle.run_id, steer, steer_step(steer, round_number),
+                                            owner=self._handle.owner, token=token),
+            within_s=self._lease_s, what="apply_steer")
+        self._probed = True
+        if appended is not None and (appended.cancelled or self._handle.cancel_seen):
+            raise CancelRequested(self._handle.run_id)  # a cancel wins: the steer is not applied
+        self._handle.steer_applied()
+        if appended is None:
+            log.warning("steer_not_applied", steer_id=steer.id, why="the stored steer is not this one any more")
+            return None
+        log.info("run_steer_applied", sequence=appended.step.sequence, requested_by=steer.requested_by)
+        await self._subscribers.step(self._handle.run_id, appended.step)
+        if appended.step.sequence >= self._max_steps:
+            raise RunBoundReached(TerminationReason.MAX_STEPS,
+                                  f"the run recorded its {self._max_steps} steps (max_steps)")
+        return steer.input
 
 
 async def durably(write: Callable[[], Awaitable[T]], *, within_s: float, what: str) -> T:
@@ -324,6 +365,11 @@ class Runtime:
             if resume:
                 # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
                 await hooks.checkpoint()
+            if claim.steer is not None:
+                # Stored before this segment began (a steered approval, a worker that died or handed over first):
+                # the calls still pending are answered by the steer, never made (docs/architecture.md, "Steer").
+                state.pending_calls, state.approved_call_id = [], None
+                handle.steer_reached(claim.steer)
             with anyio.fail_after(self._settings.run_time_limit_s):
                 end = await self._run_loop(admitted, state, hooks)
         except BaseException as exc:  # noqa: BLE001 - every way a segment ends early, mapped in one place: ending_of
@@ -428,7 +474,21 @@ class Runtime:
         call = end.state.pending_calls[0]
         log.info("run_waiting_for_approval", tool=call.qualified_name)
         self.subscribers.status(run_id, RunStatus.WAITING_FOR_APPROVAL)
+        await self._resume_if_steered(run_id)
         return RunOutcome.SUSPENDED
+
+    async def _resume_if_steered(self, run_id: str) -> None:
+        """A steer stored while the run was running that no boundary applied before it was suspended: the run is
+        put back to work as a steer of a waiting run is (docs/architecture.md, "Steer")."""
+        if not await self._store.steer_waiting(run_id):
+            return
+        log.info("run_steered_while_suspending")
+        if self._sender is not None:
+            try:
+                await anyio.to_thread.run_sync(functools.partial(self._sender.send, run_id, resume=True))
+            except Exception as exc:  # noqa: BLE001 - the run waits in the unclaimed set: the re-drive sends it
+                log.warning("run_resume_message_failed", error=str(exc) or repr(exc),
+                            action=f"re-driven within RUNBRAKE_REDRIVE_S ({self._settings.redrive_s} s)")
 
     async def _hand_over(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
         """Save the conversation, put the run back to ``queued`` with a ``handoff`` step, and send its

@@ -14,6 +14,7 @@ const UI = {
   en: {
     "runs.title": "Runs", "runs.empty": "No runs yet.", "runs.created": "Created",
     "action.cancel": "Cancel run", "action.approve": "Approve", "action.deny": "Deny",
+    "action.steer": "Steer", "steer.input": "New message",
     "action.confirm": "Confirm", "action.back": "Back", "reason": "Reason",
     "pending.title": "Waiting for approval of", "live": "live", "reconnecting": "reconnecting…",
     "token.prompt": "API token", "token.use": "Use token", "token.hint": "Kept in this tab only (sessionStorage).",
@@ -28,6 +29,7 @@ const UI = {
   de: {
     "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.created": "Erstellt",
     "action.cancel": "Lauf abbrechen", "action.approve": "Freigeben", "action.deny": "Ablehnen",
+    "action.steer": "Umlenken", "steer.input": "Neue Nachricht",
     "action.confirm": "Bestätigen", "action.back": "Zurück", "reason": "Grund",
     "pending.title": "Wartet auf Freigabe von", "live": "live", "reconnecting": "verbinde neu…",
     "token.prompt": "API-Token", "token.use": "Token verwenden", "token.hint": "Nur in diesem Tab gespeichert (sessionStorage).",
@@ -341,6 +343,9 @@ function runView(runId) {
       return [user(text)];
     }
     const d = step.detail || {};
+    if (step.kind === "steer") {
+      return [user(d.input || ""), d.requested_by ? [" (" + label("run.by") + " ", user(d.requested_by), ")"] : null];
+    }
     return [(d.decision ? label("decision." + d.decision) : "") + ": ", user(step.content),
       d.decided_by ? [" (" + label("run.by") + " ", user(d.decided_by), ")"] : null];
   }
@@ -395,6 +400,10 @@ function runView(runId) {
       box.append(el("button", { type: "button", class: "action danger", "data-testid": "cancel",
         onclick: () => decide("cancel") }, t("action.cancel")));
     }
+    if (state.status === "running" || state.status === "waiting_for_approval") {
+      box.append(el("button", { type: "button", class: "action", "data-testid": "steer",
+        onclick: () => decide("steer") }, t("action.steer")));
+    }
     if (state.status === "waiting_for_approval") {
       box.append(el("button", { type: "button", class: "action go", "data-testid": "approve",
         onclick: () => decide("approve") }, t("action.approve")));
@@ -407,12 +416,16 @@ function runView(runId) {
 
   function decisionForm() {
     const input = el("input", { type: "text", maxlength: 1000, "data-testid": "reason", "aria-label": t("reason") });
+    // A steer's new message (docs/http-api.md, "Steer a run"), sent with the reason.
+    const text = state.deciding === "steer"
+      ? el("textarea", { rows: 3, "data-testid": "steer-input", "aria-label": t("steer.input") }) : null;
     const form = el("form", { class: "decision", "data-testid": "decision",
-      onsubmit: (event) => { event.preventDefault(); submit(state.deciding, input.value); } },
+      onsubmit: (event) => { event.preventDefault(); submit(state.deciding, input.value, text && text.value); } },
+    text ? [el("label", {}, t("steer.input") + ": "), text, el("br")] : null,
     el("label", {}, t("reason") + " (" + t("action." + state.deciding) + "): "), input, " ",
     el("button", { type: "submit", class: "action", "data-testid": "confirm" }, t("action.confirm")), " ",
     el("button", { type: "button", class: "action", onclick: () => { state.deciding = null; render(); } }, t("action.back")));
-    setTimeout(() => input.focus(), 0);
+    setTimeout(() => (text || input).focus(), 0);
     return form;
   }
 
@@ -476,9 +489,10 @@ function runView(runId) {
 
   function decide(action) { state.deciding = action; state.message = null; render(); }
 
-  async function submit(action, reason) {
+  async function submit(action, reason, text) {
+    const body = action === "steer" ? { input: text || "", reason } : (reason ? { reason } : {});
     try {
-      await api("/v1/runs/" + runId + "/" + action, { method: "POST", body: JSON.stringify(reason ? { reason } : {}) });
+      await api("/v1/runs/" + runId + "/" + action, { method: "POST", body: JSON.stringify(body) });
       state.deciding = null;
       state.message = null;
     } catch (error) {

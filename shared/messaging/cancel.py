@@ -11,7 +11,13 @@ import pika.exceptions
 import structlog
 
 from runbrake.shared import tracing
-from runbrake.shared.messaging.wire import Topology, cancel_properties, connection_parameters, encode_cancel
+from runbrake.shared.messaging.wire import (
+    Topology,
+    cancel_properties,
+    connection_parameters,
+    encode_cancel,
+    encode_steer_wakeup,
+)
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
@@ -41,15 +47,16 @@ class CancelPublisher:
         self._connection: pika.BlockingConnection | None = None
         self._channel: pika.adapters.blocking_connection.BlockingChannel | None = None
 
-    def publish(self, run_id: str) -> None:
-        """Publish one cancel message and wait for the broker's confirm.
+    def publish(self, run_id: str, *, steer: bool = False) -> None:
+        """Publish one cancel message (with ``steer``, a steer's wake-up) and wait for the broker's confirm.
 
         Raises:
             pika.exceptions.AMQPError: when RabbitMQ cannot be reached or refuses the message.
         """
         channel = self._ensure_channel()
+        body = encode_steer_wakeup(run_id) if steer else encode_cancel(run_id)
         channel.basic_publish(
-            exchange=self._topology.cancel_exchange, routing_key="", body=encode_cancel(run_id),
+            exchange=self._topology.cancel_exchange, routing_key="", body=body,
             properties=cancel_properties(tracing.current().traceparent()),
         )
 

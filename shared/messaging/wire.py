@@ -415,6 +415,21 @@ def encode_cancel(run_id: str) -> bytes:
     return json.dumps({"run_id": run_id}, separators=(",", ":")).encode()
 
 
+def encode_steer_wakeup(run_id: str) -> bytes:
+    """The body of a steer wake-up on the cancel exchange (docs/messages.md, "Cancel exchange: `<ns>.cancel`"): a
+    listener that knows steers reads the run's steer key; an older one finds no cancel key and interrupts nothing."""
+    return json.dumps({"run_id": run_id, "steer": True}, separators=(",", ":")).encode()
+
+
+def is_steer_wakeup(body: bytes) -> bool:
+    """Whether a wake-up (already read by :func:`decode_cancel`) says ``"steer": true``. Never raises."""
+    try:
+        data = json.loads(body) if len(body) <= MAX_CANCEL_BODY_BYTES else None
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("steer") is True
+
+
 def decode_cancel(body: bytes) -> str | None:
     """The run id a cancel body names, or None for anything malformed: too long, not UTF-8 JSON,
     not an object, no string ``run_id`` of 1 to 100 characters. Never raises."""
