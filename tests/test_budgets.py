@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from runbrake.broker.render import render_run
 from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
@@ -244,3 +245,22 @@ def test_a_deadline_is_counted_from_enqueue_across_a_hand_over(
     assert record.cancel is not None and resumed_at is not None
     # From enqueue, not from the second segment's claim: the fence came before that claim's own deadline.
     assert record.created_at + deadline_s <= record.cancel.requested_at < resumed_at + deadline_s
+
+
+def test_show_prints_the_budget_and_its_use_in_english_and_german() -> None:
+    fields = {"status": "cancelled", "termination_reason": "budget_exceeded", "created_at": "1000.5",
+              "input_tokens": "200", "output_tokens": "30", "model_calls": "1", "cost_usd": "0.00064",
+              "model": "priced", "request": '{"input": "x", "model": "priced", "budget": {"deadline_s": 60, '
+                                            '"max_total_tokens": 200, "max_cost_usd": 0.01}}'}
+    record = read_record("0" * 32, fields, (), None)
+
+    english, german = render_run(record, "en"), render_run(record, "de")
+
+    assert "Reason: budget exceeded" in english
+    assert ("Budget: tokens 230/200, cost 0.000640/0.01 USD, deadline 1970-01-01 00:17:40.500Z"
+            in english.splitlines()[4])
+    assert "Grund: Budget überschritten" in german
+    assert "Budget: Tokens 230/200, Kosten 0.000640/0.01 USD, Frist 1970-01-01 00:17:40.500Z" in german
+    running = read_record("0" * 32, {**fields, "status": "running", "termination_reason": ""}, (), None)
+    assert " s left)" in render_run(running, "en")
+    assert " s übrig)" in render_run(running, "de")
