@@ -264,3 +264,24 @@ def test_show_prints_the_budget_and_its_use_in_english_and_german() -> None:
     running = read_record("0" * 32, {**fields, "status": "running", "termination_reason": ""}, (), None)
     assert " s left)" in render_run(running, "en")
     assert " s übrig)" in render_run(running, "de")
+
+
+@pytest.mark.integration
+def test_a_run_approved_after_its_deadline_is_cancelled_at_the_resumes_claim_and_the_call_is_never_made(
+    toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    """A run waiting for approval holds no worker and spends nothing: it is stopped when it would go on."""
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("get-sum", a=1, b=2)]}, {"content": "too late"}],
+        approval_required=["toolbox.get-sum"], budget={"deadline_s": 2}))
+    record = wait_for_run(store, run.run_id, lambda r: r.status is RunStatus.WAITING_FOR_APPROVAL, timeout=WAIT_S)
+    poll_until(lambda: time.time() > record.created_at + 2, timeout=WAIT_S, failure=lambda: "the clock stood still")
+
+    approved = runbrake("approve", run.run_id)
+    assert approved.returncode == 0, approved.stderr
+    worker.wait_for_log("run_segment_ended", run_id=run.run_id, outcome="cancelled", timeout=WAIT_S)
+
+    record = store.get(run.run_id)
+    stopped_by_budget(record, TerminationReason.DEADLINE_EXCEEDED)
+    assert [s.kind for s in record.steps] == [StepKind.MODEL, StepKind.APPROVAL]
+    assert matching_events(toolbox_http.events, "started") == []
