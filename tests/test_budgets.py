@@ -15,12 +15,26 @@ from typing import Any
 import pytest
 
 from runbrake.broker.render import render_run
-from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared import (
+    AsyncRunStore,
+    CancelRequested,
+    RunRecord,
+    RunStatus,
+    RunStep,
+    RunStore,
+    Settings,
+    StepKind,
+    TerminationReason,
+    ToolOutcome,
+)
+from runbrake.shared.budget import Budget
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.records import read_record
 from runbrake.shared.spec import RunSpec
+from runbrake.worker.budget import BudgetGuard
+from runbrake.worker.registry import ActiveRuns
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
@@ -74,7 +88,8 @@ def test_max_total_tokens_above_the_catalog_cap_is_refused_and_left_out_takes_th
                                    "(models.capped.caps.max_total_tokens)"}
     capped = admission.admit(RunSpec.parse({"input": "x", "model": "capped", "budget": {"max_cost_usd": 0.5}}))
     assert (capped.budget.max_total_tokens, capped.budget.max_cost_usd) == (1000, 0.5)
-    assert capped.budget.prices is not None and capped.budget.prices.cost_usd(1_000_000, 500_000) == 6.0
+    assert capped.budget.prices is not None
+    assert capped.budget.prices.cost_usd(1_000_000, 500_000) == 6.0
     defaulted = admission.admit(RunSpec.parse({"input": "x", "model": "defaulted"}))
     assert (defaulted.budget.max_total_tokens, defaulted.budget.prices) == (300, None)
     assert defaulted.model_settings.temperature == 0.1
@@ -85,7 +100,8 @@ def test_max_total_tokens_above_the_catalog_cap_is_refused_and_left_out_takes_th
 
 def test_a_catalog_default_above_its_cap_or_a_negative_price_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"models\.m\.defaults\.max_total_tokens"):
-        Catalog.parse({"models": {"m": {**MODEL, "defaults": {"max_total_tokens": 9}, "caps": {"max_total_tokens": 5}}}})
+        Catalog.parse({"models": {"m": {**MODEL, "defaults": {"max_total_tokens": 9},
+                                        "caps": {"max_total_tokens": 5}}}})
     with pytest.raises(ConfigError, match=r"models\.m\.input_usd_per_mtok: Input should be greater than or equal"):
         Catalog.parse({"models": {"m": {**MODEL, "input_usd_per_mtok": -1.0, "output_usd_per_mtok": 1.0}}})
 
@@ -107,7 +123,8 @@ def test_the_record_shows_the_budget_and_its_use_and_the_cost_where_prices_are_k
 
 def stopped_by_budget(record: RunRecord, reason: TerminationReason) -> None:
     assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, reason)
-    assert record.cancel is not None and record.cancel.requested_by == "budget"
+    assert record.cancel is not None
+    assert record.cancel.requested_by == "budget"
 
 
 def priced_spec(mock: LlmMock, toolbox: Toolbox, **fields: Any) -> RunSpec:
@@ -133,7 +150,8 @@ def test_a_deadline_that_passes_in_a_tool_call_cuts_the_call_off_and_cancels_the
     record = store.get(run.run_id)
     assert [(s.kind, s.tool_outcome) for s in record.steps] == [(StepKind.MODEL, None),
                                                                 (StepKind.TOOL, ToolOutcome.CANCELLED)]
-    assert record.cancel is not None and "budget.deadline_s" in record.cancel.reason
+    assert record.cancel is not None
+    assert "budget.deadline_s" in record.cancel.reason
     assert record.cancel.requested_at >= record.created_at + 8
     wait_for_event(toolbox_http.events, "cancelled", tool="slow", timeout=WAIT_S)  # the server saw it cut off
     assert matching_events(toolbox_http.events, "started", tool="get-sum") == []
@@ -153,7 +171,8 @@ def test_a_token_budget_reached_by_a_model_call_stops_the_run_before_any_further
     record = wait_for_run(store, run.run_id, timeout=WAIT_S)
 
     stopped_by_budget(record, TerminationReason.BUDGET_EXCEEDED)
-    assert record.cancel is not None and "used 210 tokens; its budget is 200" in record.cancel.reason
+    assert record.cancel is not None
+    assert "used 210 tokens; its budget is 200" in record.cancel.reason
     assert [s.kind for s in record.steps] == [StepKind.MODEL]
     assert len(llm_mock.requests()) == 1
     assert matching_events(toolbox_http.events, "started") == []
@@ -242,7 +261,8 @@ def test_a_deadline_is_counted_from_enqueue_across_a_hand_over(
         (StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.CANCELLED), (StepKind.HANDOFF, None),
         (StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.CANCELLED)]
     assert record.segments == 2
-    assert record.cancel is not None and resumed_at is not None
+    assert record.cancel is not None
+    assert resumed_at is not None
     # From enqueue, not from the second segment's claim: the fence came before that claim's own deadline.
     assert record.created_at + deadline_s <= record.cancel.requested_at < resumed_at + deadline_s
 
@@ -285,3 +305,27 @@ def test_a_run_approved_after_its_deadline_is_cancelled_at_the_resumes_claim_and
     stopped_by_budget(record, TerminationReason.DEADLINE_EXCEEDED)
     assert [s.kind for s in record.steps] == [StepKind.MODEL, StepKind.APPROVAL]
     assert matching_events(toolbox_http.events, "started") == []
+
+
+@pytest.mark.integration
+@pytest.mark.anyio
+async def test_a_cancel_that_won_first_stays_the_operators_when_the_budget_is_reached_after_it(
+    settings: Settings, store: RunStore
+) -> None:
+    run_id = store.create(RunSpec.parse({"input": "x", "model": {"provider": "scripted", "turns": [
+        {"content": "ok"}]}, "budget": {"max_total_tokens": 10}}).raw).run_id
+    store.claim(run_id, "w", lease_s=60)
+    assert store.cancel(run_id, reason="operator stop", requested_by="ops").won
+    async_store = AsyncRunStore.connect(settings)
+    try:
+        guard = BudgetGuard(async_store, ActiveRuns(), run_id, Budget(max_total_tokens=10))
+        step = RunStep(kind=StepKind.MODEL, round=1, detail={"usage": {"input_tokens": 8, "output_tokens": 4}})
+        with pytest.raises(CancelRequested):  # the run is cancelled: it stops, but the fence was not the budget's
+            await guard.counted(step)
+    finally:
+        await async_store.aclose()
+
+    record = store.get(run_id)
+    assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
+    assert record.cancel is not None
+    assert (record.cancel.reason, record.cancel.requested_by) == ("operator stop", "ops")
