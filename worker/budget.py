@@ -128,9 +128,16 @@ class BudgetGuard:
             raise CancelRequested(self._run_id)
 
     def _deadline_passed(self) -> None:
-        """The timer fired (on the loop): the fence is a round trip, so it runs as a task of its own."""
+        """The timer fired (on the loop): the fence is a round trip, so it runs as a task of its own. The loop's
+        clock is monotonic and may fire a timer a little early by the wall clock the deadline is set on: then
+        the timer is set again for what is left, so the fence never comes before the deadline."""
+        loop = asyncio.get_running_loop()
+        left = (self.deadline_at or 0.0) - self._clock()
+        if left > 0:
+            self._timer = loop.call_later(left, self._deadline_passed)
+            return
         self._timer = None
-        self._fence = asyncio.get_running_loop().create_task(self._stop_at_deadline())
+        self._fence = loop.create_task(self._stop_at_deadline())
 
     async def _stop_at_deadline(self) -> None:
         while True:
