@@ -246,21 +246,21 @@ def test_a_deadline_is_counted_from_enqueue_across_a_hand_over(
         {"tool_calls": [call("slow", seconds=120)]}, {"tool_calls": [call("slow", seconds=120)]},
         {"content": "never reached"}], budget={"deadline_s": deadline_s}))
     wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    second = start_worker()  # started while the first holds the run: the hand-over reaches it at once
     first.process.send_signal(signal.SIGTERM)
     assert first.process.wait(timeout=WAIT_S) == 0
-    assert store.get(run.run_id).status is RunStatus.QUEUED
 
-    second = start_worker()
-    wait_for_event(toolbox_http.events, "started", tool="slow", count=2, timeout=WAIT_S)
-    resumed_at = store.get(run.run_id).started_at
     second.wait_for_log("run_segment_ended", run_id=run.run_id, outcome="cancelled", timeout=WAIT_S + deadline_s)
 
     record = store.get(run.run_id)
     stopped_by_budget(record, TerminationReason.DEADLINE_EXCEEDED)
-    assert [(s.kind, s.tool_outcome) for s in record.steps] == [
-        (StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.CANCELLED), (StepKind.HANDOFF, None),
-        (StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.CANCELLED)]
+    steps = [(s.kind, s.tool_outcome) for s in record.steps]
+    handed_over = [(StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.CANCELLED), (StepKind.HANDOFF, None)]
+    # The second worker's slow call is cut off by the deadline; on a machine so loaded that the second claim
+    # comes after the deadline, the claim stops the run before any call: either way, counted from enqueue.
+    assert steps in ([*handed_over, (StepKind.MODEL, None), (StepKind.TOOL, ToolOutcome.CANCELLED)], handed_over)
     assert record.segments == 2
+    resumed_at = record.started_at  # the second claim's
     assert record.cancel is not None
     assert resumed_at is not None
     # From enqueue, not from the second segment's claim: the fence came before that claim's own deadline.
