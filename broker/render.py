@@ -129,6 +129,9 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
                      f"{usage.total_tokens} ({usage.input_tokens} {label('run.tokens_in', lang)}, "
                      f"{usage.output_tokens} {label('run.tokens_out', lang)}, "
                      f"{usage.model_calls} {label('run.model_calls', lang)})")
+    budget = _budget_line(record, lang)
+    if budget:
+        lines.append(f"  {label('run.budget', lang)}: {budget}")
     if record.labels:
         lines.append(f"  {label('run.labels', lang)}: "
                      + ", ".join(f"{key}={value}" for key, value in sorted(record.labels.items())))
@@ -156,6 +159,25 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
     lines.append("")
     lines.extend(_table(headers, rows))
     return "\n".join(lines)
+
+
+def _budget_line(record: RunRecord, lang: Lang) -> str:
+    """What the run used of the budget its spec gave, bound by bound: tokens, cost, deadline (and, while the
+    run is not over, the time left); "" without a budget (docs/usage.md, "Budgets")."""
+    budget, use = record.budget, record.to_dict()["budget_use"]
+    if budget is None or use is None:
+        return ""
+    parts = []
+    if "max_total_tokens" in budget:
+        parts.append(f"{label('run.budget_tokens', lang)} {use['tokens']}/{budget['max_total_tokens']}")
+    if "max_cost_usd" in budget:
+        parts.append(f"{label('run.budget_cost', lang)} {use['cost_usd'] or 0:.6f}/{budget['max_cost_usd']:g} USD")
+    if use["deadline_at"] is not None:
+        text = f"{label('run.budget_deadline', lang)} {_when(use['deadline_at'])}"
+        if not record.status.is_terminal:
+            text += f" ({max(0.0, use['deadline_at'] - time.time()):.0f} s {label('run.budget_left', lang)})"
+        parts.append(text)
+    return ", ".join(parts)
 
 
 def _in_flight_row(record: RunRecord, progress: dict[str, Any], lang: Lang) -> list[str]:

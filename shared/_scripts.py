@@ -308,19 +308,20 @@ return {1, st}
 """)
 
 # KEYS: run, cancel, leases, unclaimed, tenants, run, steps, cancel, finished, outbox.
-# ARGV: cancel_json, now, run_id, retention_s, events channel
+# ARGV: cancel_json, now, run_id, termination reason (cancelled, or a budget's: shared/_store_core.py cancel),
+#   retention_s, events channel
 CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
-redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason', '$reason_cancelled',
+redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason', ARGV[4],
   'finished_at', ARGV[2], 'lease_expires_at', '')
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[3])
 redis.call('ZREM', KEYS[4], ARGV[3])
 release(KEYS[5])
 retain(ARGV[3], ARGV[2])
-announce(ARGV[3], '$status_cancelled', '$reason_cancelled')
+announce(ARGV[3], '$status_cancelled', ARGV[4])
 return {1, st}
 """)
 
@@ -388,8 +389,10 @@ return {seq, 0}
 #   the step is not a tool step with an outcome), run_id, step token, owner ('' = the
 #   step is not a worker's, e.g. a denial; otherwise the claim's owner token, the fence against a worker
 #   whose run was reaped or taken over: its writes are refused with {0, 0, 'owner'}), model calls (1 for a
-#   model step that answered, else 0), input tokens, output tokens, retention_s, events channel
-# The run's usage (hash fields model_calls, input_tokens, output_tokens) is summed here, with the step: a
+#   model step that answered, else 0), input tokens, output tokens, cost in USD ('' when the model has
+#   no prices), retention_s, events channel
+# The run's usage (hash fields model_calls, input_tokens, output_tokens, cost_usd) is summed here, with the
+# step: a
 # step appended once counts once, whichever segment or worker appends it and however often it is retried.
 # Answers {sequence, cancelled}. A token already appended answers its sequence again and appends
 # nothing: a write retried after a lost answer (docs/architecture.md, "Store outages") is recorded once.
@@ -416,6 +419,7 @@ if ARGV[7] ~= '0' then
   redis.call('HINCRBY', KEYS[1], 'model_calls', ARGV[7])
   redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[8])
   redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[9])
+  if ARGV[10] ~= '' then redis.call('HINCRBYFLOAT', KEYS[1], 'cost_usd', ARGV[10]) end
 end
 if ARGV[3] ~= '' then
   redis.call('HINCRBY', KEYS[3], ARGV[3], 1)

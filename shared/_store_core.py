@@ -659,17 +659,27 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
     ))
 
 
-def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[Transition]:
+CANCEL_REASONS: Final = frozenset({TerminationReason.CANCELLED, TerminationReason.BUDGET_EXCEEDED,
+                                   TerminationReason.DEADLINE_EXCEEDED})
+"""The termination reasons a cancel ends a run with: an operator's, or the run's own budget's."""
+
+
+def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str,
+           termination: TerminationReason = TerminationReason.CANCELLED) -> Op[Transition]:
     """non-terminal → cancelled, writing the cancel key in the same script (the fence). The reason and who
     asked are shown as attribution ("reason (by who)"): stored without bidi controls, which could reorder
-    what follows them (shared/redaction.py :func:`strip_bidi`)."""
+    what follows them (shared/redaction.py :func:`strip_bidi`). ``termination``: the run's
+    ``termination_reason``, ``cancelled`` but for a run its budget stops (worker/budget.py)."""
+    if termination not in CANCEL_REASONS:
+        raise ValueError(f"a cancel ends a run with one of {sorted(CANCEL_REASONS)}, not {termination.value!r}")
     request = CancelRequest(reason=strip_bidi(reason), requested_by=strip_bidi(requested_by),
                             requested_at=time.time())
     return durable(_script(
         _scripts.CANCEL,
         (keys.run(run_id), keys.cancel(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)),
          *keys.retention(run_id), keys.outbox_of(run_id)),
-        (request.to_dict(), request.requested_at, Ident(run_id), keys.retention_s, Ident(keys.events)),
+        (request.to_dict(), request.requested_at, Ident(run_id), Ident(termination.value), keys.retention_s,
+         Ident(keys.events)),
         f"cancel run {run_id}", _transition("cancel", run_id),
     ))
 
@@ -800,7 +810,7 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
          keys.servers_hour(recorded_at, keys.shard(run_id)), keys.outbox_of(run_id)),
         (body, recorded_at, counter, Ident(run_id), Ident(token or uuid.uuid4().hex), Ident(owner),
-         1 if answered else 0, *tokens, keys.retention_s, Ident(keys.events)),
+         1 if answered else 0, *tokens, _cost(usage), keys.retention_s, Ident(keys.events)),
         f"append a step to run {run_id}", parse,
     )
 
@@ -809,6 +819,35 @@ def _tokens(usage: object, kind: str) -> int:
     """A count of a model step's ``detail.usage`` (0 when absent or not a count: the provider said nothing)."""
     value = usage.get(kind) if isinstance(usage, Mapping) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
+
+
+def _cost(usage: object) -> Ident:
+    """A model step's ``detail.usage.cost_usd`` as the script adds it ("" when the model has no prices)."""
+    value = usage.get("cost_usd") if isinstance(usage, Mapping) else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e9:
+        return Ident(repr(float(value)))
+    return Ident("")
+
+
+def budget_use(keys: Keys, run_id: str) -> Op[tuple[float, int, float | None] | None]:
+    """What a run used so far, for its budget: (created_at, total tokens, cost in USD or None); None when
+    there is no such run."""
+    def parse(answers: list[Any]) -> tuple[float, int, float | None] | None:
+        created, tokens_in, tokens_out, cost = answers[0]
+        if created is None:
+            return None
+        return float(created), _tokens_of(tokens_in) + _tokens_of(tokens_out), None if cost is None else float(cost)
+
+    return Op(f"read the budget use of run {run_id}",
+              (Command(("HMGET", keys.run(run_id), "created_at", "input_tokens", "output_tokens", "cost_usd")),),
+              parse)
+
+
+def _tokens_of(value: str | bytes | None) -> int:
+    try:
+        return max(0, int(value)) if value else 0
+    except ValueError:
+        return 0
 
 
 def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str = "") -> Op[tuple[Appended, Transition]]:
@@ -1057,7 +1096,7 @@ def ping() -> Op[None]:
 
 SUMMARY_FIELDS: Final = ("status", "termination_reason", "created_at", "started_at", "finished_at", "owner",
                          "lease_expires_at", "error", "segments", "labels", "model", "input_preview", "model_calls",
-                         "input_tokens", "output_tokens")
+                         "input_tokens", "output_tokens", "cost_usd")
 """The hash fields a run listing reads: not the request or the pending turn, which can be large."""
 
 

@@ -215,6 +215,16 @@ class AsyncRunStore:
     async def cancel_request(self, run_id: str) -> CancelRequest | None:
         return await self.execute(core.cancel_request(self.keys, run_id))
 
+    async def cancel(self, run_id: str, *, reason: str, requested_by: str,
+                     termination: TerminationReason = TerminationReason.CANCELLED) -> Transition:
+        """The cancel fence (a run's own budget stops it so: worker/budget.py)."""
+        return await self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by,
+                                              termination=termination))
+
+    async def budget_use(self, run_id: str) -> tuple[float, int, float | None] | None:
+        """(created_at, total tokens, cost in USD or None) of a run; None when there is no such run."""
+        return await self.execute(core.budget_use(self.keys, run_id))
+
     async def settle(self, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str,
                      error: str = "") -> Transition:
         return await self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error))

@@ -44,12 +44,14 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from runbrake.shared import redaction
+from runbrake.shared.budget import NO_BUDGET, Budget, Prices
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
 from runbrake.shared.records import Quota
 from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Registry
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import (
     LABEL_KEY,
+    MAX_BUDGET_TOKENS,
     VARIABLE_PATTERN,
     CatalogModelSpec,
     CatalogServerSpec,
@@ -63,8 +65,8 @@ from runbrake.shared.spec import (
     variables_in,
 )
 
-__all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "ModelCaps", "ModelPolicy",
-           "RabbitmqUser", "TenantPolicy", "WebhookSpec", "expand", "variables_in"]
+__all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "ModelCaps", "ModelDefaults",
+           "ModelPolicy", "RabbitmqUser", "TenantPolicy", "WebhookSpec", "expand", "variables_in"]
 
 log = structlog.get_logger(__name__)
 
@@ -115,21 +117,50 @@ class WebhookSpec(SpecModel):
 
 
 class ModelCaps(SpecModel):
-    """Upper bounds a catalog model puts on a spec's model_settings (``[models.NAME.caps]``)."""
+    """Upper bounds a catalog model puts on a spec's model_settings and budget (``[models.NAME.caps]``)."""
 
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     """Also the value sent when neither the spec nor the defaults set one: every call is bounded."""
+    max_total_tokens: Annotated[int, Field(ge=1, le=MAX_BUDGET_TOKENS)] | None = None
+    """The most a spec's ``budget.max_total_tokens`` may be; also the budget of a run that gives none (and has
+    no default): every run of the model is bounded."""
+
+
+class ModelDefaults(ModelSettingsSpec):
+    """What a spec leaves out takes (``[models.NAME.defaults]``): its model_settings, and its budget's
+    ``max_total_tokens``."""
+
+    max_total_tokens: Annotated[int, Field(ge=1, le=MAX_BUDGET_TOKENS)] | None = None
+
+    def settings(self) -> ModelSettingsSpec:
+        """The model_settings among these defaults."""
+        return ModelSettingsSpec.model_validate(self.model_dump(exclude={"max_total_tokens"}))
+
+
+_USD_PER_MTOK = Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False)]
 
 
 class ModelPolicy(SpecModel):
-    """What a catalog model says about the settings it is asked with: defaults and caps."""
+    """What a catalog model says about the settings it is asked with (defaults and caps), and its prices."""
 
-    defaults: ModelSettingsSpec | None = None
-    """The model_settings a spec leaves out."""
+    defaults: ModelDefaults | None = None
+    """The model_settings (and budget.max_total_tokens) a spec leaves out."""
     caps: ModelCaps | None = None
-    """Upper bounds on temperature, top_p and max_output_tokens."""
+    """Upper bounds on temperature, top_p, max_output_tokens and budget.max_total_tokens."""
+    input_usd_per_mtok: _USD_PER_MTOK | None = None
+    """US dollars per million input tokens: with the output price, the cost in each model step's usage and
+    the run's (``cost_usd``), and what ``budget.max_cost_usd`` counts."""
+    output_usd_per_mtok: _USD_PER_MTOK | None = None
+    """US dollars per million output tokens."""
+
+    @property
+    def prices(self) -> Prices | None:
+        """The model's prices, when it has both."""
+        if self.input_usd_per_mtok is None or self.output_usd_per_mtok is None:
+            return None
+        return Prices(self.input_usd_per_mtok, self.output_usd_per_mtok)
 
 
 class TenantPolicy(SpecModel):
@@ -151,7 +182,7 @@ class RabbitmqUser(SpecModel):
     """The tenant whose runs the user's run and cancel requests create and reach."""
 
 
-_POLICY_KEYS: Final = ("defaults", "caps")
+_POLICY_KEYS: Final = ("defaults", "caps", "input_usd_per_mtok", "output_usd_per_mtok")
 """The keys of a catalog model entry that are not its provider's: read into :class:`ModelPolicy` (one shape for
 every provider, so a provider's spec need not carry them)."""
 
@@ -359,7 +390,7 @@ def _above_caps(policy: ModelPolicy) -> list[str]:
     """The defaults of a policy that exceed its own caps."""
     if policy.defaults is None or policy.caps is None:
         return []
-    return [name for name in ModelSettingsSpec.CAPPED
+    return [name for name in (*ModelSettingsSpec.CAPPED, "max_total_tokens")
             if (cap := getattr(policy.caps, name)) is not None
             and (value := getattr(policy.defaults, name)) is not None and value > cap]
 
@@ -470,6 +501,8 @@ class AdmittedRun:
     """The spec's model_settings with the catalog model's defaults (and its max_output_tokens cap) applied."""
     model_name: str = ""
     """The catalog model's name, or the inline model's provider tag (the run record's ``model``)."""
+    budget: Budget = NO_BUDGET
+    """The spec's budget, with the catalog model's default or cap of max_total_tokens, and its prices."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,6 +591,7 @@ class Admission:
                            f"{earlier.server} allows only {', '.join(allowed.tools)}")
         policy = catalog.policies.get(spec.model) if isinstance(spec.model, str) else None
         settings = self._settings(spec, policy, refuse)
+        budget = _budget(spec, policy, refuse)
         if isinstance(model, ScriptedModel):
             for i, turn in enumerate(model.turns):
                 if len(turn.tool_calls) > self.max_tool_calls_per_turn:
@@ -573,7 +607,8 @@ class Admission:
             raise SpecError.from_problems(problems)
         assert model is not None
         name = spec.model if isinstance(spec.model, str) else model.provider
-        return AdmittedRun(spec=spec, servers=servers, model=model, model_settings=settings, model_name=name)
+        return AdmittedRun(spec=spec, servers=servers, model=model, model_settings=settings, model_name=name,
+                           budget=budget)
 
     def _bound_history(self, spec: RunSpec, refuse: Any) -> None:
         """``messages`` within RUNBRAKE_MAX_MESSAGES and RUNBRAKE_MAX_HISTORY_CHARS, each call's arguments
@@ -608,7 +643,7 @@ class Admission:
                 if cap is not None and value is not None and value > cap:
                     refuse(("model_settings", name), f"is {value}; the catalog model {spec.model!r} caps it at "
                                                      f"{cap} (models.{spec.model}.caps.{name})")
-        settings = spec.model_settings.merged(policy.defaults)
+        settings = spec.model_settings.merged(None if policy.defaults is None else policy.defaults.settings())
         if settings.max_output_tokens is None and caps is not None and caps.max_output_tokens is not None:
             settings = settings.model_copy(update={"max_output_tokens": caps.max_output_tokens})
         return settings
@@ -638,6 +673,30 @@ class Admission:
             refuse(("model",), f"an inline {spec.model.provider} model is refused: name a model of the operator's "
                                "catalog (RUNBRAKE_ALLOW_INLINE=true is for development and tests only)")
         return spec.model
+
+
+def _budget(spec: RunSpec, policy: ModelPolicy | None, refuse: Any) -> Budget:
+    """The budget a run is held to (docs/usage.md, "Budgets"): the spec's, its max_total_tokens refused above
+    the model's cap (as model_settings are) and, left out, the model's default, else its cap; a cost budget
+    needs the model's prices."""
+    given = spec.budget
+    prices = None if policy is None else policy.prices
+    tokens = None if given is None else given.max_total_tokens
+    caps = None if policy is None else policy.caps
+    cap = None if caps is None else caps.max_total_tokens
+    if tokens is not None and cap is not None and tokens > cap:
+        refuse(("budget", "max_total_tokens"), f"is {tokens}; the catalog model {spec.model!r} caps it at {cap} "
+                                               f"(models.{spec.model}.caps.max_total_tokens)")
+    if tokens is None and policy is not None:
+        tokens = policy.defaults.max_total_tokens if policy.defaults is not None else None
+        tokens = cap if tokens is None else tokens
+    cost = None if given is None else given.max_cost_usd
+    if cost is not None and prices is None:
+        where = f"the catalog model {spec.model!r}" if isinstance(spec.model, str) else "an inline model"
+        refuse(("budget", "max_cost_usd"), f"needs the model's prices, and {where} has none "
+                                           "(input_usd_per_mtok and output_usd_per_mtok of its catalog entry)")
+    return Budget(deadline_s=None if given is None else given.deadline_s, max_total_tokens=tokens,
+                  max_cost_usd=cost, prices=prices)
 
 
 def _not_json(value: object, loc: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], str]]:

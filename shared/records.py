@@ -7,6 +7,7 @@ synchronous store (``shared/store.py``) and the asynchronous one (``shared/async
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any, Final
 
 import structlog
 
+from runbrake.shared.budget import budget_use
 from runbrake.shared.errors import InvalidRunId
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
@@ -154,14 +156,19 @@ class RunUsage:
     input_tokens: int = 0
     output_tokens: int = 0
     model_calls: int = 0
+    cost_usd: float | None = None
+    """What the model calls cost, at the catalog model's prices; None when it has none."""
 
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
 
-    def to_dict(self) -> dict[str, int]:
-        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "total_tokens": self.total_tokens, "model_calls": self.model_calls}
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                                "total_tokens": self.total_tokens, "model_calls": self.model_calls}
+        if self.cost_usd is not None:
+            data["cost_usd"] = self.cost_usd
+        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +203,12 @@ class RunRecord:
         """The user's message that started the run (from its request)."""
         value = self.request.get("input")
         return value if isinstance(value, str) else None
+
+    @property
+    def budget(self) -> dict[str, Any] | None:
+        """The budget the spec gave (its request's ``budget``), or None."""
+        value = self.request.get("budget")
+        return dict(value) if isinstance(value, Mapping) else None
 
     @property
     def instructions(self) -> str | None:
@@ -240,6 +253,8 @@ class RunRecord:
             "output": self.output,
             "output_json": self.output_json,
             "usage": self.usage.to_dict(),
+            "budget": self.budget,
+            "budget_use": budget_use(self.request, self.created_at, self.usage.total_tokens, self.usage.cost_usd),
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -251,7 +266,8 @@ class RunRecord:
         return data
 
 
-_NOT_IN_A_LISTING: Final = frozenset({"steps", "input", "instructions", "output", "output_json"})
+_NOT_IN_A_LISTING: Final = frozenset({"steps", "input", "instructions", "output", "output_json", "budget",
+                                      "budget_use"})
 
 
 # -- reading stored values -----------------------------------------------------------------------
@@ -336,7 +352,7 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
         input_preview=fields.get("input_preview", ""),
         usage=RunUsage(input_tokens=_count(fields.get("input_tokens")),
                        output_tokens=_count(fields.get("output_tokens")),
-                       model_calls=_count(fields.get("model_calls"))),
+                       model_calls=_count(fields.get("model_calls")), cost_usd=_cost(fields.get("cost_usd"))),
     )
 
 
@@ -347,6 +363,14 @@ def _labels(value: str | None) -> dict[str, str]:
     except (ValueError, RecursionError):
         return {}
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _cost(value: str | None) -> float | None:
+    try:
+        cost = float(value) if value else None
+    except ValueError:
+        return None
+    return None if cost is None or not math.isfinite(cost) else round(max(0.0, cost), 9)
 
 
 def _count(value: str | None) -> int:

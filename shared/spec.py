@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_TOOL_TIMEOUT_S",
     "VARIABLE_PATTERN",
     "AnthropicModel",
+    "BudgetSpec",
     "CatalogModelSpec",
     "CatalogServerSpec",
     "HistoryMessage",
@@ -703,6 +704,29 @@ class ModelSettingsSpec(SpecModel):
         return defaults.model_copy(update=given)
 
 
+MAX_DEADLINE_S: Final = 30 * 86_400.0
+"""The longest ``budget.deadline_s``: 30 days."""
+MAX_BUDGET_TOKENS: Final = 10**12
+"""The largest ``budget.max_total_tokens`` (and catalog default or cap of it)."""
+MAX_BUDGET_USD: Final = 1_000_000.0
+"""The largest ``budget.max_cost_usd``."""
+
+
+class BudgetSpec(SpecModel):
+    """What a run may spend before it is stopped by itself: cancelled, with reason ``deadline_exceeded`` or
+    ``budget_exceeded`` (docs/usage.md, "Budgets")."""
+
+    deadline_s: Annotated[float, Field(gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False)] | None = None
+    """Seconds of wall clock from enqueue (across segments and hand-overs) after which the run is stopped, a
+    call in flight cut off."""
+    max_total_tokens: Annotated[int, Field(ge=1, le=MAX_BUDGET_TOKENS)] | None = None
+    """Tokens (input and output, every model call of the run) after which the run is stopped (at most the
+    catalog model's cap; without one, the catalog model's default or cap)."""
+    max_cost_usd: Annotated[float, Field(gt=0, le=MAX_BUDGET_USD, allow_inf_nan=False)] | None = None
+    """US dollars of model calls (at the catalog model's prices, which it must have) after which the run is
+    stopped."""
+
+
 def _output_schema(schema: dict[str, Any]) -> dict[str, Any]:
     # A JSON Schema the answer is validated against (worker/structured.py): checked here as the Draft 2020-12
     # schema it says it is, so that a broken one is refused before the run, naming the problem.
@@ -872,6 +896,10 @@ class RunSpec(SpecModel):
                       Field(json_schema_extra={"maxProperties": MAX_LABELS})] = Field(default_factory=dict)
     """Up to 16 key: value strings stored with the run (keys [a-z0-9_.-]{1,63}, values at most 256
     characters), e.g. a tenant or a user; runs are filtered by them."""
+
+    budget: BudgetSpec | None = None
+    """What the run may spend: deadline_s (from enqueue), max_total_tokens, max_cost_usd; reaching one
+    cancels the run with reason deadline_exceeded or budget_exceeded."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 

@@ -54,6 +54,11 @@ class TerminationReason(StrEnum):
     SPEC_REFUSED = "spec_refused"
     MAX_STEPS = "max_steps"
     TOO_MANY_TOOL_CALLS = "too_many_tool_calls"
+    BUDGET_EXCEEDED = "budget_exceeded"
+    """Cancelled by its own budget: the tokens or the cost reached ``budget.max_total_tokens`` or
+    ``budget.max_cost_usd``."""
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    """Cancelled by its own budget: ``budget.deadline_s`` passed since enqueue."""
     UNKNOWN = "unknown"
 
     @classmethod

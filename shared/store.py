@@ -266,8 +266,10 @@ class RunStore:
         return self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error,
                                         required_status=required_status))
 
-    def cancel(self, run_id: str, *, reason: str, requested_by: str) -> Transition:
-        return self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by))
+    def cancel(self, run_id: str, *, reason: str, requested_by: str,
+               termination: TerminationReason = TerminationReason.CANCELLED) -> Transition:
+        return self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by,
+                                        termination=termination))
 
     def steer(self, run_id: str, request: SteerRequest) -> core.Steered:
         """Store a steer on a running run or one waiting for approval (docs/architecture.md, "Steer")."""

@@ -39,8 +39,10 @@ _DEAD_SERVER = {"url": "http://127.0.0.1:9/mcp"}
 
 # The fields `show --json` promises (docs/usage.md, "Using it").
 RUN_FIELDS = {"run_id", "status", "termination_reason", "created_at", "started_at", "finished_at", "error",
-              "cancel", "input", "instructions", "labels", "model", "output", "output_json", "usage", "steps"}
-LISTED_FIELDS = RUN_FIELDS - {"steps", "input", "instructions", "output", "output_json"} | {"input_preview"}
+              "cancel", "input", "instructions", "labels", "model", "output", "output_json", "usage", "budget",
+              "budget_use", "steps"}
+LISTED_FIELDS = (RUN_FIELDS - {"steps", "input", "instructions", "output", "output_json", "budget", "budget_use"}
+                 | {"input_preview"})
 """A run in a listing: without what a listing does not read (docs/http-api.md, "Runs: reading")."""
 STEP_FIELDS = {"sequence", "kind", "round", "duration_ms", "recorded_at", "content", "detail", "outcome"}
 TOOL_STEP_FIELDS = STEP_FIELDS | {"tool_server", "tool_name", "tool_call_id", "tool_is_error", "tool_outcome"}

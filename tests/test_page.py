@@ -276,3 +276,41 @@ def test_the_page_shows_the_answer_as_it_streams_in_and_keeps_what_a_cancel_cut_
     assert record.steps[0].content.startswith("word word")
     assert page.evaluate("window.__notReloaded") is True
     assert errors == []
+
+
+def test_the_page_shows_a_budgets_use_tokens_cost_and_time_left_in_english_and_german(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, llm_mock: LlmMock, toolbox_http: Toolbox, store: RunStore,
+) -> None:
+    from playwright.sync_api import expect
+
+    llm_mock.server.when("sum").reply(reply(tools=[("toolbox__get-sum", {"a": 2, "b": 3}, "call_1")],
+                                            usage=(150, 60)))
+    add_to_catalog({"toolbox": toolbox_http.spec}, models={"priced": {
+        "provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock", "input_usd_per_mtok": 2.0,
+        "output_usd_per_mtok": 8.0}})
+    spent = httpx2.post(f"{api.url}/v1/runs", json={
+        "input": "What is the sum of 2 and 3?", "model": "priced", "mcp_servers": ["toolbox"],
+        "budget": {"max_total_tokens": 200, "max_cost_usd": 1}}).json()["run_id"]
+    assert wait_for_run(store, spent).termination_reason.value == "budget_exceeded"
+    slow = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=120)]}, {"content": "x"}],
+                budget={"deadline_s": 600})
+    waiting = httpx2.post(f"{api.url}/v1/runs", json=slow.raw).json()["run_id"]
+    wait_for_event(toolbox_http.events, "started", tool="slow")
+
+    page, errors = open_page(browser, f"{api.url}/#/runs/{spent}", locale="en-US")
+    expect(page.get_by_test_id("run-reason")).to_have_text("budget exceeded")
+    expect(page.get_by_test_id("budget-tokens")).to_have_text("tokens 210/200")
+    expect(page.get_by_test_id("budget-cost")).to_have_text("cost 0.000780/1 USD")  # 150 × 2 + 60 × 8 per million
+    expect(page.get_by_test_id("run-usage")).to_have_text("150 in + 60 out = 210 tokens, 1 model calls, 0.000780 USD")
+    page.locator("[data-lang=de]").click()
+    expect(page.get_by_test_id("run-reason")).to_have_text("Budget überschritten")
+    expect(page.get_by_test_id("budget-cost")).to_have_text("Kosten 0.000780/1 USD")
+
+    page.goto(f"{api.url}/#/runs/{waiting}")
+    expect(page.get_by_test_id("run-status")).to_have_text("läuft")
+    expect(page.get_by_test_id("budget-left")).to_have_text(re.compile(r"^\d+ s übrig$"))
+    expect(page.get_by_test_id("budget-deadline")).to_contain_text("Frist")
+    screenshot(page, "runs-page-budget-de.png")
+    assert httpx2.post(f"{api.url}/v1/runs/{waiting}/cancel", json={"reason": "done looking"}).status_code == 202
+    expect(page.get_by_test_id("budget-left")).to_have_count(0)
+    assert errors == []

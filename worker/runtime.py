@@ -18,7 +18,7 @@ import os
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
@@ -44,6 +44,7 @@ from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import metrics
+from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall
 from runbrake.worker.deltas import DeltaPublisher, StreamedText
 from runbrake.worker.loop import HANDOFF_REASON, LoopEnd, LoopEndKind, LoopState, ToolLoop
@@ -85,8 +86,10 @@ class RunHooks:
     """
 
     def __init__(self, store: AsyncRunStore, handle: RunHandle, *, max_steps: int, lease_s: float = 60.0,
-                 subscribers: Subscribers | None = None) -> None:
+                 subscribers: Subscribers | None = None, budget: BudgetGuard | None = None) -> None:
         self._store = store
+        self._budget = budget
+        """Prices the model steps and stops the run at its budget (worker/budget.py); None without one."""
         self._handle = handle
         self._subscribers = Subscribers() if subscribers is None else subscribers
         self._max_steps = max_steps
@@ -99,6 +102,8 @@ class RunHooks:
         """The steer's answers are being recorded: their boundaries do not raise the steer again."""
 
     async def record(self, step: RunStep) -> None:
+        if self._budget is not None:
+            step = self._budget.priced(step)
         token = uuid.uuid4().hex
         appended = await durably(
             lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner),
@@ -107,6 +112,8 @@ class RunHooks:
         await self._subscribers.step(self._handle.run_id, appended.step)
         if appended.cancelled or self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
+        if self._budget is not None:
+            await self._budget.counted(appended.step)
         if appended.step.sequence >= self._max_steps:
             raise RunBoundReached(TerminationReason.MAX_STEPS,
                                   f"the run recorded its {self._max_steps} steps (max_steps)")
@@ -359,8 +366,9 @@ class Runtime:
             admitted = self._admission.admit(RunSpec.from_json(claim.request_json or ""))
             self.subscribers.admit(run_id, admitted)
             spec = admitted.spec
+            budget = await BudgetGuard.open(self._store, self.registry, run_id, admitted.budget)
             hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s,
-                             subscribers=self.subscribers)
+                             subscribers=self.subscribers, budget=budget)
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
                 # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
@@ -371,7 +379,8 @@ class Runtime:
                 state.pending_calls, state.approved_call_id = [], None
                 handle.steer_reached(claim.steer)
             with anyio.fail_after(self._settings.run_time_limit_s):
-                end = await self._run_loop(admitted, state, hooks)
+                async with nullcontext() if budget is None else budget.watching():
+                    end = await self._run_loop(admitted, state, hooks)
         except BaseException as exc:  # noqa: BLE001 - every way a segment ends early, mapped in one place: ending_of
             return await self._ended_by(run_id, owner, exc)
         if end.kind is LoopEndKind.SUSPENDED:
@@ -382,7 +391,7 @@ class Runtime:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
                                 f"no final answer within {spec.max_rounds} rounds")
         assert end.final_step is not None
-        final, token = end.final_step, uuid.uuid4().hex
+        final, token = end.final_step if budget is None else budget.priced(end.final_step), uuid.uuid4().hex
         try:
             appended, transition = await durably(
                 lambda: self._store.complete(run_id, final, owner=owner, token=token),

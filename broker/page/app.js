@@ -89,10 +89,36 @@ function labelChips(labels) {
     el("span", { class: "chip", "data-testid": "label" }, user(key + "=" + value)));
 }
 
+// What a run used of its budget (docs/usage.md, "Budgets"): tokens, cost, and the time left while it is not over.
+function budgetParts(run) {
+  const budget = run.budget, use = run.budget_use;
+  if (!budget || !use) return [];
+  const parts = [];
+  if (budget.max_total_tokens) {
+    parts.push(el("span", { "data-testid": "budget-tokens" }, label("run.budget_tokens") + " " + use.tokens + "/" + budget.max_total_tokens));
+  }
+  if (budget.max_cost_usd) {
+    parts.push(el("span", { "data-testid": "budget-cost" },
+      label("run.budget_cost") + " " + (use.cost_usd || 0).toFixed(6) + "/" + budget.max_cost_usd + " USD"));
+  }
+  if (use.deadline_at) {
+    parts.push(el("span", { "data-testid": "budget-deadline" }, label("run.budget_deadline") + " " + when(use.deadline_at)));
+    if (!TERMINAL.has(run.status)) {
+      parts.push(el("span", { "data-testid": "budget-left", "data-deadline": use.deadline_at }, timeLeft(use.deadline_at)));
+    }
+  }
+  return parts.flatMap((part, i) => (i ? [" · ", part] : [part]));
+}
+
+function timeLeft(deadlineAt) {
+  return Math.max(0, Math.round(deadlineAt - Date.now() / 1000)) + " s " + label("run.budget_left");
+}
+
 function usageText(usage) {
   if (!usage) return "";
-  return t("usage.text").replace("{input}", usage.input_tokens).replace("{output}", usage.output_tokens)
+  const text = t("usage.text").replace("{input}", usage.input_tokens).replace("{output}", usage.output_tokens)
     .replace("{total}", usage.total_tokens).replace("{calls}", usage.model_calls);
+  return usage.cost_usd === undefined || usage.cost_usd === null ? text : text + ", " + usage.cost_usd.toFixed(6) + " USD";
 }
 
 // -- the API ------------------------------------------------------------------------------------
@@ -311,7 +337,12 @@ function runView(runId) {
     deciding: null, message: null, forming: null };
   const main = document.getElementById("main");
   let stream = null;
-  const ticker = setInterval(() => { const cell = document.querySelector("[data-testid=elapsed]"); if (cell) cell.textContent = elapsedText(); }, 200);
+  const ticker = setInterval(() => {
+    const cell = document.querySelector("[data-testid=elapsed]");
+    if (cell) cell.textContent = elapsedText();
+    const left = document.querySelector("[data-testid=budget-left]");
+    if (left) left.textContent = timeLeft(Number(left.dataset.deadline));
+  }, 200);
 
   function sortedSteps() { return [...state.steps.values()].sort((a, b) => a.sequence - b.sequence); }
 
@@ -474,6 +505,8 @@ function runView(runId) {
     if (run.usage && run.usage.model_calls) {
       facts.append(el("dt", {}, t("run.usage")), el("dd", { "data-testid": "run-usage" }, usageText(run.usage)));
     }
+    const budget = budgetParts({ ...run, status: state.status || run.status });
+    if (budget.length) facts.append(el("dt", {}, label("run.budget")), el("dd", { "data-testid": "run-budget" }, budget));
     main.append(...[facts, conversation(run), pendingBox(), actions()].filter(Boolean));
     if (state.deciding) main.append(decisionForm());
     const rows = sortedSteps().map(stepRow);
@@ -515,7 +548,11 @@ function runView(runId) {
   refresh().then(() => {
     if (state.error) return;
     stream = new EventStream("/v1/runs/" + runId + "/events", {
-      step: (step) => { state.steps.set(step.sequence, step); render(); },
+      step: (step) => {
+        state.steps.set(step.sequence, step);
+        // A model step changes what the run used of its budget: read the run again for its budget_use.
+        if (step.kind === "model" && state.run && state.run.budget) refresh(); else render();
+      },
       status: (event) => {
         const changed = event.status !== state.status;
         state.status = event.status; state.reason = event.termination_reason;
