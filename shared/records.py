@@ -167,6 +167,15 @@ class RunRecord:
     input_preview: str = ""
     """The first characters of the input (a listing does not read the request)."""
     usage: RunUsage = field(default_factory=RunUsage)
+    parent_run_id: str | None = None
+    """The run this one continues (docs/usage.md, "Continue a finished run"); None for a thread's first run."""
+    thread_root: str | None = None
+    """The first run of the thread this one continues, as stored (None for a first run: see :attr:`thread`)."""
+
+    @property
+    def thread(self) -> str:
+        """The id of the thread's first run, which ``GET /v1/runs?thread=`` lists: a first run's own id."""
+        return self.thread_root or self.run_id
 
     @property
     def input(self) -> str | None:
@@ -217,6 +226,8 @@ class RunRecord:
             "output": self.output,
             "output_json": self.output_json,
             "usage": self.usage.to_dict(),
+            "parent_run_id": self.parent_run_id,
+            "thread": self.thread,
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -298,6 +309,8 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
         usage=RunUsage(input_tokens=_count(fields.get("input_tokens")),
                        output_tokens=_count(fields.get("output_tokens")),
                        model_calls=_count(fields.get("model_calls"))),
+        parent_run_id=fields.get("parent_run_id") or None,
+        thread_root=fields.get("thread") or None,
     )
 
 
