@@ -127,7 +127,8 @@ def continue_run(producer: Producer, store: RunStore, run_id: str, body: Mapping
                  scope: str | None = None, tenant: str | None = None) -> Enqueued:
     """Enqueue a run that carries on the finished run ``run_id``'s conversation with ``body`` (its ``input``
     and any spec field but ``messages``; shared/threads.py), through :func:`enqueue`: the catalog policy, the
-    bounds, the tenant's quotas and the idempotency key apply to it as to any run.
+    bounds, the tenant's quotas and the idempotency key apply to it as to any run. It is the parent's
+    tenant's run, whoever continues it.
 
     Raises:
         RunNotFound: no run has that id (never created, past its retention, or another ``tenant``'s).
@@ -139,14 +140,16 @@ def continue_run(producer: Producer, store: RunStore, run_id: str, body: Mapping
         parent = store.get(run_id)
     except RunNotFound:
         raise RunNotFound(run_id, where="never created, or past its retention, RUNBRAKE_RETENTION_S") from None
-    if tenant is not None and parent.labels.get(TENANT_LABEL, "") != tenant:
+    parent_tenant = parent.labels.get(TENANT_LABEL, "")
+    if tenant is not None and parent_tenant != tenant:
         raise RunNotFound(run_id)
     if not threads.finished(parent.status):
         raise TransitionRefused(run_id, "continue", parent.status,
                                 f"run {run_id} is {parent.status.value}; only a finished run (completed, failed, "
                                 "cancelled) can be continued")
     spec = threads.continuation(parent, body)
-    return enqueue(producer, spec, scope=scope, tenant=tenant,
+    # A tenant's thread stays the tenant's, whoever continues it (an operator, the CLI).
+    return enqueue(producer, spec, scope=scope, tenant=tenant or parent_tenant or None,
                    link=threads.ThreadLink(parent_run_id=parent.run_id, thread=parent.thread))
 
 

@@ -187,18 +187,24 @@ def test_an_unknown_run_is_404_and_exit_1_and_another_tenants_is_404_word_for_wo
 ) -> None:
     api = start_api(tokens=write_tenant_tokens(tmp_path / "tenant-tokens.toml"))
     unknown = "0" * 32
-    with client(api, "alpha-app") as alpha, client(api, "beta-app") as beta:
+    with client(api, "alpha-app") as alpha, client(api, "beta-app") as beta, client(api, "ops") as ops:
         created = alpha.post("/v1/runs", json=scripted()).json()["run_id"]
         assert wait_for_run(store, created, timeout=WAIT_S).status is RunStatus.COMPLETED
 
         theirs = beta.post(f"/v1/runs/{created}/continue", json={"input": "mine now"})
         missing = beta.post(f"/v1/runs/{unknown}/continue", json={"input": "mine now"})
         own = alpha.post(f"/v1/runs/{created}/continue", json={"input": "go on"})
+        by_operator = ops.post(f"/v1/runs/{created}/continue", json={"input": "from ops"})
+        beta_sees = beta.get("/v1/runs", params={"thread": created}).json()["runs"]
+        alpha_sees = alpha.get("/v1/runs", params={"thread": created}).json()["runs"]
 
     assert (theirs.status_code, missing.status_code) == (404, 404)
     assert theirs.json()["error"].replace(created, "ID") == missing.json()["error"].replace(unknown, "ID")
-    assert own.status_code == 201
+    assert (own.status_code, by_operator.status_code) == (201, 201)
     assert store.get(own.json()["run_id"]).labels == {"tenant": "alpha"}
+    assert store.get(by_operator.json()["run_id"]).labels == {"tenant": "alpha"}  # the tenant's thread stays its
+    assert beta_sees == []
+    assert [r["run_id"] for r in alpha_sees] == [created, own.json()["run_id"], by_operator.json()["run_id"]]
     cli = runbrake("continue", unknown, "more")
     assert cli.returncode == 1
     assert "past its retention" in cli.stderr
