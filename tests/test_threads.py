@@ -164,6 +164,8 @@ def test_a_continue_of_a_continue_is_a_thread_of_three_listed_from_any_members_r
     cli = runbrake("runs", "--thread", root, "--json")
     assert cli.returncode == 0, cli.stderr
     assert [r["run_id"] for r in json.loads(cli.stdout)] == members
+    shown = runbrake("show", third["run_id"], "--lang", "de")
+    assert f"Setzt fort: {second['run_id']}   Verlauf: {root}" in shown.stdout
 
 
 def test_a_continue_of_a_run_not_finished_is_409_and_exit_1_and_writes_nothing(
