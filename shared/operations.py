@@ -136,13 +136,15 @@ def continue_run(producer: Producer, store: RunStore, run_id: str, body: Mapping
         SpecError: the continuation's spec is invalid or breaks the admission policy (nothing written or sent).
         IdempotencyConflict, QuotaExceeded, StoreError, PublishError: as :func:`enqueue`.
     """
+    # Another tenant's run is answered as a missing one, word for word (docs/http-api.md, "Tenants and quotas").
+    missing = RunNotFound(run_id, where="never created, or past its retention, RUNBRAKE_RETENTION_S")
     try:
         parent = store.get(run_id)
     except RunNotFound:
-        raise RunNotFound(run_id, where="never created, or past its retention, RUNBRAKE_RETENTION_S") from None
+        raise missing from None
     parent_tenant = parent.labels.get(TENANT_LABEL, "")
     if tenant is not None and parent_tenant != tenant:
-        raise RunNotFound(run_id)
+        raise missing
     if not threads.finished(parent.status):
         raise TransitionRefused(run_id, "continue", parent.status,
                                 f"run {run_id} is {parent.status.value}; only a finished run (completed, failed, "
