@@ -4,6 +4,7 @@ accept as it is sent: every tool call answered, in order, a cut-off one answered
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,6 @@ import pytest
 
 from runbrake.broker import Client
 from runbrake.shared import RunStatus, RunStore, TerminationReason
-from runbrake.shared import _store_core as core
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.spec import RunSpec
@@ -22,6 +22,7 @@ from tests.api_helpers import ApiProcess
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.polling import poll_until
 from tests.test_cli import runbrake
 from tests.test_tenants import client, write_tenant_tokens
 from tests.worker_helpers import WorkerProcess, wait_for_run
@@ -280,14 +281,19 @@ def test_the_same_idempotency_key_answers_the_same_continuation_and_sends_nothin
     assert again.json() == {**first.json(), "created": False, "status": again.json()["status"]}
 
 
+@pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
 def test_a_swept_continuation_leaves_its_threads_index(store: RunStore) -> None:
     """The thread's index is bounded by the retention: the sweeper takes a continuation out of it with the run."""
+    kept_a_second = RunStore(store.redis, store.namespace, retention_s=1)
+    assert kept_a_second.keys == dataclasses.replace(store.keys, retention_s=1)
     root = store.create(scripted()).run_id
     store.settle(root, RunStatus.COMPLETED, TerminationReason.COMPLETED)
     child = store.create(scripted(), link=ThreadLink(parent_run_id=root, thread=root)).run_id
     assert [r.run_id for r in store.thread(root)] == [root, child]
+    assert kept_a_second.settle(child, RunStatus.COMPLETED, TerminationReason.COMPLETED).won
 
-    store.execute(core.forget(store.keys, {child: ""}, {child: root}))
+    poll_until(lambda: child in kept_a_second.sweep_expired(), timeout=WAIT_S,
+               failure=lambda: f"run {child} was not swept within {WAIT_S:g} s")
 
     assert [r.run_id for r in store.thread(root)] == [root]
     assert store.redis.exists(store.keys.thread(root, store.keys.shard(child))) == 0
