@@ -21,7 +21,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Annotated, Any, Final, TypeVar
@@ -335,6 +335,15 @@ _ENQUEUE_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
 }
 
 
+_CONTINUE_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
+    **_ENQUEUE_ERRORS,
+    404: {"description": "No such run (never created, past its retention, or another tenant's).",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+    409: {"description": "The run is not finished (completed, failed or cancelled), or the idempotency key names "
+                         "another run.", "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+}
+
+
 def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
     """The ASGI app of ``runbrake serve``. Its ``state.connections`` makes the protocol class to serve it
     with (``http=app.state.connections.protocol()``), without which a stalled stream's connection is closed
@@ -427,25 +436,46 @@ def _routes(app: FastAPI) -> None:
         parent = request.headers.get(tracing.TRACEPARENT)
         enqueued: Enqueued = await state.amqp.run(lambda: tracing.current().within(parent, lambda: operations.enqueue(
             Producer(state.sync_store, state.broker, state.admission), spec, scope=scope, tenant=who.tenant)))
-        answer = {"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created}
         if enqueued.created:
             log.info("api_run_enqueued", run_id=enqueued.run_id, by=who.name, tenant=who.tenant)
-            return JSONResponse(answer, status_code=201, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
+        return await _enqueued(state, enqueued, spec.raw, spec.idempotency_key)
+
+    @app.post("/v1/runs/{run_id}/continue", status_code=201, tags=["runs"], responses=_CONTINUE_ERRORS,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
+                  "type": "object", "required": ["input"],
+                  "description": "input, and any run-spec field but messages, each replacing the parent's "
+                                 "(docs/usage.md, \"Continue a finished run\")"}}}}})
+    async def continue_run(request: Request, who: Submitter, run_id: RunId,
+                           idempotency_key: Annotated[str | None, Header()] = None) -> JSONResponse:
+        """Enqueue a new run that carries on a finished run's conversation (``runbrake continue``)."""
+        state = _state(request)
+        body = _continue_body(await _json_body(request, state.settings.max_spec_bytes, "the body",
+                                               "RUNBRAKE_MAX_SPEC_BYTES"), idempotency_key)
+        await _visible(state, who, run_id)
+        scope = None if state.tokens is None else who.name
+        enqueued = await state.amqp.run(lambda: operations.continue_run(
+            Producer(state.sync_store, state.broker, state.admission), state.sync_store, run_id, body,
+            scope=scope, tenant=who.tenant))
         stored = await state.store.get(enqueued.run_id)
-        if dict(stored.request) != spec.raw:
-            raise ApiError.answer(409, f"idempotency key {spec.idempotency_key!r} already names run "
-                                       f"{enqueued.run_id}, created from a different spec", run_id=enqueued.run_id)
-        return JSONResponse(answer, status_code=200, headers={"Location": f"/v1/runs/{enqueued.run_id}"})
+        if enqueued.created:
+            log.info("api_run_continued", run_id=enqueued.run_id, parent_run_id=run_id, by=who.name)
+        elif stored.parent_run_id != run_id:
+            raise ApiError.answer(409, f"idempotency key {body.get('idempotency_key')!r} already names run "
+                                       f"{enqueued.run_id}, which does not continue {run_id}", run_id=enqueued.run_id)
+        return await _enqueued(state, enqueued, stored.request, body.get("idempotency_key"))
 
     @app.get("/v1/runs", tags=["runs"])
     async def list_runs(request: Request, who: Reader, *, status: str | None = None, limit: int = 20,
                         cursor: str | None = None,
                         label: Annotated[list[str] | None, Query(
                             description="KEY:VALUE; repeat it: a run must carry every label given")] = None,
+                        thread: Annotated[str | None, Query(
+                            description="A run id: list the thread it is in, oldest first, in one page")] = None,
                         ) -> dict[str, Any]:
         """Runs newest first, one page at a time; ``next_cursor`` is null on the last page. Filtered by
         ``status`` and by ``label=KEY:VALUE`` (repeatable: all must match). A tenant's token lists only its
-        tenant's runs."""
+        tenant's runs. ``thread=ROOT_ID`` lists a thread instead: its first run and every continuation, oldest
+        first (docs/http-api.md, "Threads")."""
         labels = _label_filter(label or [])
         if who.tenant is not None:
             if labels.get("tenant", who.tenant) != who.tenant:
@@ -459,6 +489,12 @@ def _routes(app: FastAPI) -> None:
             wanted = RunStatus(status)
         if not 1 <= limit <= 1000:
             raise ApiError.answer(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
+        if thread is not None:
+            if not RUN_ID.fullmatch(thread) or cursor:
+                raise ApiError.answer(422, "invalid thread", errors=[{"loc": ["query", "thread"], "msg": (
+                    "a run id (32 lowercase hex characters); a thread is listed in one page, without a cursor")}])
+            found = await _state(request).store.thread(thread, limit=limit, status=wanted, labels=labels)
+            return {"runs": [run_summary(r) for r in found], "next_cursor": None}
         records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor),
                                                              labels=labels)
         return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
@@ -806,6 +842,37 @@ def _spec(body: bytes, idempotency_key: str | None) -> RunSpec:
     except SpecError as exc:
         errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
         raise ApiError.answer(422, "invalid run spec", errors=errors) from exc
+
+
+async def _enqueued(state: ApiState, enqueued: Enqueued, request: Mapping[str, Any],
+                    idempotency_key: object) -> JSONResponse:
+    """The answer to an enqueue: 201 for a new run; 200 for the run an idempotency key already created from
+    the same request, 409 from another."""
+    answer = {"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created}
+    headers = {"Location": f"/v1/runs/{enqueued.run_id}"}
+    if enqueued.created:
+        return JSONResponse(answer, status_code=201, headers=headers)
+    stored = await state.store.get(enqueued.run_id)
+    if dict(stored.request) != dict(request):
+        raise ApiError.answer(409, f"idempotency key {idempotency_key!r} already names run "
+                                   f"{enqueued.run_id}, created from a different spec", run_id=enqueued.run_id)
+    return JSONResponse(answer, status_code=200, headers=headers)
+
+
+def _continue_body(body: bytes, idempotency_key: str | None) -> dict[str, Any]:
+    """A continue's body: a JSON object (its fields are checked as the spec they make); an ``Idempotency-Key``
+    header sets (or overrides) its idempotency_key."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict):
+        raise ApiError.answer(422, "invalid request", errors=[
+            {"loc": ["body"], "msg": "must be a JSON object: {\"input\": \"...\"} and any run-spec field but "
+                                     "messages"}])
+    if idempotency_key is not None:
+        data["idempotency_key"] = idempotency_key
+    return data
 
 
 async def _rabbitmq_problem(state: ApiState) -> str | None:

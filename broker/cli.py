@@ -48,7 +48,7 @@ from runbrake.shared.errors import (
 )
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.messaging.cancel import CancelPublisher
-from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.records import check_run_id
 from runbrake.shared.settings import Settings
@@ -202,12 +202,34 @@ def enqueue(spec_file: str, as_json: bool) -> None:
             enqueued = operations.enqueue(Producer(store, broker, admission), spec)
         finally:
             broker.close()
+    _print_enqueued(enqueued, as_json)
+
+
+@main.command("continue")
+@click.argument("run_id", type=RUN_ID)
+@click.argument("text")
+@click.option("--json", "as_json", is_flag=True, help="Print {run_id, status, created} as JSON.")
+@user_errors
+def continue_(run_id: str, text: str, as_json: bool) -> None:
+    """Enqueue a new run that carries on the finished run RUN_ID's conversation with TEXT as its input (its
+    spec, labels and thread are RUN_ID's); prints the new run's id."""
+    settings = settings_from_env()
+    admission = Admission.from_settings(settings)
+    broker = build_broker(settings)
+    with open_store(settings) as store:
+        try:
+            enqueued = operations.continue_run(Producer(store, broker, admission), store, run_id, {"input": text})
+        finally:
+            broker.close()
+    _print_enqueued(enqueued, as_json)
+
+
+def _print_enqueued(enqueued: Enqueued, as_json: bool) -> None:
     if as_json:
         emit_json({"run_id": enqueued.run_id, "status": enqueued.status.value, "created": enqueued.created})
-    elif enqueued.created:
-        click.echo(enqueued.run_id)
-    else:
-        click.echo(enqueued.run_id)
+        return
+    click.echo(enqueued.run_id)
+    if not enqueued.created:
         click.echo(f"(idempotency key matched an existing run; it is {enqueued.status.value})", err=True)
 
 
@@ -319,17 +341,23 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
               default=None, help="Only runs in this status.")
 @click.option("--label", "label_filters", multiple=True, metavar="KEY=VALUE",
               help="Only runs with this label; repeat it: a run must carry every label given.")
+@click.option("--thread", "thread", type=RUN_ID, default=None,
+              help="List the thread RUN_ID is in instead (its first run and every continuation), oldest first.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @user_errors
-def runs(status: str | None, label_filters: tuple[str, ...], limit: int, as_json: bool) -> None:
-    """List recent runs, newest first (filters look at the last 1000 runs)."""
+def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None, limit: int, as_json: bool) -> None:
+    """List recent runs, newest first (filters look at the last 1000 runs), or one thread."""
     try:
         labels = parse_label_filters(label_filters, separator="=")
     except SpecError as exc:
         raise click.BadParameter("; ".join(p.msg for p in exc.problems), param_hint="'--label'") from exc
+    wanted = RunStatus(status) if status else None
     with open_store(settings_from_env()) as store:
-        records = store.recent(limit=limit, status=RunStatus(status) if status else None, labels=labels)
+        if thread is not None:
+            records = store.thread(thread, limit=limit, status=wanted, labels=labels)
+        else:
+            records = store.recent(limit=limit, status=wanted, labels=labels)
     if as_json:
         emit_json([run_summary(r) for r in records])
     else:

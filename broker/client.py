@@ -77,15 +77,32 @@ class Client:
             headers["Idempotency-Key"] = idempotency_key
         return self._answer(self._http.post("/v1/runs", content=body, headers=headers))  # type: ignore[no-any-return]
 
+    def continue_run(self, run_id: str, input: str, *, idempotency_key: str | None = None,
+                     **fields: Any) -> dict[str, Any]:
+        """Continue a finished run: a new run that carries on its conversation with ``input`` (``fields``: any
+        other run-spec field but messages, replacing the parent's); ``{run_id, status, created}``.
+
+        Raises:
+            ApiError: 404 for an unknown run, 409 for one not finished, 422 naming every invalid field, 413.
+        """
+        headers = {"Content-Type": "application/json"}
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        body = json.dumps({"input": input, **fields}).encode()
+        return self._answer(self._http.post(  # type: ignore[no-any-return]
+            f"/v1/runs/{run_id}/continue", content=body, headers=headers))
+
     def get(self, run_id: str) -> dict[str, Any]:
         """The run and its steps, as ``runbrake show --json`` prints it."""
         return self._answer(self._http.get(f"/v1/runs/{run_id}"))  # type: ignore[no-any-return]
 
     def runs(self, *, status: str | None = None, labels: Mapping[str, str] | None = None, limit: int = 20,
-             cursor: str | None = None) -> dict[str, Any]:
+             cursor: str | None = None, thread: str | None = None) -> dict[str, Any]:
         """One page of runs, newest first: ``{runs: [...], next_cursor}``; only those carrying every one of
-        ``labels`` when given."""
+        ``labels`` when given. ``thread`` (a run id): the thread it is in instead, oldest first."""
         params: dict[str, Any] = {"limit": limit}
+        if thread:
+            params["thread"] = thread
         if status:
             params["status"] = status
         if labels:

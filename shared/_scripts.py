@@ -139,10 +139,11 @@ end
 """
 
 # KEYS: run, idempotency (may be a dummy key), index, unclaimed, tenants (in-flight counts), tenant enqueues
-#   (per tenant: "<minute> <count>"), outbox.
+#   (per tenant: "<minute> <count>"), thread index (a dummy key for a first run), outbox.
 # ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, request digest,
 #   labels_json, model, input preview, tenant ('' = none), max_runs_in_flight (0 = no bound),
-#   max_enqueues_per_minute (0 = no bound), retention_s, events channel
+#   max_enqueues_per_minute (0 = no bound), parent run id ('' = a first run), thread root, retention_s,
+#   events channel
 # The labels, the model's name and the start of the input are kept beside the request as fields of their
 # own, so that a listing reads them without the request, which can be large (shared/_store_core.py,
 # SUMMARY_FIELDS).
@@ -189,6 +190,10 @@ if tenant ~= '' then
   redis.call('HSET', KEYS[6], tenant, window)
 end
 if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[6]) end
+if ARGV[13] ~= '' then
+  redis.call('HSET', KEYS[1], 'parent_run_id', ARGV[13], 'thread', ARGV[14])
+  redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
+end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
 announce(ARGV[1], '$status_queued', '')

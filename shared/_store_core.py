@@ -68,6 +68,7 @@ from runbrake.shared.records import (
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.threads import ThreadLink
 from runbrake.shared.tool_result import SideEffects
 
 log = structlog.get_logger("runbrake.shared.store")
@@ -180,6 +181,14 @@ class Keys:
     def index(self, shard: int) -> str:
         """Run ids by creation time."""
         return self._sharded("runs", shard)
+
+    def thread(self, root: str, shard: int) -> str:
+        """The continuations of the thread whose first run is ``root`` that live in ``shard``, by creation time
+        (docs/architecture.md, "Threads"): each is in its own run's slot, so the script that creates it touches
+        one; a thread's listing reads every shard's."""
+        if self.cluster:
+            return f"{self.namespace}:thread:{self._tag(shard)}:{root}"
+        return f"{self.namespace}:thread:{root}"
 
     def idempotency(self, key: str, shard: int) -> str:
         if self.cluster:
@@ -520,13 +529,14 @@ INPUT_PREVIEW_CHARS: Final = 200
 
 
 def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | None, tenant: str | None = None,
-           quota: Quota | None = None) -> Op[Created]:
+           quota: Quota | None = None, link: ThreadLink | None = None) -> Op[Created]:
     """Write a queued run with its request; the same idempotency key answers the run it created.
 
     The request is a validated spec's (shared/spec.py): its labels, its model's name (a catalog name, or an
     inline model's provider) and the start of its input are also kept as fields of their own. A ``tenant``'s
     run also carries the label ``tenant``, and counts against the tenant's ``quota``: over one, nothing is
-    written and the answer says which (``Created.quota``)."""
+    written and the answer says which (``Created.quota``). A continuation (``link``) keeps its parent and its
+    thread's root, and joins the thread's index, in the same script."""
     run_id = keys.new_run_id(idempotency_key, tenant)
     shard = keys.shard(run_id)
     quota = quota or Quota()
@@ -556,10 +566,11 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
     return durable(_script(
         _scripts.CREATE,
         (keys.run(run_id), idem, keys.index(shard), keys.unclaimed(shard), keys.tenants(shard),
-         keys.tenant_enqueues(shard), keys.outbox(shard)),
+         keys.tenant_enqueues(shard), keys.thread(link.thread if link else "-", shard), keys.outbox(shard)),
         (Ident(run_id), request_json, now, Ident("1" if idempotency_key else "0"), Verbatim(idempotency_key or ""),
          Ident(digest), labels, _model_name(request), str(request.get("input", ""))[:INPUT_PREVIEW_CHARS],
          Ident(tenant or ""), quota.max_runs_in_flight or 0, quota.max_enqueues_per_minute or 0,
+         Ident(link.parent_run_id if link else ""), Ident(link.thread if link else ""),
          keys.retention_s, Ident(keys.events)),
         "create a run", parse,
     ))
@@ -1057,9 +1068,17 @@ def idempotency_keys(keys: Keys, run_ids: Sequence[str]) -> Op[list[str]]:
               lambda answers: [a or "" for a in answers])
 
 
-def forget(keys: Keys, runs: Mapping[str, str]) -> Op[int]:
-    """Delete these runs (run id → idempotency key): their keys, idempotency keys and index entries together."""
-    calls: list[Call] = []
+def threads_of(keys: Keys, run_ids: Sequence[str]) -> Op[list[str]]:
+    """The thread roots these continuations were created in ("" for a thread's first run)."""
+    return Op("read threads", tuple(Command(("HGET", keys.run(i), "thread")) for i in run_ids),
+              lambda answers: [a or "" for a in answers])
+
+
+def forget(keys: Keys, runs: Mapping[str, str], threads: Mapping[str, str] | None = None) -> Op[int]:
+    """Delete these runs (run id → idempotency key): their keys, idempotency keys and index entries (a
+    continuation's in its thread's index: run id → root, in ``threads``) together."""
+    calls: list[Call] = [Command(("ZREM", keys.thread(root, keys.shard(run_id)), run_id))
+                         for run_id, root in (threads or {}).items() if root]
     for run_id, idempotency_key in runs.items():
         doomed = [keys.run(run_id), keys.steps(run_id), keys.cancel(run_id), keys.steer(run_id)]
         if idempotency_key:
@@ -1096,7 +1115,7 @@ def ping() -> Op[None]:
 
 SUMMARY_FIELDS: Final = ("status", "termination_reason", "created_at", "started_at", "finished_at", "owner",
                          "lease_expires_at", "error", "segments", "labels", "model", "input_preview", "model_calls",
-                         "input_tokens", "output_tokens", "cost_usd")
+                         "input_tokens", "output_tokens", "cost_usd", "parent_run_id", "thread")
 """The hash fields a run listing reads: not the request or the pending turn, which can be large."""
 
 
@@ -1182,6 +1201,29 @@ def merge_newest(batches: Sequence[list[tuple[str, float]]], count: int) -> tupl
 def _concatenated(answers: list[Any]) -> list[str]:
     """One list of the ids that the shards answered, in shard order."""
     return [str(item) for answer in answers for item in answer]
+
+
+def thread_ids(keys: Keys, root: str, *, count: int) -> Op[Sequence[str]]:
+    """The first run of the thread ``root`` and up to ``count`` of its continuations, oldest first (every
+    shard's index merged by creation time)."""
+    def parse(answers: list[Any]) -> list[str]:
+        pairs = sorted((pair for answer in answers for pair in _pairs(answer)), key=lambda p: (p[1], p[0]))
+        return [root] + [run_id for run_id, _ in pairs[:count]]
+
+    return Op("list a thread", tuple(Command(("ZRANGE", keys.thread(root, shard), 0, count - 1, "WITHSCORES"))
+                                     for shard in keys.shards), parse)
+
+
+def thread_root(record: RunRecord | None, run_id: str) -> str:
+    """The first run of the thread ``run_id`` is in (its own id when it is a first run, or gone)."""
+    return run_id if record is None else record.thread
+
+
+def in_thread(records: Sequence[RunRecord | None], root: str, *, limit: int, status: RunStatus | None,
+              labels: Mapping[str, str] | None) -> list[RunRecord]:
+    """The runs of the thread ``root`` among ``records`` that match ``status`` and ``labels``, at most ``limit``."""
+    found = [r for r in records if r is not None and r.thread == root and matches(r, status, labels)]
+    return found[:limit]
 
 
 def summaries(keys: Keys, run_ids: Sequence[str]) -> Op[list[RunRecord | None]]:

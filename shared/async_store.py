@@ -299,6 +299,14 @@ class AsyncRunStore:
         """Raises StoreError when Redis does not answer."""
         await self.execute(core.ping())
 
+    async def thread(self, run_id: str, *, limit: int = 1000, status: RunStatus | None = None,
+                     labels: Mapping[str, str] | None = None) -> list[RunRecord]:
+        """The thread ``run_id`` is in, oldest first (``RunStore.thread``)."""
+        root = core.thread_root((await self.execute(core.summaries(self.keys, [run_id])))[0], run_id)
+        ids = await self.execute(core.thread_ids(self.keys, root, count=limit))
+        records = await self.execute(core.summaries(self.keys, ids))
+        return core.in_thread(records, root, limit=limit, status=status, labels=labels)
+
     async def page(
         self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,
         labels: Mapping[str, str] | None = None, scan: int = 1000,

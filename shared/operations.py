@@ -1,4 +1,4 @@
-"""The operations every entry point offers (the CLI, the HTTP API): enqueue, cancel, steer, approve, deny.
+"""The operations every entry point offers (the CLI, the HTTP API): enqueue, continue, cancel, steer, approve, deny.
 
 :func:`enqueue`, :func:`cancel`, :func:`approve` and :func:`deny` raise a typed error for every refusal
 (``RunNotFound``, ``TransitionRefused`` with the status found, ``IdempotencyConflict``, ``SpecError``) and
@@ -17,10 +17,14 @@ last step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
+from runbrake.shared import threads
+from runbrake.shared._store_core import TENANT_LABEL
 from runbrake.shared.errors import PublishError, ResumeUnsent, RunNotFound, TransitionRefused
 from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
 from runbrake.shared.messaging.producer import Enqueued, Producer
@@ -105,8 +109,10 @@ def deny_run(store: RunStore, run_id: str, *, decided_by: str, reason: str) -> D
 # -- the operations, refusals raised ---------------------------------------------------------------
 
 
-def enqueue(producer: Producer, spec: RunSpec, *, scope: str | None = None, tenant: str | None = None) -> Enqueued:
-    """Persist the run and send its message (:meth:`Producer.enqueue`, whose errors are already typed).
+def enqueue(producer: Producer, spec: RunSpec, *, scope: str | None = None, tenant: str | None = None,
+            link: threads.ThreadLink | None = None) -> Enqueued:
+    """Persist the run and send its message (:meth:`Producer.enqueue`, whose errors are already typed); a
+    continuation's ``link`` places it in its thread.
 
     Raises:
         SpecError: the spec breaks the admission policy (nothing written or sent).
@@ -115,7 +121,39 @@ def enqueue(producer: Producer, spec: RunSpec, *, scope: str | None = None, tena
         StoreError: Redis could not be reached (nothing sent).
         PublishError: RabbitMQ did not confirm the message (the run is failed, ``enqueue_failed``).
     """
-    return producer.enqueue(spec, scope=scope, tenant=tenant)
+    return producer.enqueue(spec, scope=scope, tenant=tenant, link=link)
+
+
+def continue_run(producer: Producer, store: RunStore, run_id: str, body: Mapping[str, Any], *,
+                 scope: str | None = None, tenant: str | None = None) -> Enqueued:
+    """Enqueue a run that carries on the finished run ``run_id``'s conversation with ``body`` (its ``input``
+    and any spec field but ``messages``; shared/threads.py), through :func:`enqueue`: the catalog policy, the
+    bounds, the tenant's quotas and the idempotency key apply to it as to any run. It is the parent's
+    tenant's run, whoever continues it.
+
+    Raises:
+        RunNotFound: no run has that id (never created, past its retention, or another ``tenant``'s).
+        TransitionRefused: the run is not finished (``found``); nothing written or sent.
+        SpecError: the continuation's spec is invalid or breaks the admission policy (nothing written or sent).
+        IdempotencyConflict, QuotaExceeded, StoreError, PublishError: as :func:`enqueue`.
+    """
+    # Another tenant's run is answered as a missing one, word for word (docs/http-api.md, "Tenants and quotas").
+    missing = RunNotFound(run_id, where="never created, or past its retention, RUNBRAKE_RETENTION_S")
+    try:
+        parent = store.get(run_id)
+    except RunNotFound:
+        raise missing from None
+    parent_tenant = parent.labels.get(TENANT_LABEL, "")
+    if tenant is not None and parent_tenant != tenant:
+        raise missing
+    if not threads.finished(parent.status):
+        raise TransitionRefused(run_id, "continue", parent.status,
+                                f"run {run_id} is {parent.status.value}; only a finished run (completed, failed, "
+                                "cancelled) can be continued")
+    spec = threads.continuation(parent, body)
+    # A tenant's thread stays the tenant's, whoever continues it (an operator, the CLI).
+    return enqueue(producer, spec, scope=scope, tenant=tenant or parent_tenant or None,
+                   link=threads.ThreadLink(parent_run_id=parent.run_id, thread=parent.thread))
 
 
 def cancel(store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str,

@@ -197,6 +197,15 @@ class RunRecord:
     input_preview: str = ""
     """The first characters of the input (a listing does not read the request)."""
     usage: RunUsage = field(default_factory=RunUsage)
+    parent_run_id: str | None = None
+    """The run this one continues (docs/usage.md, "Continue a finished run"); None for a thread's first run."""
+    thread_root: str | None = None
+    """The first run of the thread this one continues, as stored (None for a first run: see :attr:`thread`)."""
+
+    @property
+    def thread(self) -> str:
+        """The id of the thread's first run, which ``GET /v1/runs?thread=`` lists: a first run's own id."""
+        return self.thread_root or self.run_id
 
     @property
     def input(self) -> str | None:
@@ -255,6 +264,8 @@ class RunRecord:
             "usage": self.usage.to_dict(),
             "budget": self.budget,
             "budget_use": budget_use(self.request, self.created_at, self.usage.total_tokens, self.usage.cost_usd),
+            "parent_run_id": self.parent_run_id,
+            "thread": self.thread,
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -353,6 +364,8 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
         usage=RunUsage(input_tokens=_count(fields.get("input_tokens")),
                        output_tokens=_count(fields.get("output_tokens")),
                        model_calls=_count(fields.get("model_calls")), cost_usd=_cost(fields.get("cost_usd"))),
+        parent_run_id=fields.get("parent_run_id") or None,
+        thread_root=fields.get("thread") or None,
     )
 
 

@@ -36,6 +36,7 @@ from runbrake.shared.records import (
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep
+from runbrake.shared.threads import ThreadLink
 
 __all__ = ["CancelRequest", "Claim", "Created", "RunRecord", "RunStore", "Transition"]
 
@@ -229,11 +230,12 @@ class RunStore:
     # -- transitions ----------------------------------------------------------------------------
 
     def create(self, request: Mapping[str, Any], *, idempotency_key: str | None = None, tenant: str | None = None,
-               quota: Quota | None = None) -> Created:
+               quota: Quota | None = None, link: ThreadLink | None = None) -> Created:
         """Write a queued run with its request. The same idempotency key returns the same run. A tenant's
-        run is counted against ``quota`` in the same script (over it: nothing written, ``over_quota``)."""
+        run is counted against ``quota`` in the same script (over it: nothing written, ``over_quota``). A
+        continuation's ``link`` names its parent and thread."""
         return self.execute(core.create(self.keys, request, idempotency_key=idempotency_key, tenant=tenant,
-                                        quota=quota))
+                                        quota=quota, link=link))
 
     def tenant_of(self, run_id: str) -> str | None:
         """The run's tenant ("" for none); None when no run has that id."""
@@ -336,6 +338,14 @@ class RunStore:
         ids = self.execute(core.recent_ids(self.keys, count=scan if status or labels else limit))
         return self.execute(core.records(self.keys, ids, limit=limit, status=status, labels=labels)) if ids else []
 
+    def thread(self, run_id: str, *, limit: int = 1000, status: RunStatus | None = None,
+               labels: Mapping[str, str] | None = None) -> list[RunRecord]:
+        """The thread ``run_id`` is in (docs/architecture.md, "Threads"): its first run and its continuations
+        (without steps), oldest first; filtered by status and labels (all must match)."""
+        root = core.thread_root(self.execute(core.summaries(self.keys, [run_id]))[0], run_id)
+        records = self.execute(core.summaries(self.keys, self.execute(core.thread_ids(self.keys, root, count=limit))))
+        return core.in_thread(records, root, limit=limit, status=status, labels=labels)
+
     def server_outcomes(self, *, since: float | None = None) -> dict[str, dict[str, int]]:
         """Tool calls per server and outcome; with ``since`` (epoch seconds), those of the hours since then."""
         return self.execute(core.server_outcomes(self.keys, since=since))
@@ -374,7 +384,9 @@ class RunStore:
         if not due:
             return []
         idempotency = self.execute(core.idempotency_keys(self.keys, due))
-        self.execute(core.forget(self.keys, dict(zip(due, idempotency, strict=True))))
+        threads = self.execute(core.threads_of(self.keys, due))
+        self.execute(core.forget(self.keys, dict(zip(due, idempotency, strict=True)),
+                                 dict(zip(due, threads, strict=True))))
         return list(due)
 
     # -- the outbox (docs/architecture.md, "The outbox"; worker/relay.py reads it) ----------------------

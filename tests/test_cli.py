@@ -40,7 +40,7 @@ _DEAD_SERVER = {"url": "http://127.0.0.1:9/mcp"}
 # The fields `show --json` promises (docs/usage.md, "Using it").
 RUN_FIELDS = {"run_id", "status", "termination_reason", "created_at", "started_at", "finished_at", "error",
               "cancel", "input", "instructions", "labels", "model", "output", "output_json", "usage", "budget",
-              "budget_use", "steps"}
+              "budget_use", "parent_run_id", "thread", "steps"}
 LISTED_FIELDS = (RUN_FIELDS - {"steps", "input", "instructions", "output", "output_json", "budget", "budget_use"}
                  | {"input_preview"})
 """A run in a listing: without what a listing does not read (docs/http-api.md, "Runs: reading")."""
@@ -138,7 +138,7 @@ def run_with_every_outcome(store: RunStore) -> str:
 
 
 @pytest.mark.parametrize("command", [[], ["enqueue"], ["cancel"], ["show"], ["runs"], ["servers"], ["webhooks"],
-                                     ["approve"], ["deny"], ["steer"], ["worker"], ["demo"]],
+                                     ["approve"], ["deny"], ["steer"], ["worker"], ["demo"], ["continue"]],
                          ids=lambda c: " ".join(c) or "runbrake")
 def test_runbrake_and_each_subcommand_explain_themselves_with_help(command: list[str]) -> None:
     result = runbrake(*command, "--help")

@@ -314,3 +314,35 @@ def test_the_page_shows_a_budgets_use_tokens_cost_and_time_left_in_english_and_g
     assert httpx2.post(f"{api.url}/v1/runs/{waiting}/cancel", json={"reason": "done looking"}).status_code == 202
     expect(page.get_by_test_id("budget-left")).to_have_count(0)
     assert errors == []
+
+
+def test_a_finished_run_is_continued_from_its_page_which_links_its_parent_and_lists_its_thread(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, store: RunStore
+) -> None:
+    from playwright.sync_api import expect
+
+    first = {"input": "hello", "model": {"provider": "scripted", "turns": [{"content": "hi"}]}}
+    root = httpx2.post(f"{api.url}/v1/runs", json=first).json()["run_id"]
+    assert wait_for_run(store, root).status is RunStatus.COMPLETED
+    page, errors = open_page(browser, f"{api.url}/#/runs/{root}", locale="de-DE")
+    expect(page.get_by_test_id("run-status")).to_have_text("abgeschlossen")
+    expect(page.get_by_test_id("thread")).to_have_count(0)  # a run alone is no thread
+
+    page.get_by_test_id("continue").click()
+    page.get_by_test_id("continue-input").fill("Und weiter?")
+    page.get_by_test_id("continue-send").click()
+
+    expect(page.get_by_test_id("run-parent")).to_have_text(root)
+    child = page.url.rsplit("/", 1)[-1]
+    assert child != root
+    expect(page.get_by_test_id("run-input")).to_have_text("Und weiter?")
+    expect(page.get_by_test_id("run-status")).to_have_text("abgeschlossen")
+    expect(page.get_by_test_id("thread-run")).to_have_count(2)
+    expect(page.get_by_test_id("thread")).to_contain_text("Verlauf")
+    screenshot(page, "runs-page-thread-de.png")
+    page.get_by_test_id("run-parent").click()
+    expect(page.locator("h1 code")).to_have_text(root)
+    expect(page.get_by_test_id("thread-run")).to_have_count(2)
+    assert store.get(child).parent_run_id == root
+    assert page.evaluate("window.__notReloaded") is True
+    assert errors == []

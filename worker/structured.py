@@ -17,6 +17,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 from referencing.exceptions import Unresolvable
 
+from runbrake.shared.threads import hand_back
+
 __all__ = ["AnswerCheck", "Checked", "hand_back"]
 
 _PROBLEM_CHARS: Final = 500
@@ -54,12 +56,6 @@ class AnswerCheck:
             return Checked(value=value)
         where = "/" + "/".join(str(part) for part in error.absolute_path)
         return Checked(problem=_bounded(f"at {where}: {error.message}"))
-
-
-def hand_back(problem: str) -> str:
-    """The message that tells the model its answer does not match the schema."""
-    return (f"Your answer does not match the required output schema: {problem}. "
-            "Answer again with JSON only, matching the schema.")
 
 
 def _unfenced(text: str) -> str:

@@ -25,6 +25,7 @@ const UI = {
     "run.usage": "Usage", "run.model": "Model", "run.labels": "Labels",
     "usage.text": "{input} in + {output} out = {total} tokens, {calls} model calls",
     "run.forming": "answering…",
+    "action.continue": "Continue", "continue.input": "Next message", "continue.send": "Send",
   },
   de: {
     "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.created": "Erstellt",
@@ -40,6 +41,7 @@ const UI = {
     "run.usage": "Verbrauch", "run.model": "Modell", "run.labels": "Labels",
     "usage.text": "{input} ein + {output} aus = {total} Tokens, {calls} Modellaufrufe",
     "run.forming": "antwortet…",
+    "action.continue": "Fortsetzen", "continue.input": "Nächste Nachricht", "continue.send": "Senden",
   },
 };
 
@@ -334,7 +336,7 @@ function listView() {
 
 function runView(runId) {
   const state = { run: null, steps: new Map(), status: null, reason: "", progress: null, error: null,
-    deciding: null, message: null, forming: null };
+    deciding: null, message: null, forming: null, thread: [] };
   const main = document.getElementById("main");
   let stream = null;
   const ticker = setInterval(() => {
@@ -441,8 +443,44 @@ function runView(runId) {
       box.append(el("button", { type: "button", class: "action danger", "data-testid": "deny",
         onclick: () => decide("deny") }, t("action.deny")));
     }
+    if (TERMINAL.has(state.status)) {
+      box.append(el("button", { type: "button", class: "action go", "data-testid": "continue",
+        onclick: () => decide("continue") }, t("action.continue")));
+    }
     if (state.message) box.append(el("span", { class: "error", "data-testid": "message" }, state.message));
     return box;
+  }
+
+  // A finished run is carried on by a new run (docs/usage.md, "Continue a finished run"): its page opens.
+  function continueForm() {
+    const input = el("textarea", { rows: 3, maxlength: 100000, "data-testid": "continue-input",
+      "aria-label": t("continue.input") });
+    const form = el("form", { class: "decision", "data-testid": "continue-form",
+      onsubmit: (event) => { event.preventDefault(); continueRun(input.value); } },
+    el("label", {}, t("continue.input") + ": "), input, " ",
+    el("button", { type: "submit", class: "action go", "data-testid": "continue-send" }, t("continue.send")), " ",
+    el("button", { type: "button", class: "action", onclick: () => { state.deciding = null; render(); } }, t("action.back")));
+    setTimeout(() => input.focus(), 0);
+    return form;
+  }
+
+  async function continueRun(text) {
+    try {
+      const created = await api("/v1/runs/" + runId + "/continue", { method: "POST", body: JSON.stringify({ input: text }) });
+      location.hash = "#/runs/" + created.run_id;
+    } catch (error) {
+      state.message = error.status === 403 ? t("error.forbidden") : error.message;
+      render();
+    }
+  }
+
+  // The runs of this run's thread, oldest first, this one marked.
+  function threadBox() {
+    if (state.thread.length < 2) return null;
+    return el("div", { class: "thread", "data-testid": "thread" }, el("h2", {}, label("run.thread")),
+      el("ol", {}, ...state.thread.map((r) => el("li", { "data-testid": "thread-run", "data-run-id": r.run_id },
+        r.run_id === runId ? el("strong", {}, el("code", {}, r.run_id)) : el("a", { href: "#/runs/" + r.run_id }, el("code", {}, r.run_id)),
+        " ", el("span", { class: "status s-" + r.status }, statusLabel(r.status)), " ", user(r.input_preview)))));
   }
 
   function decisionForm() {
@@ -498,6 +536,10 @@ function runView(runId) {
     if (run.cancel) facts.append(el("dt", {}, label("run.cancel")), el("dd", { "data-testid": "run-cancel" },
       user(run.cancel.reason), " (" + label("run.by") + " ", user(run.cancel.requested_by), ")"));
     if (run.error) facts.append(el("dt", {}, label("run.error")), el("dd", {}, user(run.error)));
+    if (run.parent_run_id) {
+      facts.append(el("dt", {}, label("run.parent")), el("dd", {}, el("a", { href: "#/runs/" + run.parent_run_id,
+        "data-testid": "run-parent" }, el("code", {}, run.parent_run_id))));
+    }
     if (run.model) facts.append(el("dt", {}, t("run.model")), el("dd", { "data-testid": "run-model" }, user(run.model)));
     if (run.labels && Object.keys(run.labels).length) {
       facts.append(el("dt", {}, t("run.labels")), el("dd", { "data-testid": "run-labels" }, labelChips(run.labels)));
@@ -507,8 +549,9 @@ function runView(runId) {
     }
     const budget = budgetParts({ ...run, status: state.status || run.status });
     if (budget.length) facts.append(el("dt", {}, label("run.budget")), el("dd", { "data-testid": "run-budget" }, budget));
-    main.append(...[facts, conversation(run), pendingBox(), actions()].filter(Boolean));
-    if (state.deciding) main.append(decisionForm());
+    main.append(...[facts, threadBox(), conversation(run), pendingBox(), actions()].filter(Boolean));
+    if (state.deciding === "continue") main.append(continueForm());
+    else if (state.deciding) main.append(decisionForm());
     const rows = sortedSteps().map(stepRow);
     const flight = inFlight();
     if (flight) rows.push(inFlightRow(flight));
@@ -538,6 +581,7 @@ function runView(runId) {
     try {
       state.run = await api("/v1/runs/" + runId);
       state.error = null;
+      state.thread = (await api("/v1/runs?thread=" + state.run.thread + "&limit=100")).runs;
       if (!state.status) { state.status = state.run.status; state.reason = state.run.termination_reason; }
     } catch (error) {
       state.error = error.message;

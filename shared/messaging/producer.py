@@ -14,6 +14,7 @@ from runbrake.shared.messaging.wire import Topology, run_message
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.store import RunStore
+from runbrake.shared.threads import ThreadLink
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +46,8 @@ class Producer:
         """The catalog in force now (its tenants' quotas, its RabbitMQ users)."""
         return self._admission.catalog
 
-    def enqueue(self, spec: RunSpec, *, scope: str | None = None, tenant: str | None = None) -> Enqueued:
+    def enqueue(self, spec: RunSpec, *, scope: str | None = None, tenant: str | None = None,
+                link: ThreadLink | None = None) -> Enqueued:
         """Persist the run (queued, with its request) and send its message.
 
         Fail-closed: when the send fails, the run is settled failed (reason
@@ -55,7 +57,8 @@ class Producer:
         of its own: the store keeps the key as ``<scope>:<key>``, which no other token can name (a token
         name has no ``:``); without one, the key is the spec's (the CLI, a token-less API). A ``tenant``'s
         run carries the label ``tenant`` and is counted against the tenant's quotas in the catalog, in the
-        script that writes it (docs/http-api.md, "Tenants and quotas").
+        script that writes it (docs/http-api.md, "Tenants and quotas"). A continuation's ``link`` (its parent and
+        thread) is written with it (docs/architecture.md, "Threads").
 
         Raises:
             SpecError: the spec breaks the admission policy (nothing written or sent).
@@ -65,17 +68,17 @@ class Producer:
             PublishError: when RabbitMQ did not confirm the message (the run is failed).
         """
         with tracing.current().span("runbrake.enqueue", kind="producer") as span:
-            enqueued = self._enqueue(spec, scope=scope, tenant=tenant)
+            enqueued = self._enqueue(spec, scope=scope, tenant=tenant, link=link)
             span.set({"runbrake.run_id": enqueued.run_id, "runbrake.run.created": enqueued.created})
             return enqueued
 
-    def _enqueue(self, spec: RunSpec, *, scope: str | None, tenant: str | None) -> Enqueued:
+    def _enqueue(self, spec: RunSpec, *, scope: str | None, tenant: str | None, link: ThreadLink | None) -> Enqueued:
         self._admission.admit(spec)
         key = spec.idempotency_key
         if key is not None and scope is not None:
             key = f"{scope}:{key}"
         quota = self._admission.catalog.quota(tenant) if tenant else None
-        created = self._store.create(spec.raw, idempotency_key=key, tenant=tenant, quota=quota)
+        created = self._store.create(spec.raw, idempotency_key=key, tenant=tenant, quota=quota, link=link)
         if created.over_quota is not None:
             hit = created.over_quota
             raise QuotaExceeded(tenant or "", hit.quota, hit.limit, hit.retry_after_s)
