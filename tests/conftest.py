@@ -32,6 +32,21 @@ pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stu
                   "tests.api_helpers", "tests.cluster_helpers"]
 
 
+LONG_GROUP = "long"
+"""The xdist group of the tests marked ``long`` (the soak, the RabbitMQ cluster, the Redis failover)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``make test`` runs the suite on several xdist workers (docs/development.md, "Tests"): the tests of
+    minutes each go first, one after the other on one worker (each starts services of its own and loads the
+    machine: never two at once), while the other workers share out the rest, test by test."""
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(pytest.mark.xdist_group(LONG_GROUP))
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
