@@ -60,11 +60,15 @@ docs: setup
 configuration: setup
 	$(PY) -m runbrake.shared._settings_doc > docs/configuration.md
 
+# The whole suite on TEST_WORKERS pytest-xdist processes (most tests wait on Redis, RabbitMQ, MCP servers and
+# worker processes, so three share two cores well): the tests marked long go first, one after the other on one
+# worker, while the others share out the rest test by test (tests/conftest.py; docs/development.md, "Tests").
+TEST_WORKERS ?= 3
 test: setup services browser lint typecheck docs
-	$(PY) -m pytest -m "not long"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-# The tests that take minutes of wall clock each, outside make test to keep CI under 25 minutes: the 3-minute
-# soak (tests/test_soak.py), the three-node RabbitMQ cluster and the Redis Sentinel failover (tests/chaos/).
+# The tests that take minutes of wall clock each alone (make test runs them too): the 3-minute soak
+# (tests/test_soak.py), the three-node RabbitMQ cluster and the Redis Sentinel failover (tests/chaos/).
 test-long: setup services
 	$(PY) -m pytest -m long
 

@@ -22,8 +22,8 @@ import pytest
 
 from runbrake.broker.auth import digest
 from runbrake.shared import RunStore, Settings
-from tests.mcp_helpers import free_port
 from tests.polling import poll_until
+from tests.ports import free_port
 
 _CONSOLE_SCRIPT = Path(sys.executable).parent / "runbrake"
 STARTUP_TIMEOUT_S = 30.0

@@ -1,4 +1,4 @@
-"""A real three-master Redis Cluster for the tests, started once per session on free ports.
+"""A real three-master Redis Cluster for the tests, started once per session (per xdist worker) on free ports.
 
 Three ``redis-server --cluster-enabled yes`` (append-only file on, in a temporary folder), joined by
 ``redis-cli --cluster create``; the fixture waits until every node says ``cluster_state:ok`` and
@@ -9,9 +9,7 @@ use the cluster too. Nothing here stands in for Redis.
 
 from __future__ import annotations
 
-import random
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,10 +20,9 @@ import redis
 
 from runbrake.shared import Settings
 from tests.polling import poll_until
+from tests.ports import free_port
 
 MASTERS = 3
-BUS_OFFSET = 10_000
-"""A cluster node also listens on its port + 10000 (the cluster bus), so ports stay below 55536."""
 
 
 @dataclass
@@ -43,26 +40,6 @@ class RedisCluster:
     def env(self) -> dict[str, str]:
         """What a worker process needs to use the cluster."""
         return {"RUNBRAKE_REDIS_URL": self.url, "RUNBRAKE_REDIS_CLUSTER": "true"}
-
-
-def port_is_free(port: int) -> bool:
-    """Can this loopback port be bound now?"""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_cluster_ports(count: int) -> list[int]:
-    """``count`` ports below 55536 that are free, each with its bus port (+10000) free too."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = random.randint(20_000, 45_000)  # not a secret: any free port will do
-        if port not in ports and port_is_free(port) and port_is_free(port + BUS_OFFSET):
-            ports.append(port)
-    return ports
 
 
 def _cluster_ok(port: int) -> bool:
@@ -95,14 +72,17 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server and redis-cli are not installed here")
     folder: Path = tmp_path_factory.mktemp("redis-cluster")
-    ports = free_cluster_ports(MASTERS)
+    # Each node's cluster bus on a port of its own (not its port + 10000, which may be anyone's): tests/ports.py.
+    ports = [free_port() for _ in range(MASTERS)]
+    buses = [free_port() for _ in range(MASTERS)]
     processes = [subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+        ["redis-server", "--port", str(port), "--cluster-port", str(bus), "--bind", "127.0.0.1",
+         "--cluster-enabled", "yes",
          "--cluster-config-file", str(folder / f"nodes-{port}.conf"), "--cluster-node-timeout", "2000",
          "--dir", str(folder), "--appendonly", "yes", "--appendfilename", f"appendonly-{port}.aof",
          "--appenddirname", f"aof-{port}", "--save", ""],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    ) for port in ports]
+    ) for port, bus in zip(ports, buses, strict=True)]
     try:
         for port in ports:
             poll_until(lambda port=port: redis_answers(port), timeout=10,  # type: ignore[misc]

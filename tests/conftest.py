@@ -15,6 +15,7 @@ import pika
 import pytest
 import redis
 from hypothesis import settings as hypothesis_settings
+from xdist.scheduler import LoadScopeScheduling
 
 from runbrake.shared import RunStore, Settings
 from runbrake.shared.messaging.cancel import CancelPublisher
@@ -30,6 +31,38 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 pytest_plugins = ["tests.mcp_helpers", "tests.worker_helpers", "tests.openai_stub", "tests.llm_mock",
                   "tests.api_helpers", "tests.cluster_helpers"]
+
+
+LONG_FILES = ("tests/test_soak.py", "tests/chaos/test_rabbitmq_cluster.py", "tests/chaos/test_redis_failover.py")
+"""The files of the tests marked ``long`` (the soak, the RabbitMQ cluster, the Redis failover: minutes each)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``long`` go first (every xdist worker collects the same order)."""
+    for item in items:
+        if item.get_closest_marker("long") is not None and item.nodeid.split("::", maxsplit=1)[0] not in LONG_FILES:
+            raise pytest.UsageError(f"{item.nodeid} is marked long: add its file to LONG_FILES (tests/conftest.py)")
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``make test`` (``-n 3 --dist loadgroup --no-loadscope-reorder``; docs/development.md, "Tests"): the long
+    tests are one unit of work, sent first to one worker, where they run one after the other (each starts
+    services of its own and loads the machine: never two at once); every other test is a unit of its own,
+    shared out to the other workers as they free up. xdist's own ``xdist_group`` marks do not work with
+    pytest 9 (xdist renames ``item._nodeid``, which pytest 9 no longer reads), hence this scheduler, which
+    the controller makes from the test ids alone."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return LongFirstScheduling(config, log)
+
+
+class LongFirstScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with one scope for the long tests and one for each other test."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return "long" if nodeid.split("::", maxsplit=1)[0] in LONG_FILES else nodeid
 
 
 @pytest.fixture

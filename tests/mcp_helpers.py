@@ -28,6 +28,7 @@ import pytest
 
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from tests.polling import poll_until, poll_until_async
+from tests.ports import free_port
 
 TOOLBOX_SERVER = ("-m", "runbrake.broker.toolbox_server")
 SERVER_NAME = "toolbox"
@@ -41,14 +42,6 @@ class Toolbox(NamedTuple):
 
     spec: McpServerSpec
     events: Path
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def stdio_toolbox(events: Path, *, name: str = SERVER_NAME) -> Toolbox:

@@ -19,7 +19,8 @@ from runbrake.broker.client import ApiError, Event, parse_events
 from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind
 from runbrake.shared.messaging.producer import Producer
 from tests.api_helpers import TOKENS, ApiProcess, bearer, serve_command, write_tokens
-from tests.mcp_helpers import Toolbox, free_port, wait_for_event
+from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.ports import free_port
 from tests.test_cli import namespace_keys, queued_messages, runbrake, valid_spec
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 

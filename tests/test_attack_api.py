@@ -27,7 +27,7 @@ import pytest
 
 from runbrake.shared import RunStatus, RunStore, Settings, StepKind
 from tests.api_helpers import ApiProcess, bearer, write_tokens
-from tests.mcp_helpers import free_port
+from tests.ports import free_port
 from tests.test_cli import namespace_keys, valid_spec
 from tests.test_page import browser_fixture  # noqa: F401 - the fixture, for the cross-site test
 

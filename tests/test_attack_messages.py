@@ -54,8 +54,8 @@ from runbrake.worker.actors import declare_run_actor
 from runbrake.worker.intake import Intake
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import Runtime
-from tests.mcp_helpers import free_port
 from tests.polling import poll_until
+from tests.ports import free_port
 from tests.worker_helpers import WorkerProcess, take_messages, wait_for_run
 
 RUN_ID = "3f2a9c1e0b7d4e6f8a1b2c3d4e5f6a7b"

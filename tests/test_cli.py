@@ -24,7 +24,7 @@ import pytest
 from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason, ToolResult
 from runbrake.shared.messaging.producer import Producer
 from tests.catalog_helpers import add_to_catalog
-from tests.mcp_helpers import free_port
+from tests.ports import free_port
 from tests.worker_helpers import (
     WorkerProcess,
     spec,

@@ -28,8 +28,8 @@ from runbrake.worker.health import (
     event_loop_check,
     serve,
 )
-from tests.mcp_helpers import free_port
 from tests.polling import poll_until
+from tests.ports import free_port
 from tests.worker_helpers import WorkerProcess
 
 pytestmark = pytest.mark.integration

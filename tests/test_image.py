@@ -33,8 +33,8 @@ from tests.deploy_helpers import (
     dockerfile_stages,
     settings_variables,
 )
-from tests.mcp_helpers import free_port
 from tests.polling import poll_until
+from tests.ports import free_port
 from tests.worker_helpers import WorkerProcess
 
 CONSTRAINTS = REPO / "deploy" / "constraints.txt"

@@ -12,8 +12,9 @@ import pytest
 
 from runbrake.broker.producer import Producer
 from runbrake.shared import RunStatus, RunStore, Settings
-from tests.mcp_helpers import Toolbox, free_port, http_toolbox
+from tests.mcp_helpers import Toolbox, http_toolbox
 from tests.polling import poll_until
+from tests.ports import free_port
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from runbrake.shared import AsyncRunStore, CancelRequested, Settings
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import RunHooks
-from tests.mcp_helpers import free_port
+from tests.ports import free_port
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ RESTARTS = 3
 """Every 45 s: a restart (a hand-over, then a new worker's start) took 40-60 s on this 2-core machine when it
 was shared by several test runs, so five in three minutes (the soak's default) did not all fit."""
 
-pytestmark = pytest.mark.long  # make test-long (docs/development.md)
+pytestmark = pytest.mark.long  # first in make test, alone in make test-long (docs/development.md, "Tests")
 
 
 @pytest.mark.integration

@@ -25,8 +25,8 @@ from runbrake.worker.webhooks import WebhookDispatcher, backoff_s
 from tests.api_helpers import ApiProcess, bearer
 from tests.catalog_helpers import catalog_path, to_toml
 from tests.events_helpers import position
-from tests.mcp_helpers import free_port
 from tests.polling import poll_until
+from tests.ports import free_port
 from tests.test_cli import assert_clean_failure, runbrake, write_spec
 from tests.webhook_helpers import Receiver, new_secret
 

@@ -26,7 +26,7 @@ from runbrake.shared.messaging.wire import (
     run_message,
 )
 from runbrake.shared.status import TerminationReason
-from tests.mcp_helpers import free_port
+from tests.ports import free_port
 
 # -- names and bodies ----------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ from runbrake.shared.catalog import Admission
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import build_broker
 from runbrake.shared.messaging.wire import Topology
-from tests.mcp_helpers import Toolbox, free_port, matching_events, wait_for_event
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.ports import free_port
 from tests.worker_helpers import (
     WorkerProcess,
     call,

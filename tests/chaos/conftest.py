@@ -33,9 +33,10 @@ from runbrake.shared import RunStore, Settings
 from runbrake.shared.catalog import Admission
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
-from tests.cluster_helpers import RedisCluster, port_is_free, redis_answers
-from tests.mcp_helpers import Toolbox, free_port, wait_for_event
+from tests.cluster_helpers import RedisCluster, redis_answers
+from tests.mcp_helpers import Toolbox, wait_for_event
 from tests.polling import poll_until
+from tests.ports import free_port, port_is_free
 from tests.worker_helpers import WorkerProcess, call, spec
 
 REDIS_START_TIMEOUT_S = 10.0

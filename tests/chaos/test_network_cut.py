@@ -33,7 +33,8 @@ import pytest
 from runbrake.shared import RunStatus, TerminationReason
 from runbrake.shared.outcome import ToolOutcome
 from tests.chaos.conftest import RABBITMQ_SERVER, Client, PrivateRabbitMQ, PrivateRedis, _spawn_redis
-from tests.mcp_helpers import free_port, matching_events, stdio_toolbox, wait_for_event
+from tests.mcp_helpers import matching_events, stdio_toolbox, wait_for_event
+from tests.ports import free_port
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run, worker_env
 
 LEASE_S = 5

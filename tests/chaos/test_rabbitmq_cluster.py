@@ -27,7 +27,8 @@ from tests.chaos.conftest import MAX_LINES_PER_OUTAGE, RabbitMQCluster, loud_lin
 from tests.mcp_helpers import Toolbox, matching_events
 from tests.worker_helpers import WorkerProcess, wait_for_run
 
-pytestmark = [pytest.mark.integration, pytest.mark.long]  # make test-long (docs/development.md)
+# First in make test, alone in make test-long (docs/development.md, "Tests").
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 RUNS = 100
 LONG_RUNS = 5

@@ -29,7 +29,8 @@ from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, wait_for_run
 
-pytestmark = [pytest.mark.integration, pytest.mark.long]  # make test-long (docs/development.md)
+# First in make test, alone in make test-long (docs/development.md, "Tests").
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 RUNS = 50
 CANCELLED = 10
