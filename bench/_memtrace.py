@@ -127,7 +127,8 @@ def main() -> None:
     trace = bool(arguments) and arguments[0] == "--trace"
     arguments = arguments[1:] if trace else arguments
     if len(arguments) < 2:
-        raise SystemExit("usage: python -m bench._memtrace [--trace] DIR MODULE [ARGS...]")
+        print("usage: python -m bench._memtrace [--trace] DIR MODULE [ARGS...]", file=sys.stderr)
+        raise SystemExit(2)
     directory, module = Path(arguments[0]), arguments[1]
     sys.argv = [module, *arguments[2:]]
     if trace:

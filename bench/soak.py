@@ -36,6 +36,12 @@ samples from then to the end, over its value at the start — is at most 5 % of 
 lives the whole soak, and at most 10 % of the namespace's Redis memory and key count; and the open file
 descriptors left once every run has ended are at most 3 or 10 % (the larger) above the most seen during the
 warm-up (they follow the calls in flight, which follow the machine's load).
+
+``--memory-dir DIR`` runs each worker under bench/_memtrace.py, which writes at every sample what its heap
+holds (glibc's ``mallinfo2``: bytes in use and freed-but-held, its arenas; pymalloc's blocks handed out; the
+objects the collector tracks) to ``DIR/<pid>.jsonl``: a leak grows the memory in use, the allocator holding
+freed memory does not (docs/benchmarks.md, "Soak"). It costs milliseconds a sample, so the hour runs with it;
+``--tracemalloc`` adds tracemalloc's top growing tracebacks, for short runs only (it slows a worker severalfold).
 """
 
 from __future__ import annotations
