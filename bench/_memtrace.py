@@ -1,5 +1,5 @@
-"""``python -m bench._memtrace [--trace] DIR MODULE ARGS…``: run ``MODULE`` as ``__main__``, and on each SIGUSR2
-write what its heap holds to ``DIR`` (``bench/soak.py --memory-dir DIR [--tracemalloc]``).
+"""``python -m bench._memtrace [--trace] [--garbage] DIR MODULE ARGS…``: run ``MODULE`` as ``__main__``, and on
+each SIGUSR2 write what its heap holds to ``DIR`` (``bench/soak.py --memory-dir DIR [--tracemalloc] [--garbage]``).
 
 A diagnostic of the soak's RSS growth (docs/benchmarks.md, "Soak"): it tells a leak (the memory in use grows
 with RSS) from the allocator holding freed memory (RSS grows, the memory in use does not). Each SIGUSR2
@@ -10,6 +10,9 @@ collector tracks. That costs a few milliseconds, so the hour's soak runs with it
 process also runs under ``tracemalloc`` and each line adds the traced heap, the live objects by type and the
 25 tracebacks whose allocations grew most since the first dump; that slows the process severalfold (a
 worker's start took over two minutes on the loaded machine) and adds to its RSS, so it is for short runs.
+With ``--garbage`` each dump runs a full collection that keeps what it frees (``gc.DEBUG_SAVEALL``) and adds
+the types of those objects: the garbage only the cycle collector frees, which piles up between its full
+collections. Every line has the collector's counts per generation (``gc.get_stats``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 FRAMES = 8
 """Frames kept per allocation: enough to see which of runbrake's calls made it, few enough to stay cheap."""
 TOP = 25
+OPTIONS = ("--trace", "--garbage")
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -79,9 +83,10 @@ class Dumper(threading.Thread):
     """Writes one dump per SIGUSR2, on a thread of its own: the handler only sets a flag (a dump of a large heap
     takes seconds, and a signal that comes during it must not start another inside it)."""
 
-    def __init__(self, directory: Path, *, trace: bool) -> None:
+    def __init__(self, directory: Path, *, trace: bool = False, garbage: bool = False) -> None:
         super().__init__(name="memtrace-dumper", daemon=True)
         self.trace = trace
+        self.garbage = garbage
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"{os.getpid()}.jsonl"
         self.wanted = threading.Event()
@@ -101,11 +106,27 @@ class Dumper(threading.Thread):
         started = time.monotonic()
         entry: dict[str, Any] = {"t": time.time(), "rss_kib": _rss_kib(), "malloc": _mallinfo(), "arenas": _arenas(),
                                  "pymalloc_blocks": sys.getallocatedblocks(), "gc_tracked": len(gc.get_objects())}
+        entry["gc_stats"] = gc.get_stats()
         if self.trace:
             entry |= self._traced()
+        if self.garbage:
+            entry |= self._garbage()
         entry["dump_s"] = round(time.monotonic() - started, 3)
         with self.path.open("a", encoding="utf-8") as out:
             out.write(json.dumps(entry) + "\n")
+
+    @staticmethod
+    def _garbage() -> dict[str, Any]:
+        """What a full collection frees now, by type: the cyclic garbage made since the last one."""
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            found = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        gc.collect()  # the cycles just kept are still cycles: this frees them
+        return {"garbage_objects": sum(found.values()), "garbage_types": found.most_common(TOP)}
 
     def _traced(self) -> dict[str, Any]:
         snapshot = tracemalloc.take_snapshot()
@@ -124,16 +145,18 @@ class Dumper(threading.Thread):
 
 def main() -> None:
     arguments = sys.argv[1:]
-    trace = bool(arguments) and arguments[0] == "--trace"
-    arguments = arguments[1:] if trace else arguments
-    if len(arguments) < 2:
-        print("usage: python -m bench._memtrace [--trace] DIR MODULE [ARGS...]", file=sys.stderr)
+    options = set()
+    while arguments and arguments[0] in OPTIONS:
+        options.add(arguments.pop(0))
+    if len(arguments) < 2 or arguments[0].startswith("-"):
+        print("usage: python -m bench._memtrace [--trace] [--garbage] DIR MODULE [ARGS...]", file=sys.stderr)
         raise SystemExit(2)
+    trace = "--trace" in options
     directory, module = Path(arguments[0]), arguments[1]
     sys.argv = [module, *arguments[2:]]
     if trace:
         tracemalloc.start(FRAMES)
-    dumper = Dumper(directory, trace=trace)
+    dumper = Dumper(directory, trace=trace, garbage="--garbage" in options)
     dumper.start()
     signal.signal(signal.SIGUSR2, dumper.on_signal)
     runpy.run_module(module, run_name="__main__", alter_sys=True)

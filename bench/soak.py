@@ -41,7 +41,8 @@ warm-up (they follow the calls in flight, which follow the machine's load).
 holds (glibc's ``mallinfo2``: bytes in use and freed-but-held, its arenas; pymalloc's blocks handed out; the
 objects the collector tracks) to ``DIR/<pid>.jsonl``: a leak grows the memory in use, the allocator holding
 freed memory does not (docs/benchmarks.md, "Soak"). It costs milliseconds a sample, so the hour runs with it;
-``--tracemalloc`` adds tracemalloc's top growing tracebacks, for short runs only (it slows a worker severalfold).
+``--tracemalloc`` adds tracemalloc's top growing tracebacks, for short runs only (it slows a worker severalfold);
+``--garbage`` the types of the cyclic garbage (what a full collection at the sample frees).
 """
 
 from __future__ import annotations
@@ -440,12 +441,14 @@ class Restart:
 class Soak:
     """The processes, the producer loop, the samples and the verdict."""
 
-    def __init__(self, bench: Bench, plan: Plan, memory_dir: Path | None = None, *, trace: bool = False) -> None:
+    def __init__(self, bench: Bench, plan: Plan, memory_dir: Path | None = None,
+                 memory_options: Sequence[str] = ()) -> None:
         self.bench = bench
         self.plan = plan
         self.memory_dir = memory_dir
         """``--memory-dir``: the workers run under bench/_memtrace.py, which writes their heap here at each sample."""
-        self.trace = trace
+        self.memory_options = list(memory_options)
+        """bench/_memtrace.py's options (``--trace``, ``--garbage``)."""
         self.server = bench.start_toolbox()
         self.url = start_api(bench)
         self.start_failures = 0
@@ -474,9 +477,8 @@ class Soak:
             self.health_ports[name] = free_port()
             self.bench.env["RUNBRAKE_HEALTH_PORT"] = str(self.health_ports[name])
             try:
-                traced = ["--trace"] if self.trace else []
                 module = ["-m", "runbrake.worker"] if self.memory_dir is None else [
-                    "-m", "bench._memtrace", *traced, str(self.memory_dir), "runbrake.worker"]
+                    "-m", "bench._memtrace", *self.memory_options, str(self.memory_dir), "runbrake.worker"]
                 return self.bench.start_logging_process(
                     name.replace("_", " "), [*module, "--concurrency", str(WORKER_CONCURRENCY)],
                     timeout=WORKER_START_TIMEOUT_S)
@@ -722,9 +724,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(bench/_memtrace.py: a few ms a sample)")
     parser.add_argument("--tracemalloc", action="store_true",
                         help="with --memory-dir: also run the workers under tracemalloc (slow; short runs only)")
+    parser.add_argument("--garbage", action="store_true",
+                        help="with --memory-dir: also count the cyclic garbage by type at each sample (a full "
+                             "collection each time)")
     args = parser.parse_args(argv)
-    if args.tracemalloc and args.memory_dir is None:
-        parser.error("--tracemalloc needs --memory-dir DIR")
+    if (args.tracemalloc or args.garbage) and args.memory_dir is None:
+        parser.error("--tracemalloc and --garbage need --memory-dir DIR")
     if args.replot is not None:
         if args.plot is None:
             parser.error("--replot needs --plot FILE")
@@ -738,7 +743,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Bench("soak", env=env, keep=args.keep_logs) as bench:
         print(f"namespace {bench.namespace}; {plan.minutes:g} min at {plan.rate:g} runs/s, "
               f"retention {plan.retention_s} s, a sample every {plan.sample_s:g} s", file=sys.stderr)
-        soak = Soak(bench, plan, args.memory_dir, trace=args.tracemalloc)
+        options = [flag for flag, on in (("--trace", args.tracemalloc), ("--garbage", args.garbage)) if on]
+        soak = Soak(bench, plan, args.memory_dir, options)
         soak.run()
         results = {**soak.summary(), "machine": info,
                    "load_at_end": {"loadavg": [round(v, 2) for v in os.getloadavg()]}}

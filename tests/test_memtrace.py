@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 TARGET = """
 import sys, time
 from pathlib import Path
-Path(sys.argv[1]).write_text(repr(sys.argv))
+Path(sys.argv[1] + ".tmp").write_text(repr(sys.argv))
+Path(sys.argv[1] + ".tmp").rename(sys.argv[1])  # whole when the test sees it
 while not Path(sys.argv[2]).exists():
     time.sleep(0.05)  # the test's stop flag, polled
 """
@@ -28,20 +29,21 @@ while not Path(sys.argv[2]).exists():
 
 def dumps(directory: Path, pid: int) -> list[dict[str, Any]]:
     path = directory / f"{pid}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]  # whole lines
 
 
 def written(directory: Path, pid: int, count: int) -> bool:
     return len(dumps(directory, pid)) == count
 
 
-@pytest.mark.parametrize("trace", [False, True])
+@pytest.mark.parametrize("options", [[], ["--trace"], ["--garbage"], ["--trace", "--garbage"]])
 def test_each_sigusr2_writes_one_line_of_heap_figures_and_the_module_runs_as_main(
-    tmp_path: Path, trace: bool,
+    tmp_path: Path, options: list[str],
 ) -> None:
     (tmp_path / "target.py").write_text(TARGET)
     started, stop, out = tmp_path / "started", tmp_path / "stop", tmp_path / "dumps"
-    command = [sys.executable, "-m", "bench._memtrace", *(["--trace"] if trace else []), str(out),
+    command = [sys.executable, "-m", "bench._memtrace", *options, str(out),
                "target", str(started), str(stop), "--flag"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     process = subprocess.Popen(command, cwd=REPO, env=env)
@@ -69,8 +71,10 @@ def test_each_sigusr2_writes_one_line_of_heap_figures_and_the_module_runs_as_mai
         assert entry["pymalloc_blocks"] > 0
         assert entry["malloc"]["in_use"] > 0  # glibc 2.33 on (mallinfo2)
         assert entry["arenas"] >= 1
-        assert ("traced_kib" in entry) is trace
-    if trace:
+        assert len(entry["gc_stats"]) == 3  # one per generation
+        assert ("traced_kib" in entry) is ("--trace" in options)
+        assert ("garbage_types" in entry) is ("--garbage" in options)
+    if "--trace" in options:
         assert isinstance(entries[1]["top_grown"], list)
 
 
@@ -78,4 +82,4 @@ def test_without_a_module_it_says_how_it_is_called(tmp_path: Path) -> None:
     finished = subprocess.run([sys.executable, "-m", "bench._memtrace", str(tmp_path)], cwd=REPO,
                               capture_output=True, text=True, timeout=60, check=False)
     assert finished.returncode == 2
-    assert "usage: python -m bench._memtrace [--trace] DIR MODULE [ARGS...]" in finished.stderr
+    assert "usage: python -m bench._memtrace [--trace] [--garbage] DIR MODULE [ARGS...]" in finished.stderr
