@@ -11,8 +11,9 @@ process also runs under ``tracemalloc`` and each line adds the traced heap, the 
 25 tracebacks whose allocations grew most since the first dump; that slows the process severalfold (a
 worker's start took over two minutes on the loaded machine) and adds to its RSS, so it is for short runs.
 With ``--garbage`` each dump runs a full collection that keeps what it frees (``gc.DEBUG_SAVEALL``) and adds
-the types of those objects: the garbage only the cycle collector frees, which piles up between its full
-collections. Every line has the collector's counts per generation (``gc.get_stats``).
+the types of those objects (the garbage only the cycle collector frees, which piles up between its full
+collections) and the heap's figures once they are freed (``after_collect``: the live heap, comparable between
+dumps). Every line has the collector's counts per generation (``gc.get_stats``).
 """
 
 from __future__ import annotations
@@ -126,7 +127,10 @@ class Dumper(threading.Thread):
             gc.set_debug(0)
             gc.garbage.clear()
         gc.collect()  # the cycles just kept are still cycles: this frees them
-        return {"garbage_objects": sum(found.values()), "garbage_types": found.most_common(TOP)}
+        # What is left once the garbage is gone: the live heap, comparable between dumps.
+        after = {"rss_kib": _rss_kib(), "malloc": _mallinfo(), "pymalloc_blocks": sys.getallocatedblocks(),
+                 "gc_tracked": len(gc.get_objects())}
+        return {"garbage_objects": sum(found.values()), "garbage_types": found.most_common(TOP), "after_collect": after}
 
     def _traced(self) -> dict[str, Any]:
         snapshot = tracemalloc.take_snapshot()

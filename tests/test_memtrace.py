@@ -74,6 +74,7 @@ def test_each_sigusr2_writes_one_line_of_heap_figures_and_the_module_runs_as_mai
         assert len(entry["gc_stats"]) == 3  # one per generation
         assert ("traced_kib" in entry) is ("--trace" in options)
         assert ("garbage_types" in entry) is ("--garbage" in options)
+        assert ("after_collect" in entry) is ("--garbage" in options)
     if "--trace" in options:
         assert isinstance(entries[1]["top_grown"], list)
 
