@@ -1,15 +1,15 @@
 """``python -m bench._memtrace [--trace] [--garbage] DIR MODULE ARGS…``: run ``MODULE`` as ``__main__``, and on
 each SIGUSR2 write what its heap holds to ``DIR`` (``bench/soak.py --memory-dir DIR [--tracemalloc] [--garbage]``).
 
-A diagnostic of the soak's RSS growth (docs/benchmarks.md, "Soak"): it tells a leak (the memory in use grows
-with RSS) from the allocator holding freed memory (RSS grows, the memory in use does not). Each SIGUSR2
-appends one JSON line to ``DIR/<pid>.jsonl``: the RSS; glibc's ``mallinfo2()`` (``in_use`` bytes handed out
-by malloc, ``free_held`` bytes freed but kept in its arenas, ``mmapped`` in blocks of their own, the number
-of ``arenas``); the blocks pymalloc has handed out (``sys.getallocatedblocks``); and the objects the
-collector tracks. That costs a few milliseconds, so the hour's soak runs with it. With ``--trace`` the
-process also runs under ``tracemalloc`` and each line adds the traced heap, the live objects by type and the
-25 tracebacks whose allocations grew most since the first dump; that slows the process severalfold (a
-worker's start took over two minutes on the loaded machine) and adds to its RSS, so it is for short runs.
+A diagnostic of the soak's RSS growth (docs/benchmarks.md, "Soak: the RSS growth"): it tells a leak (the memory in
+use grows with RSS) from the allocator holding freed memory (RSS grows, the memory in use does not). Each SIGUSR2
+appends one JSON line to ``DIR/<pid>.jsonl``: the RSS; glibc's ``mallinfo2()`` (``in_use`` bytes handed out by
+malloc, ``free_held`` bytes freed but kept in its arenas, ``mmapped`` in blocks of their own, the number of
+``arenas``); the blocks pymalloc has handed out (``sys.getallocatedblocks``); and the objects the collector tracks.
+That costs a few milliseconds, so the hour's soak runs with it. With ``--trace`` the process also runs under
+``tracemalloc`` and each line adds the traced heap, the live objects by type and the 25 tracebacks whose
+allocations grew most since the first dump; that slows the process severalfold (a worker's start took over two
+minutes on the loaded machine) and adds to its RSS, so it is for short runs.
 With ``--garbage`` each dump runs a full collection that keeps what it frees (``gc.DEBUG_SAVEALL``) and adds
 the types of those objects (the garbage only the cycle collector frees, which piles up between its full
 collections) and the heap's figures once they are freed (``after_collect``: the live heap, comparable between

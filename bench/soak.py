@@ -40,9 +40,10 @@ warm-up (they follow the calls in flight, which follow the machine's load).
 ``--memory-dir DIR`` runs each worker under bench/_memtrace.py, which writes at every sample what its heap
 holds (glibc's ``mallinfo2``: bytes in use and freed-but-held, its arenas; pymalloc's blocks handed out; the
 objects the collector tracks) to ``DIR/<pid>.jsonl``: a leak grows the memory in use, the allocator holding
-freed memory does not (docs/benchmarks.md, "Soak"). It costs milliseconds a sample, so the hour runs with it;
-``--tracemalloc`` adds tracemalloc's top growing tracebacks, for short runs only (it slows a worker severalfold);
-``--garbage`` the types of the cyclic garbage (what a full collection at the sample frees).
+freed memory does not (docs/benchmarks.md, "Soak: the RSS growth"). It costs milliseconds a sample, so the
+hour runs with it. ``--tracemalloc`` adds tracemalloc's top growing tracebacks, for short runs only (it
+slows a worker severalfold); ``--garbage`` the types of the cyclic garbage (what a full collection at the
+sample frees).
 """
 
 from __future__ import annotations

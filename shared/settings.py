@@ -245,8 +245,8 @@ class Settings(BaseSettings):
     """How often a worker process runs a full garbage collection, in seconds (0: never; Python's allocation
     thresholds alone). The worker's thresholds make collections of older objects hours apart, and the cycles
     its runs leave (cancel scopes, exceptions) waited that long: its RSS rose 9.5 % over a 30-minute soak
-    (docs/benchmarks.md, "Soak"). Each collection walks every object the worker holds: some milliseconds at
-    tens of runs in flight, longer at thousands, when a longer interval costs less."""
+    (docs/benchmarks.md, "Soak: the RSS growth"). Each collection walks every object the worker holds:
+    some milliseconds at tens of runs in flight, longer at thousands, when a longer interval costs less."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600

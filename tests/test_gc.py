@@ -1,6 +1,6 @@
 """The worker's garbage collection (worker/intake.py, ``tune_gc`` and ``Collector``): with its thresholds a cycle
 waits for 50,000 more allocations before even a young collection, so the collector part frees it on a timer
-(``RUNBRAKE_GC_INTERVAL_S``; docs/benchmarks.md, "Soak")."""
+(``RUNBRAKE_GC_INTERVAL_S``; docs/benchmarks.md, "Soak: the RSS growth")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""bench/_memtrace.py, the soak's memory diagnostic (docs/benchmarks.md, "Soak"): a process run under it writes one
-line of heap figures per SIGUSR2, from a thread of its own, and otherwise runs its module unchanged."""
+"""bench/_memtrace.py, the soak's memory diagnostic (docs/benchmarks.md, "Soak: the RSS growth"): a process
+run under it writes one line of heap figures per SIGUSR2, from a thread of its own, and otherwise runs its
+module unchanged."""
 
 from __future__ import annotations
 

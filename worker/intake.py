@@ -87,9 +87,10 @@ class Collector(Periodic):
     the older generations' after 20 and 100 of those: on a worker at 5 runs a second, minutes apart, and
     hours for the oldest. A run's cycles (its anyio cancel scopes, its exceptions with their tracebacks and
     frames: about 600 objects a second there) that were alive at a young collection then wait in an older
-    generation, and the worker's RSS rose with them for the whole 30-minute soak (docs/benchmarks.md,
-    "Soak"). A collection on a timer bounds how long garbage waits, whatever the allocation rate; it walks
-    every object not frozen, so it takes longer the more runs are in flight."""
+    generation, and the worker's RSS rose with them for the whole 30-minute soak
+    (docs/benchmarks.md, "Soak: the RSS growth"). A collection on a timer bounds how long garbage waits,
+    whatever the allocation rate; it walks every object not frozen, so it takes longer the more runs are in
+    flight."""
 
     def __init__(self, interval_s: float) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
