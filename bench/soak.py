@@ -18,6 +18,10 @@ cycle of ten shapes:
 - ``cancel`` ×2: a 60 s ``slow`` call, cancelled once the server has started it (cancelled);
 - ``approve`` / ``deny`` ×1 each: get-sum needs an approval, given or refused (completed / failed).
 
+TODO(issue 21, item 4): add the shapes ``steered`` (a run steered while in flight) and ``budgeted`` (a run
+stopped by its budget) once the ``steer`` and ``budget`` features land; neither exists yet, so the cycle
+has the five shapes above.
+
 Every ``--sample-s`` (30 s in the hour, 10 s below 30 minutes) it samples each process's RSS, open file
 descriptors and CPU time (/proc), Redis (``INFO memory`` used_memory: the whole server, which other users
 share; and the namespace's own key count and summed ``MEMORY USAGE``), the queue depths (passive
@@ -32,6 +36,14 @@ samples from then to the end, over its value at the start — is at most 5 % of 
 lives the whole soak, and at most 10 % of the namespace's Redis memory and key count; and the open file
 descriptors left once every run has ended are at most 3 or 10 % (the larger) above the most seen during the
 warm-up (they follow the calls in flight, which follow the machine's load).
+
+``--memory-dir DIR`` runs each worker under bench/_memtrace.py, which writes at every sample what its heap
+holds (glibc's ``mallinfo2``: bytes in use and freed-but-held, its arenas; pymalloc's blocks handed out; the
+objects the collector tracks) to ``DIR/<pid>.jsonl``: a leak grows the memory in use, the allocator holding
+freed memory does not (docs/benchmarks.md, "Soak: the RSS growth"). It costs milliseconds a sample, so the
+hour runs with it. ``--tracemalloc`` adds tracemalloc's top growing tracebacks, for short runs only (it
+slows a worker severalfold); ``--garbage`` the types of the cyclic garbage (what a full collection at the
+sample frees).
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -429,9 +442,14 @@ class Restart:
 class Soak:
     """The processes, the producer loop, the samples and the verdict."""
 
-    def __init__(self, bench: Bench, plan: Plan) -> None:
+    def __init__(self, bench: Bench, plan: Plan, memory_dir: Path | None = None,
+                 memory_options: Sequence[str] = ()) -> None:
         self.bench = bench
         self.plan = plan
+        self.memory_dir = memory_dir
+        """``--memory-dir``: the workers run under bench/_memtrace.py, which writes their heap here at each sample."""
+        self.memory_options = list(memory_options)
+        """bench/_memtrace.py's options (``--trace``, ``--garbage``)."""
         self.server = bench.start_toolbox()
         self.url = start_api(bench)
         self.start_failures = 0
@@ -460,8 +478,10 @@ class Soak:
             self.health_ports[name] = free_port()
             self.bench.env["RUNBRAKE_HEALTH_PORT"] = str(self.health_ports[name])
             try:
+                module = ["-m", "runbrake.worker"] if self.memory_dir is None else [
+                    "-m", "bench._memtrace", *self.memory_options, str(self.memory_dir), "runbrake.worker"]
                 return self.bench.start_logging_process(
-                    name.replace("_", " "), ["-m", "runbrake.worker", "--concurrency", str(WORKER_CONCURRENCY)],
+                    name.replace("_", " "), [*module, "--concurrency", str(WORKER_CONCURRENCY)],
                     timeout=WORKER_START_TIMEOUT_S)
             except BenchError:
                 self.start_failures += 1
@@ -514,6 +534,10 @@ class Soak:
         self.sample(time.monotonic() - self._started)
 
     def sample(self, at_s: float) -> None:
+        if self.memory_dir is not None:
+            for worker in (self.steady, self.rolling):
+                if worker.process.popen.poll() is None:
+                    os.kill(worker.pid, signal.SIGUSR2)  # bench/_memtrace.py writes the heap it traces
         self.samples.append({
             "t_s": round(at_s, 1),
             "processes": {name: process_sample(p.pid) for name, p in self.processes().items()},
@@ -696,7 +720,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="also draw RSS and Redis memory to this PNG")
     parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
+    parser.add_argument("--memory-dir", type=Path, default=None, metavar="DIR",
+                        help="write each worker's malloc and Python heap figures to DIR at each sample "
+                             "(bench/_memtrace.py: a few ms a sample)")
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="with --memory-dir: also run the workers under tracemalloc (slow; short runs only)")
+    parser.add_argument("--garbage", action="store_true",
+                        help="with --memory-dir: also count the cyclic garbage by type at each sample (a full "
+                             "collection each time)")
     args = parser.parse_args(argv)
+    if (args.tracemalloc or args.garbage) and args.memory_dir is None:
+        parser.error("--tracemalloc and --garbage need --memory-dir DIR")
     if args.replot is not None:
         if args.plot is None:
             parser.error("--replot needs --plot FILE")
@@ -710,7 +744,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Bench("soak", env=env, keep=args.keep_logs) as bench:
         print(f"namespace {bench.namespace}; {plan.minutes:g} min at {plan.rate:g} runs/s, "
               f"retention {plan.retention_s} s, a sample every {plan.sample_s:g} s", file=sys.stderr)
-        soak = Soak(bench, plan)
+        options = [flag for flag, on in (("--trace", args.tracemalloc), ("--garbage", args.garbage)) if on]
+        soak = Soak(bench, plan, args.memory_dir, options)
         soak.run()
         results = {**soak.summary(), "machine": info,
                    "load_at_end": {"loadavg": [round(v, 2) for v in os.getloadavg()]}}

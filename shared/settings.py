@@ -241,6 +241,12 @@ class Settings(BaseSettings):
     """How long the worker's event loop may hold Python's GIL while another thread waits for it, in
     milliseconds (`sys.setswitchinterval`; Python's own default is 5): a cancel reaches the cancel
     listener's thread while the loop is busy, and waits this long at most before it is handled."""
+    gc_interval_s: Annotated[float, _number(float, 0, 3600.0)] = 60.0
+    """How often a worker process runs a full garbage collection, in seconds (0: never; Python's allocation
+    thresholds alone). The worker's thresholds make collections of older objects hours apart, and the cycles
+    its runs leave (cancel scopes, exceptions) waited that long: its RSS rose 9.5 % over a 30-minute soak
+    (docs/benchmarks.md, "Soak: the RSS growth"). Each collection walks every object the worker holds:
+    some milliseconds at tens of runs in flight, longer at thousands, when a longer interval costs less."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600

@@ -130,6 +130,9 @@ def test_settings_read_the_process_environment_when_given_none(monkeypatch: pyte
         ("RUNBRAKE_NAMESPACE", "x" * 65),
         ("RUNBRAKE_MAX_TOOL_RESULT_CHARS", "lots"),
         ("RUNBRAKE_MAX_TOOL_RESULT_CHARS", "0"),
+        ("RUNBRAKE_GC_INTERVAL_S", "-1"),
+        ("RUNBRAKE_GC_INTERVAL_S", "3601"),
+        ("RUNBRAKE_GC_INTERVAL_S", "nan"),
         ("RUNBRAKE_CANCEL_POLL_MS", "9"),
         ("RUNBRAKE_CANCEL_POLL_MS", "2.5"),
         ("RUNBRAKE_RUN_TIME_LIMIT_S", "-1"),
@@ -176,7 +179,7 @@ def test_the_settings_read_exactly_these_variables() -> None:
     """Names are a contract (docs/configuration.md): a field renamed renames its variable, and fails here."""
     assert sorted(Settings.variables.values()) == sorted([
         "RUNBRAKE_RABBITMQ_URL", "RUNBRAKE_REDIS_URL", "RUNBRAKE_NAMESPACE", "RUNBRAKE_MAX_TOOL_RESULT_CHARS",
-        "RUNBRAKE_MCP_PROGRESS", "RUNBRAKE_EVENT_LOOP", "RUNBRAKE_SWITCH_INTERVAL_MS",
+        "RUNBRAKE_MCP_PROGRESS", "RUNBRAKE_EVENT_LOOP", "RUNBRAKE_SWITCH_INTERVAL_MS", "RUNBRAKE_GC_INTERVAL_S",
         "RUNBRAKE_CANCEL_POLL_MS", "RUNBRAKE_RUN_TIME_LIMIT_S", "RUNBRAKE_MODEL_RETRIES", "RUNBRAKE_MODEL_RETRY_MAX_S",
         "RUNBRAKE_LEASE_S", "RUNBRAKE_METRICS_PORT",
         "RUNBRAKE_REDIS_TIMEOUT_S", "RUNBRAKE_CATALOG", "RUNBRAKE_ALLOW_INLINE", "RUNBRAKE_MAX_SPEC_BYTES",

@@ -45,6 +45,7 @@ from dramatiq.worker import ConsumerThread, WorkerThread
 
 from runbrake.shared.errors import RunbrakeError
 from runbrake.worker import metrics
+from runbrake.worker.parts import Periodic
 from runbrake.worker.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -77,6 +78,25 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+class Collector(Periodic):
+    """A full collection every ``RUNBRAKE_GC_INTERVAL_S`` (0: never; Python's thresholds alone).
+
+    With :data:`GC_THRESHOLDS` a young collection comes only after 50,000 more objects than were freed, and
+    the older generations' after 20 and 100 of those: on a worker at 5 runs a second, minutes apart, and
+    hours for the oldest. A run's cycles (its anyio cancel scopes, its exceptions with their tracebacks and
+    frames: about 600 objects a second there) that were alive at a young collection then wait in an older
+    generation, and the worker's RSS rose with them for the whole 30-minute soak
+    (docs/benchmarks.md, "Soak: the RSS growth"). A collection on a timer bounds how long garbage waits,
+    whatever the allocation rate; it walks every object not frozen, so it takes longer the more runs are in
+    flight."""
+
+    def __init__(self, interval_s: float) -> None:
+        super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
+
+    def tick(self) -> None:
+        gc.collect()
 
 
 class HandBack(RunbrakeError, Retry):

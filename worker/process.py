@@ -34,7 +34,7 @@ from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.cancel_requests import CancelRequestConsumer
 from runbrake.worker.health import health_parts
-from runbrake.worker.intake import Intake, tune_gc
+from runbrake.worker.intake import Collector, Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
 from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
@@ -119,6 +119,7 @@ def run_worker_process(
         Redriver(settings, store, producer),
         EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
         WebhookDispatcher(settings, RunStore.connect(settings)),  # docs/webhooks.md; its own connections
+        Collector(settings.gc_interval_s),  # a full collection on a timer (worker/intake.py)
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
     ]
