@@ -18,6 +18,7 @@ from hypothesis import settings as hypothesis_settings
 from xdist.scheduler import LoadScopeScheduling
 
 from runbrake.shared import RunStore, Settings
+from runbrake.shared import logging as runbrake_logging
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.wire import delete_topology
 
@@ -138,3 +139,14 @@ def rabbitmq(settings: Settings) -> Iterator[Settings]:
 def delete_broker_objects(settings: Settings) -> None:
     """Delete the namespace's queues (with Dramatiq's delay and dead-letter twins) and exchanges."""
     delete_topology(settings)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _logging_left_as_the_tests_have_it() -> Iterator[None]:
+    """An in-process CLI call (click's CliRunner) must not configure structlog for the whole test process: the
+    CLI filters at WARNING with loggers cached on first use (shared/logging.py), after which a later test's
+    ``capture_logs()`` sees none of the INFO lines it waits for, in whichever test happens to run after it on
+    the same xdist worker. The processes the tests start configure their own logging as always."""
+    configured, runbrake_logging._configured = runbrake_logging._configured, True
+    yield
+    runbrake_logging._configured = configured
