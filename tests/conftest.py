@@ -44,7 +44,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("long") is not None and item.nodeid.split("::", maxsplit=1)[0] not in LONG_FILES:
             raise pytest.UsageError(f"{item.nodeid} is marked long: add its file to LONG_FILES (tests/conftest.py)")
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+    # Stable: the rest keep their order. Then the other chaos tests, one unit too (LongFirstScheduling).
+    items.sort(key=lambda item: (item.get_closest_marker("long") is None, not _chaos(item.nodeid)))
+
+
+def _chaos(nodeid: str) -> bool:
+    return nodeid.startswith("tests/chaos/")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -60,10 +65,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 class LongFirstScheduling(LoadScopeScheduling):
-    """xdist's scope scheduling with one scope for the long tests and one for each other test."""
+    """xdist's scope scheduling with one scope for the long tests, one for the other chaos tests (they kill,
+    stop and time processes: two at once, beside the long ones, make each other's bounds a matter of luck),
+    and one for each other test."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return "long" if nodeid.split("::", maxsplit=1)[0] in LONG_FILES else nodeid
+        if nodeid.split("::", maxsplit=1)[0] in LONG_FILES:
+            return "long"
+        return "chaos" if _chaos(nodeid) else nodeid
 
 
 @pytest.fixture
