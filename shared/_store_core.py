@@ -522,7 +522,7 @@ def _read_transition(name: str, run_id: str, answer: Sequence[Any]) -> Transitio
     else:
         # Nothing is lost silently: a refused transition says what it found.
         log.info("transition_refused", transition=name, run_id=run_id, found=found or "missing",
-                 owner_mismatch=result.owner_mismatch, steered=result.steered)
+                 owner_mismatch=result.owner_mismatch, **({"steered": True} if result.steered else {}))
     return result
 
 
@@ -655,9 +655,10 @@ def approve(keys: Keys, run_id: str) -> Op[Transition]:
 
 
 def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
-           error: str = "", required_status: RunStatus | None = None) -> Op[Transition]:
+           error: str = "", required_status: RunStatus | None = None, unless_steered: bool = False) -> Op[Transition]:
     """non-terminal → completed or failed. Owner-guarded when ``owner`` is given; limited to
-    ``required_status`` when given (``deny`` settles only a run that waits for approval)."""
+    ``required_status`` when given (``deny`` settles only a run that waits for approval); refused while a steer
+    waits with ``unless_steered`` (the completion: docs/architecture.md, "Steer: the final answer")."""
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return durable(_script(
@@ -666,8 +667,8 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
          *keys.retention(run_id), keys.outbox_of(run_id)),
         # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
         (Ident(status.value), Ident(reason.value), Ident(owner or ""), time.time(), scrub(error)[:MAX_ERROR_CHARS],
-         Ident("" if required_status is None else required_status.value), Ident(run_id), keys.retention_s,
-         Ident(keys.events)),
+         Ident("" if required_status is None else required_status.value), Ident(run_id),
+         Ident("1" if unless_steered else ""), keys.retention_s, Ident(keys.events)),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
     ))
 
@@ -872,7 +873,7 @@ def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str,
     guard finds it cancelled too and refuses.
     """
     append = append_step(keys, run_id, step, token=token, owner=owner)
-    settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner)
+    settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner, unless_steered=True)
 
     def parse(answers: list[Any]) -> tuple[Appended, Transition, SteerRequest | None]:
         transition = settle_op.parse(answers[1:2])
