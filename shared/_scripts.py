@@ -293,15 +293,18 @@ redis.call('HSET', KEYS[1], 'approval', 'approved')
 return {1, st, 1}
 """)
 
-# KEYS: run, leases, unclaimed, tenants, run, steps, cancel, finished, outbox.
+# KEYS: run, leases, unclaimed, tenants, steer, run, steps, cancel, finished, outbox.
 # ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
-#   retention_s, events channel
+#   unless steered ('' = regardless), retention_s, events channel
+# A run does not complete while a steer waits for it (docs/architecture.md, "Steer: the final answer"): the
+# completing settle (unless steered) answers {0, status, 'steer'} and the worker goes on with the steer.
 SETTLE = _script("settle", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
 if ARGV[6] ~= '' and st ~= ARGV[6] then return {0, st} end
 if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then return {0, st, 'owner'} end
+if ARGV[8] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then return {0, st, 'steer'} end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'termination_reason', ARGV[2], 'finished_at', ARGV[4],
   'error', ARGV[5], 'lease_expires_at', '')
 redis.call('ZREM', KEYS[2], ARGV[7])

@@ -514,13 +514,15 @@ def _transition(name: str, run_id: str) -> Callable[[list[Any]], Transition]:
 def _read_transition(name: str, run_id: str, answer: Sequence[Any]) -> Transition:
     won, found = bool(answer[0]), str(answer[1])
     status = RunStatus.parse(found, run_id=run_id) if found else RunStatus.UNKNOWN
-    result = Transition(won=won, found=status, exists=bool(found), owner_mismatch=len(answer) > 2)
+    why = str(answer[2]) if len(answer) > 2 else ""
+    result = Transition(won=won, found=status, exists=bool(found), owner_mismatch=why == "owner",
+                        steered=why == "steer")
     if won:
         log.debug("transition", transition=name, run_id=run_id, found=found)
     else:
         # Nothing is lost silently: a refused transition says what it found.
         log.info("transition_refused", transition=name, run_id=run_id, found=found or "missing",
-                 owner_mismatch=result.owner_mismatch)
+                 owner_mismatch=result.owner_mismatch, **({"steered": True} if result.steered else {}))
     return result
 
 
@@ -653,19 +655,20 @@ def approve(keys: Keys, run_id: str) -> Op[Transition]:
 
 
 def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
-           error: str = "", required_status: RunStatus | None = None) -> Op[Transition]:
+           error: str = "", required_status: RunStatus | None = None, unless_steered: bool = False) -> Op[Transition]:
     """non-terminal → completed or failed. Owner-guarded when ``owner`` is given; limited to
-    ``required_status`` when given (``deny`` settles only a run that waits for approval)."""
+    ``required_status`` when given (``deny`` settles only a run that waits for approval); refused while a steer
+    waits with ``unless_steered`` (the completion: docs/architecture.md, "Steer: the final answer")."""
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
     return durable(_script(
         _scripts.SETTLE,
-        (keys.run(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)), *keys.retention(run_id),
-         keys.outbox_of(run_id)),
+        (keys.run(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)), keys.steer(run_id),
+         *keys.retention(run_id), keys.outbox_of(run_id)),
         # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
         (Ident(status.value), Ident(reason.value), Ident(owner or ""), time.time(), scrub(error)[:MAX_ERROR_CHARS],
-         Ident("" if required_status is None else required_status.value), Ident(run_id), keys.retention_s,
-         Ident(keys.events)),
+         Ident("" if required_status is None else required_status.value), Ident(run_id),
+         Ident("1" if unless_steered else ""), keys.retention_s, Ident(keys.events)),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
     ))
 
@@ -861,19 +864,23 @@ def _tokens_of(value: str | bytes | None) -> int:
         return 0
 
 
-def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str, token: str = "") -> Op[tuple[Appended, Transition]]:
-    """Record the final step and settle the run completed (owner-guarded), in one round trip.
+def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str,
+             token: str = "") -> Op[tuple[Appended, Transition, SteerRequest | None]]:
+    """Record the final step and settle the run completed (owner-guarded), in one round trip; and the steer
+    that refused the settle, when one waits (``Transition.steered``).
 
     Redis runs the two scripts in order: when the append's probe finds the run cancelled, the settle's
     guard finds it cancelled too and refuses.
     """
     append = append_step(keys, run_id, step, token=token, owner=owner)
-    settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner)
+    settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner, unless_steered=True)
 
-    def parse(answers: list[Any]) -> tuple[Appended, Transition]:
-        return append.parse(answers[:1]), settle_op.parse(answers[1:])
+    def parse(answers: list[Any]) -> tuple[Appended, Transition, SteerRequest | None]:
+        transition = settle_op.parse(answers[1:2])
+        return append.parse(answers[:1]), transition, read_steer_request(answers[2]) if transition.steered else None
 
-    return Op(f"complete run {run_id}", append.calls + settle_op.calls, parse, durable=True)
+    return Op(f"complete run {run_id}", (*append.calls, *settle_op.calls, Command(("GET", keys.steer(run_id)))),
+              parse, durable=True)
 
 
 # -- leases --------------------------------------------------------------------------------------

@@ -231,8 +231,8 @@ class AsyncRunStore:
 
     async def complete(
         self, run_id: str, step: RunStep, *, owner: str, token: str = ""
-    ) -> tuple[Appended, Transition]:
-        """Record the final step and settle the run completed, in one round trip."""
+    ) -> tuple[Appended, Transition, SteerRequest | None]:
+        """Record the final step and settle the run completed, in one round trip (and the steer that refused it)."""
         return await self.execute(core.complete(self.keys, run_id, step, owner=owner, token=token))
 
     async def suspend(self, run_id: str, owner: str, pending: Mapping[str, Any]) -> Transition:

@@ -85,6 +85,8 @@ class Transition:
     found: RunStatus
     exists: bool = True
     owner_mismatch: bool = False
+    steered: bool = False
+    """A completing settle found a steer waiting (docs/architecture.md, "Steer: the final answer")."""
 
     def __bool__(self) -> bool:
         return self.won

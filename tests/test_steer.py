@@ -398,3 +398,27 @@ def test_a_steer_stored_just_before_the_run_suspends_for_approval_puts_it_back_t
     assert_steered_once_and_completed(record, "the steer went first", ["model", "tool", "steer", "model"])
     assert worker.logged("run_steered_while_suspending", run_id=run.run_id)
     assert matching_events(toolbox_http.events, "started", tool="echo") == []
+
+
+def test_a_steer_stored_after_the_final_answer_was_given_but_before_the_run_completed_is_applied(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
+) -> None:
+    """The race a wake-up cannot close: the steer is stored while the final model call is on its way back, and
+    nothing tells the worker (no wake-up, the backstop off). The completing settle refuses while the steer waits,
+    so the answer stays recorded and the run goes on with the steer (docs/architecture.md, "Steer: the final
+    answer")."""
+    worker = start_worker(**BACKSTOP_OFF)
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("get-sum", a=2, b=3)]}, {"content": "five", "delay_ms": 8000},
+        {"content": "five, as you asked again"}]))
+    wait_for_run(store, run.run_id, has_step(StepKind.TOOL), timeout=WAIT_S)  # the final model call is under way
+
+    store_steer(store, run.run_id, "say it again")
+
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.output) == (RunStatus.COMPLETED, "five, as you asked again")
+    assert _kinds(record) == ["model", "tool", "model", "steer", "model"]
+    assert record.steps[1].tool_outcome is ToolOutcome.OK  # nothing was cut off: the steer came after the calls
+    assert record.steps[2].content == "five"  # the answer the steer came after stays recorded
+    assert record.steps[3].detail["input"] == "say it again"
+    assert len(worker.logged("run_steer_applied", run_id=run.run_id)) == 1

@@ -50,6 +50,10 @@ class LoopHooks(Protocol):
     async def checkpoint(self) -> None:
         """Probe the cancel key before a model call (raises CancelRequested when set)."""
 
+    async def complete(self, step: RunStep) -> None:
+        """Record the final model step and settle the run completed; raises SteerRequested when a steer waits
+        (the run goes on with it: docs/architecture.md, "Steer: the final answer")."""
+
     def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
         """A fresh, unentered scope registered as one of the run's calls in flight while the block runs;
         with ``grace_s``, a cancel lets the call go on that long before it cuts it off."""
@@ -144,8 +148,8 @@ class LoopEnd:
     content: str | None = None
     state: LoopState | None = None
     final_step: RunStep | None = None
-    """COMPLETED: the final model step, not yet recorded. The runtime records it and settles the run in
-    one round trip; the append's probe still decides (a cancel that won first refuses the settle)."""
+    """COMPLETED: the final model step, recorded with the run's settle in one round trip by the hooks'
+    ``complete``; the append's probe still decides (a cancel that won first refuses the settle)."""
 
 
 class ToolLoop:
@@ -226,10 +230,12 @@ class ToolLoop:
             state.messages.append(Message(role="assistant", content=turn.content, tool_calls=turn.tool_calls))
             if not turn.tool_calls:
                 if self._answer is None:
+                    await self._hooks.complete(step)
                     return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
                 checked = self._answer.check(turn.content)
                 if checked.problem is None:
                     step = replace(step, detail={**step.detail, "output_json": checked.value})
+                    await self._hooks.complete(step)
                     return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
                 # Handed back like a tool's error (docs/usage.md, "Structured output"); max_rounds bounds it.
                 await self._hooks.record(replace(step, detail={**step.detail, "output_error": checked.problem}))

@@ -38,7 +38,7 @@ from runbrake.shared.errors import (
     SteerRequested,
     StoreError,
 )
-from runbrake.shared.records import Claim
+from runbrake.shared.records import Claim, Transition
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -100,6 +100,8 @@ class RunHooks:
         """The run's ``delta`` events (worker/deltas.py), made at its first model call."""
         self._applying = False
         """The steer's answers are being recorded: their boundaries do not raise the steer again."""
+        self.completion: Transition | None = None
+        """What the final step's settle came to (:meth:`complete`), once the loop completed."""
 
     async def record(self, step: RunStep) -> None:
         if self._budget is not None:
@@ -119,6 +121,23 @@ class RunHooks:
                                   f"the run recorded its {self._max_steps} steps (max_steps)")
         if self._handle.steer is not None and not self._applying:
             raise SteerRequested(self._handle.run_id)
+
+    async def complete(self, step: RunStep) -> None:
+        final = step if self._budget is None else self._budget.priced(step)
+        token = uuid.uuid4().hex
+        appended, transition, steer = await durably(
+            lambda: self._store.complete(self._handle.run_id, final, owner=self._handle.owner, token=token),
+            within_s=self._lease_s, what="complete")
+        self._probed = True
+        await self._subscribers.step(self._handle.run_id, appended.step)
+        if steer is not None:
+            # A steer was stored before the settle: the answer stays recorded, and the run goes on with the steer's
+            # message (docs/architecture.md, "Steer: the final answer").
+            self._handle.steer_reached(steer)
+            raise SteerRequested(self._handle.run_id)
+        if not transition.won:
+            log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
+        self.completion = transition
 
     async def checkpoint(self) -> None:
         if self._handle.lost:
@@ -390,17 +409,9 @@ class Runtime:
         if end.kind is LoopEndKind.MAX_ROUNDS:
             return await self._settle(run_id, owner, RunStatus.FAILED, TerminationReason.MAX_ROUNDS,
                                 f"no final answer within {spec.max_rounds} rounds")
-        assert end.final_step is not None
-        final, token = end.final_step if budget is None else budget.priced(end.final_step), uuid.uuid4().hex
-        try:
-            appended, transition = await durably(
-                lambda: self._store.complete(run_id, final, owner=owner, token=token),
-                within_s=self._settings.lease_s, what="complete")
-        except OwnershipLost as exc:
-            return await self._ended_by(run_id, owner, exc)
-        await self.subscribers.step(run_id, appended.step)
+        transition = hooks.completion
+        assert transition is not None  # the loop completed through hooks.complete
         if not transition.won:
-            log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
             return self._lost(run_id, transition.found)
         return self._settled(run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED)
 
