@@ -11,16 +11,16 @@ worker processes (``python -m runbrake.worker``: a *steady* one that lives the w
 one restarted by SIGTERM every sixth of the soak by default, 10 minutes in the hour (``--restarts``), so
 its runs in flight are handed over, docs/architecture.md, "Drain and hand-over"), and ``runbrake serve``
 with one events client reading ``GET /v1/events``. It enqueues ``--rate`` runs a second (5) in a fixed
-cycle of ten shapes:
+cycle of twelve shapes:
 
 - ``quick`` ×4: get-sum, echo, answer (completed);
 - ``long`` ×2: an 8 s ``slow`` call (completed; handed over when its worker restarts);
 - ``cancel`` ×2: a 60 s ``slow`` call, cancelled once the server has started it (cancelled);
-- ``approve`` / ``deny`` ×1 each: get-sum needs an approval, given or refused (completed / failed).
-
-TODO(issue 21, item 4): add the shapes ``steered`` (a run steered while in flight) and ``budgeted`` (a run
-stopped by its budget) once the ``steer`` and ``budget`` features land; neither exists yet, so the cycle
-has the five shapes above.
+- ``approve`` / ``deny`` ×1 each: get-sum needs an approval, given or refused (completed / failed);
+- ``steered`` ×1: a 60 s ``slow`` call, steered once the server has started it: the call is cut off, the
+  run goes on with the new message to its answer (completed);
+- ``budgeted`` ×1: a 60 s ``slow`` call under a 2 s ``budget.deadline_s``: stopped by the deadline
+  (cancelled, ``deadline_exceeded``).
 
 Every ``--sample-s`` (30 s in the hour, 10 s below 30 minutes) it samples each process's RSS, open file
 descriptors and CPU time (/proc), Redis (``INFO memory`` used_memory: the whole server, which other users
@@ -81,7 +81,7 @@ from bench._harness import (
 )
 from bench.api import start_api
 from runbrake.shared import operations
-from runbrake.shared.errors import RunbrakeError
+from runbrake.shared.errors import RunbrakeError, TransitionRefused
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Producer
@@ -90,12 +90,18 @@ from runbrake.shared.messaging.wire import Topology
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus
 
-CYCLE = ("quick", "long", "quick", "cancel", "approve", "quick", "long", "quick", "cancel", "deny")
-"""The shapes, in the order they are sent; run *i* has shape ``CYCLE[i % 10]``."""
+CYCLE = ("quick", "long", "quick", "cancel", "approve", "steered", "quick", "long", "quick", "cancel", "deny",
+         "budgeted")
+"""The shapes, in the order they are sent; run *i* has shape ``CYCLE[i % 12]``."""
 EXPECTED = {"quick": RunStatus.COMPLETED, "long": RunStatus.COMPLETED, "cancel": RunStatus.CANCELLED,
-            "approve": RunStatus.COMPLETED, "deny": RunStatus.FAILED}
+            "approve": RunStatus.COMPLETED, "deny": RunStatus.FAILED, "steered": RunStatus.COMPLETED,
+            "budgeted": RunStatus.CANCELLED}
 LONG_S = 8.0
 CANCEL_CALL_S = 60.0
+"""The ``slow`` call of the shapes a cancel, a steer or a deadline ends."""
+DEADLINE_S = 2.0
+"""The ``budgeted`` shape's ``budget.deadline_s``."""
+SLOW_SHAPES = ("long", "cancel", "steered", "budgeted")
 WORKER_CONCURRENCY = 32
 DRAIN_S = 1
 WORKER_START_TIMEOUT_S = 120.0
@@ -182,11 +188,13 @@ def spec_for(shape: str, index: int) -> RunSpec:
 
     A ``cancel`` run calls ``slow`` twice: a run handed over before its cancel came resumes with the second
     call, which is then cancelled (with one call it would go on to its answer and complete)."""
-    if shape in ("long", "cancel"):
+    if shape in SLOW_SHAPES:
         call = {"server": SERVER_NAME, "tool": "slow", "arguments": {"seconds": slow_seconds(shape, index)}}
         turns: list[dict[str, Any]] = [{"tool_calls": [call]}, {"content": "done"}]
         if shape == "cancel":
             turns.insert(0, {"tool_calls": [call]})
+        elif shape == "steered":
+            turns.append({"content": "done"})  # steered in its answer's round (just handed over), it answers again
     else:
         turns = [{"tool_calls": [{"server": SERVER_NAME, "tool": "get-sum", "arguments": {"a": index, "b": 1}}]},
                  {"tool_calls": [{"server": SERVER_NAME, "tool": "echo", "arguments": {"text": f"soak {index}"}}]},
@@ -195,6 +203,8 @@ def spec_for(shape: str, index: int) -> RunSpec:
                            "mcp_servers": [SERVER_NAME]}
     if shape in ("approve", "deny"):
         raw["approval_required"] = [f"{SERVER_NAME}.get-sum"]
+    if shape == "budgeted":
+        raw["budget"] = {"deadline_s": DEADLINE_S}
     return RunSpec.parse(raw)
 
 
@@ -208,6 +218,7 @@ class Run:
     segments: int = 1
     decided: bool = False
     cancel_sent: bool = False
+    steered: bool = False
 
 
 @dataclass
@@ -226,6 +237,9 @@ class Tracker:
     vanished: list[str] = field(default_factory=list)
     """Runs whose record was gone before a terminal status was read (swept by retention unseen)."""
     refused: Counter[str] = field(default_factory=Counter)
+    steers_refused: Counter[str] = field(default_factory=Counter)
+    """Steers refused by the status the run was found in (handed over between the call's start and the steer:
+    such a run resumes with its answer)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by each method: the restart thread reads what the producer loop writes."""
 
@@ -234,7 +248,7 @@ class Tracker:
         with self.lock:
             self.runs[run_id] = run
             self.live.add(run_id)
-            if shape in ("long", "cancel"):
+            if shape in SLOW_SHAPES:
                 self.by_seconds[slow_seconds(shape, index)] = run
 
     def poll(self) -> None:
@@ -263,6 +277,8 @@ class Tracker:
                 self.slow_started[run.run_id] = float(event["t"])
                 if run.shape == "cancel":
                     self._cancel(run)
+                elif run.shape == "steered":
+                    self._steer(run)
 
     def _read_statuses(self) -> None:
         ids = sorted(self.live)
@@ -293,6 +309,19 @@ class Tracker:
                 operations.deny(store, run.run_id, decided_by="soak", reason="the soak denies it")
         except RunbrakeError as exc:
             self.refused[f"{run.shape}: {type(exc).__name__}"] += 1
+
+    def _steer(self, run: Run) -> None:
+        if run.steered:
+            return
+        try:
+            operations.steer(self.bench.store, self.publisher, self.producer, run.run_id, text="answer now",
+                             reason="soak", requested_by="soak", max_input_chars=self.bench.settings.max_input_chars)
+        except TransitionRefused as exc:
+            self.steers_refused[exc.found.value] += 1
+        except RunbrakeError as exc:
+            self.refused[f"steer: {type(exc).__name__}"] += 1
+        else:
+            run.steered = True
 
     def _cancel(self, run: Run) -> None:
         if run.cancel_sent:
@@ -606,6 +635,8 @@ class Soak:
                      "unexpected": unexpected[:20], "by_shape": {k: dict(v) for k, v in by_shape.items()},
                      "handed_over": handed_over_runs, "cancelled_in_flight": sum(
                          1 for r in tracker.runs.values() if r.shape == "cancel" and r.run_id in tracker.slow_started),
+                     "steered_in_flight": sum(1 for r in tracker.runs.values() if r.steered),
+                     "steers_refused": dict(tracker.steers_refused),
                      "refused_decisions": dict(tracker.refused)},
             "restarts": [vars(r) for r in self.restarts],
             "worker_start_failures": self.start_failures,

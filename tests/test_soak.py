@@ -16,7 +16,7 @@ from runbrake.shared.store import RunStore
 REPO = Path(__file__).resolve().parent.parent
 MINUTES = 3
 RUNS = MINUTES * 60 * 5
-"""5 runs a second, in a cycle of ten shapes: quick ×4, long ×2, cancel ×2, approve, deny."""
+"""5 runs a second, in a cycle of twelve shapes: quick ×4, long ×2, cancel ×2, approve, steered, deny, budgeted."""
 RESTARTS = 3
 """Every 45 s: a restart (a hand-over, then a new worker's start) took 40-60 s on this 2-core machine when it
 was shared by several test runs, so five in three minutes (the soak's default) did not all fit."""
@@ -46,13 +46,18 @@ def test_three_minutes_of_mixed_load_end_every_run_as_its_shape_says_and_nothing
     assert runs["vanished"] == [], context
     assert runs["unexpected"] == [], context
     assert runs["by_shape"] == {
-        "quick": {"completed/completed": RUNS * 4 // 10},
-        "long": {"completed/completed": RUNS * 2 // 10},
-        "cancel": {"cancelled/cancelled": RUNS * 2 // 10},
-        "approve": {"completed/completed": RUNS // 10},
-        "deny": {"failed/approval_denied": RUNS // 10},
+        "quick": {"completed/completed": RUNS * 4 // 12},
+        "long": {"completed/completed": RUNS * 2 // 12},
+        "cancel": {"cancelled/cancelled": RUNS * 2 // 12},
+        "approve": {"completed/completed": RUNS // 12},
+        "deny": {"failed/approval_denied": RUNS // 12},
+        "steered": {"completed/completed": RUNS // 12},
+        "budgeted": {"cancelled/deadline_exceeded": RUNS // 12},
     }, context
-    assert runs["cancelled_in_flight"] == RUNS * 2 // 10, context  # every cancel came while its call ran
+    assert runs["cancelled_in_flight"] == RUNS * 2 // 12, context  # every cancel came while its call ran
+    # Every steer came while its call ran, but for a run being handed over just then (it answers without one).
+    assert runs["steered_in_flight"] + sum(runs["steers_refused"].values()) >= RUNS // 12 - 3, context
+    assert set(runs["steers_refused"]) <= {"queued"}, context
     assert runs["refused_decisions"] == {}, context
     restarts = results["restarts"]
     assert len(restarts) == RESTARTS, context

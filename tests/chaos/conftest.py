@@ -318,19 +318,30 @@ def private_rabbitmq(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
 
 SENTINEL_MASTER = "chaos"
 SENTINELS = 3
+SENTINEL_DOWN_AFTER_MS = 3000
+"""How long a Sentinel waits for an answer before it takes a node for down. At 1000 ms (its ping period) a
+Sentinel took the replica it had just promoted for down a second later, on a quiet 2-core machine with 50
+runs' writes arriving, and failed over again."""
 FAILOVER_TIMEOUT_S = 30.0
-"""Sentinels declare the primary down after 1 s and elect a leader within a few: generous for a loaded runner."""
+"""Sentinels declare the primary down after 3 s and elect a leader within a few: generous for a loaded runner."""
 
 
 @dataclass
 class RedisFailover:
     """A Redis primary and its replica (AOF on, each in a folder of its own) watched by three Sentinels
-    (quorum 2, a primary is down after 1 s without an answer), all of this test's own. ``nodes`` by port:
+    (quorum 2, a primary is down after 3 s without an answer), all of this test's own. ``nodes`` by port:
     which one is the primary changes with a failover (:meth:`primary_port`)."""
 
     nodes: dict[int, PrivateRedis]
     sentinels: list[subprocess.Popen[bytes]]
     sentinel_ports: list[int]
+    sentinel_logs: list[Path] = field(default_factory=list)
+
+    def sentinels_said(self) -> str:
+        """What the Sentinels logged of their view (``+sdown``, ``+switch-master``, …), for a failure."""
+        lines = [line for log in self.sentinel_logs if log.exists()
+                 for line in log.read_text(errors="replace").splitlines() if " # " in line or " * +" in line]
+        return "\n".join(sorted(lines, key=lambda line: line.split(" ", 2)[-1])[-40:])
 
     def env(self) -> dict[str, str]:
         """What a store (and a worker) needs to find the primary through the Sentinels; the URL says only the
@@ -397,16 +408,26 @@ class RedisFailover:
             return port if port not in (None, old) else None
 
         port = poll_until(promoted, timeout=FAILOVER_TIMEOUT_S, interval=0.1,
-                          failure=lambda: f"the Sentinels did not promote the replica within {FAILOVER_TIMEOUT_S:g} s")
+                          failure=lambda: f"the Sentinels did not promote the replica within {FAILOVER_TIMEOUT_S:g} s; "
+                                          f"they logged:\n{self.sentinels_said()}")
         return port, time.monotonic() - began
 
     def rejoin(self, port: int) -> float:
-        """Start the node on ``port`` again (its folder and AOF); the Sentinels make it a replica of the new
-        primary. Returns once its link is up, and how long that took (s)."""
+        """Start the node on ``port`` again (its folder and AOF) as a replica of the primary the Sentinels now
+        name, as a node's start script asks them before it starts. Started as a primary instead, it would
+        serve its stale data as one until the Sentinels reconfigure it (8-10 s), and a second failover
+        meanwhile can promote it: seen once here, when a Sentinel took the just-promoted replica for down.
+        Returns once its link is up, and how long that took (s)."""
         began = time.monotonic()
-        self.nodes[port].start()
+        primary = self.primary_port()
+        assert primary is not None, "the Sentinels name no primary"
+        assert primary != port, "the Sentinels still name the killed node"
+        node = self.nodes[port]
+        node.command = [*node.command, "--replicaof", "127.0.0.1", str(primary)]
+        node.start()
         poll_until(lambda: self.replicating(port), timeout=FAILOVER_TIMEOUT_S, interval=0.1,
-                   failure=lambda: f"redis-server on {port} did not become a replica of the new primary")
+                   failure=lambda: f"redis-server on {port} did not become a replica of {primary}; the Sentinels "
+                                   f"logged:\n{self.sentinels_said()}")
         return time.monotonic() - began
 
 
@@ -430,7 +451,8 @@ def redis_failover(tmp_path: Path) -> Iterator[RedisFailover]:
             folder = tmp_path / f"redis-{port}"
             folder.mkdir()
             command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
-                       "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", *extra]
+                       "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                       "--repl-diskless-sync-delay", "0", "--logfile", str(folder / "redis.log"), *extra]
             nodes[port] = PrivateRedis(_spawn_redis(command), port, command)
             nodes[port].wait_until_answering()
         for port in sentinel_ports:
@@ -438,11 +460,13 @@ def redis_failover(tmp_path: Path) -> Iterator[RedisFailover]:
             config.write_text(
                 f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
                 f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} 2\n"
-                f"sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n"
-                f"sentinel failover-timeout {SENTINEL_MASTER} 10000\n")
+                f"sentinel down-after-milliseconds {SENTINEL_MASTER} {SENTINEL_DOWN_AFTER_MS}\n"
+                f"sentinel failover-timeout {SENTINEL_MASTER} 10000\n"
+                f"logfile {tmp_path / f'sentinel-{port}.log'}\n")
             sentinels.append(subprocess.Popen(_sentinel_command(config), stdout=subprocess.DEVNULL,
                                               stderr=subprocess.DEVNULL))
-        failover = RedisFailover(nodes, sentinels, sentinel_ports)
+        failover = RedisFailover(nodes, sentinels, sentinel_ports,
+                                 [tmp_path / f"sentinel-{port}.log" for port in sentinel_ports])
         poll_until(lambda: failover.replicating(replica_port), timeout=REDIS_START_TIMEOUT_S,
                    failure=lambda: "the replica did not connect to the primary")
         poll_until(failover.watched, timeout=FAILOVER_TIMEOUT_S, interval=0.2,
