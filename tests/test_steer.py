@@ -422,3 +422,24 @@ def test_a_steer_stored_after_the_final_answer_was_given_but_before_the_run_comp
     assert record.steps[2].content == "five"  # the answer the steer came after stays recorded
     assert record.steps[3].detail["input"] == "say it again"
     assert len(worker.logged("run_steer_applied", run_id=run.run_id)) == 1
+
+
+def test_a_steer_key_holding_what_no_steer_wrote_lets_the_final_answer_stand_and_the_run_complete(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
+) -> None:
+    """Anyone with Redis could write the steer key: the completing settle refuses while it is there, and the worker,
+    finding nothing it can read in it, settles the answer as it is (logged), rather than leave the run running
+    until its lease runs out."""
+    worker = start_worker(**BACKSTOP_OFF)
+    run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [
+        {"tool_calls": [call("get-sum", a=2, b=3)]}, {"content": "five", "delay_ms": 8000}]))
+    wait_for_run(store, run.run_id, has_step(StepKind.TOOL), timeout=WAIT_S)  # the final model call is under way
+
+    store.redis.set(store.keys.steer(run.run_id), "{not a steer")
+
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, record.termination_reason, record.output) == (
+        RunStatus.COMPLETED, TerminationReason.COMPLETED, "five")
+    assert _kinds(record) == ["model", "tool", "model"]
+    assert worker.logged("steer_unreadable") != []
+    assert worker.logged("run_steer_applied", run_id=run.run_id) == []

@@ -37,7 +37,7 @@ from runbrake.worker.conversation import NO_SETTINGS, Message, ModelSettings, Mo
 from runbrake.worker.deltas import StreamedText
 from runbrake.worker.models import ModelProvider
 from runbrake.worker.registry import cut_off_after
-from runbrake.worker.steer import answer_unanswered, interrupted_model_step, steered_step
+from runbrake.worker.steer import STEERED, answer_unanswered, steered_step
 from runbrake.worker.structured import AnswerCheck, hand_back
 
 
@@ -99,6 +99,25 @@ class LoopEndKind(StrEnum):
 
 
 HANDOFF_REASON = TerminationReason.WORKER_SHUTDOWN.value
+_INTERRUPTED = {
+    None: "model call interrupted by a cancel",
+    STEERED: "model call interrupted by a steer; its answer was dropped",
+    HANDOFF_REASON: "model call interrupted: the worker shut down and handed the run over",
+}
+"""A cut-off model step's content by why it was cut off, where no streamed text replaces it."""
+
+
+def interrupted_model_step(round_number: int, duration_ms: int, why: str | None, partial: str = "") -> RunStep:
+    """The step of a model call cut off on purpose: ``interrupted`` (the timeline's ``cancelled``), with
+    ``detail.reason`` ``why`` (``steered``, ``worker_shutdown``; none for a cancel, whose reason is the run's);
+    the assistant turn it would have made is dropped. ``partial``: what a streamed answer had said by then,
+    kept as the content (``detail.partial``), but for a hand-over, whose next worker makes the call again."""
+    kept = partial if why != HANDOFF_REASON else ""
+    detail: dict[str, Any] = {"reason": why} if why else {}
+    if kept:
+        detail["partial"] = True
+    return RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
+                   content=kept or _INTERRUPTED[why], detail=detail)
 """``detail.reason`` of a call cut off by a hand-over (docs/architecture.md, "Drain and hand-over")."""
 
 
@@ -271,22 +290,15 @@ class ToolLoop:
         finally:
             text.close()
         duration_ms = _ms(self._clock() - started)
-        if turn is None and error is None and self._hooks.steering:
-            # Cut off by a steer: recorded, and the record's boundary raises SteerRequested.
-            await self._hooks.record(interrupted_model_step(round_number, duration_ms, text.text))
         if turn is None and error is None:
-            # The scope swallowed the cancellation: the call was interrupted on purpose.
-            handing_over = self._hooks.handing_over
-            partial = {"partial": True} if text.chars and not handing_over else {}
-            await self._hooks.record(
-                RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
-                        content="model call interrupted: the worker shut down and handed the run over"
-                        if handing_over else text.text or "model call interrupted by a cancel",
-                        detail={"reason": HANDOFF_REASON} if handing_over else partial)
-            )
+            # The scope swallowed the cancellation: the call was interrupted on purpose. A steer's record
+            # raises SteerRequested at its boundary, a cancel's CancelRequested.
+            handing_over = not self._hooks.steering and self._hooks.handing_over
+            why = STEERED if self._hooks.steering else HANDOFF_REASON if handing_over else None
+            await self._hooks.record(interrupted_model_step(round_number, duration_ms, why, text.text))
             if handing_over:  # the probe found no cancel: the next worker makes this call again
                 raise _HandOverDue
-            # The probe above raises; reaching here means the cancel key could not be read.
+            # The record's probe raises; reaching here means the cancel (or steer) key could not be read.
             raise ProviderError("model call was interrupted but the run's cancel could not be confirmed")
         if error is not None:
             # A streamed answer that broke off keeps what it had said, as a failed step (never as an answer).

@@ -135,6 +135,12 @@ class RunHooks:
             # message (docs/architecture.md, "Steer: the final answer").
             self._handle.steer_reached(steer)
             raise SteerRequested(self._handle.run_id)
+        if transition.steered:
+            # The steer key holds what no steer wrote (logged steer_unreadable): nothing to go on with, so the
+            # answer stands and the run completes, rather than waiting, running, for the reaper.
+            transition = await durably(
+                lambda: self._store.settle(self._handle.run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED,
+                                           owner=self._handle.owner), within_s=self._lease_s, what="complete")
         if not transition.won:
             log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
         self.completion = transition

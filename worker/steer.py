@@ -21,22 +21,12 @@ STEERED = StepReason.STEERED.value
 
 CUT_OFF = "the call was cut off: the run was steered with a new message"
 NOT_STARTED = "the call was not made: the run was steered with a new message first"
-MODEL_INTERRUPTED = "model call interrupted by a steer; its answer was dropped"
 
 
 def steered_step(step: RunStep) -> RunStep:
     """A tool step a steer cut off, as recorded: ``cancelled`` (the result said so), reason ``steered``, its
     ``detail.side_effects`` kept."""
     return replace(step, content=CUT_OFF, detail={**step.detail, "reason": STEERED})
-
-
-def interrupted_model_step(round_number: int, duration_ms: int, partial: str = "") -> RunStep:
-    """The step of a model call a steer cut off: ``interrupted`` (the timeline's ``cancelled``), reason
-    ``steered``; the assistant turn it would have made is dropped. ``partial``: what a streamed answer had said
-    by then, kept as the step's content (``detail.partial``), as a cancel keeps it."""
-    return RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
-                   content=partial or MODEL_INTERRUPTED,
-                   detail={"reason": STEERED, "partial": True} if partial else {"reason": STEERED})
 
 
 def answer_unanswered(messages: list[Message], round_number: int) -> list[RunStep]:

@@ -59,6 +59,13 @@ MAX_SPEC_CACHE: Final = 10_000
 """Runs whose ``notify`` is remembered between rounds."""
 SWEEP_S: Final = 60.0
 """How often deliveries older than the retention are deleted."""
+PACE_S: Final = 0.05
+"""After a round that read less than a batch and started no delivery, the wait before the next: events then
+come in batches, not one round of five Redis round trips each (a worker spent a tenth of a core on that,
+docs/benchmarks.md, "Overhead against a hand-written peer"). A delivery waits up to this much longer."""
+IDLE_PACE_S: Final = 1.0
+"""The same wait while the catalog names no webhook: the entries are only acknowledged, so the outbox can be
+trimmed."""
 
 
 def backoff_s(attempts: int, settings: Settings) -> float:
@@ -133,8 +140,10 @@ class WebhookDispatcher(OutboxReader):
         catalog = self._current_catalog()
         sent = self._send_due(self._client, self._pool, catalog)
         queued = self._queue_new(catalog, block=not sent)
-        if not sent and not queued and self._store.cluster:
-            self._stopping.wait(0.1)
+        if not catalog.webhooks:
+            self._stopping.wait(IDLE_PACE_S)
+        elif not sent and queued < BATCH:
+            self._stopping.wait(PACE_S if queued or not self._store.cluster else 0.1)
         if time.monotonic() > self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP_S
             self._sweep()
