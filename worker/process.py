@@ -178,7 +178,10 @@ def _replace_dead(parts: list[Part]) -> None:
 
 HANDOVER_WAIT_S = 10.0
 """How long the runs asked to hand over get to reach their next boundary and write it (each cut-off call
-is recorded first)."""
+is recorded first), plus ``HANDOVER_WAIT_PER_RUN_S`` for each."""
+HANDOVER_WAIT_PER_RUN_S = 0.005
+"""2,000 runs of one process, their calls reporting progress every second, took 7.3 s to hand over on a
+2-core machine (docs/benchmarks.md, "Scale"): 20 s for them."""
 
 
 def drain(intake: Intake, registry: ActiveRuns, *, drain_s: float, hurry: threading.Event) -> None:
@@ -198,7 +201,7 @@ def drain(intake: Intake, registry: ActiveRuns, *, drain_s: float, hurry: thread
         return
     asked = registry.hand_over_all()
     log.warning("worker_handing_over", runs=asked, drain_s=drain_s)
-    if not intake.wait_idle(HANDOVER_WAIT_S):
+    if not intake.wait_idle(HANDOVER_WAIT_S + HANDOVER_WAIT_PER_RUN_S * asked):
         log.error("worker_handover_incomplete", runs=intake.in_flight,
                   action="the runs left are failed worker_shutdown as the worker stops")
 
