@@ -187,11 +187,12 @@ def spec_for(shape: str, index: int) -> RunSpec:
     """The run spec of run ``index``.
 
     A ``cancel`` run calls ``slow`` twice: a run handed over before its cancel came resumes with the second
-    call, which is then cancelled (with one call it would go on to its answer and complete)."""
+    call, which is then cancelled (with one call it would go on to its answer and complete). So does a
+    ``budgeted`` one: handed over before its deadline, it resumes with a call the deadline cuts off."""
     if shape in SLOW_SHAPES:
         call = {"server": SERVER_NAME, "tool": "slow", "arguments": {"seconds": slow_seconds(shape, index)}}
         turns: list[dict[str, Any]] = [{"tool_calls": [call]}, {"content": "done"}]
-        if shape == "cancel":
+        if shape in ("cancel", "budgeted"):
             turns.insert(0, {"tool_calls": [call]})
         elif shape == "steered":
             turns.append({"content": "done"})  # steered in its answer's round (just handed over), it answers again

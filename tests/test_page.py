@@ -168,6 +168,12 @@ def test_the_page_steers_a_running_run_with_a_new_message_and_shows_the_steer_in
     page.get_by_test_id("steer").click()
     page.get_by_test_id("steer-input").fill("Nimm lieber den Zug")
     page.get_by_test_id("reason").fill("Flug ausgebucht")
+    # The page draws the run again at each of its events (the call reports progress every second): what was
+    # typed stays (it was lost, and the steer sent empty and refused, before the form kept a draft).
+    reported = page.get_by_test_id("progress").inner_text()
+    expect(page.get_by_test_id("progress")).not_to_have_text(reported, timeout=TIMEOUT_MS)
+    expect(page.get_by_test_id("steer-input")).to_have_value("Nimm lieber den Zug")
+    expect(page.get_by_test_id("reason")).to_have_value("Flug ausgebucht")
     page.get_by_test_id("confirm").click()
 
     # The worker's part (the cut-off, the steer, the next model call) on a loaded machine: the page's own bound.

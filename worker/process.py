@@ -181,7 +181,7 @@ HANDOVER_WAIT_S = 10.0
 is recorded first), plus ``HANDOVER_WAIT_PER_RUN_S`` for each."""
 HANDOVER_WAIT_PER_RUN_S = 0.005
 """2,000 runs of one process, their calls reporting progress every second, took 7.3 s to hand over on a
-2-core machine (docs/benchmarks.md, "Scale"): 20 s for them."""
+2-core machine (docs/benchmarks.md, "Scale (`bench/scale.py`)"): 20 s for them."""
 
 
 def drain(intake: Intake, registry: ActiveRuns, *, drain_s: float, hurry: threading.Event) -> None:

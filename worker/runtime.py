@@ -555,7 +555,7 @@ class Runtime:
         worker interrupts what is left. Not anyio's worker threads: each of those opens a connection of its
         own, and each call of ``anyio.to_thread`` walks every task of the loop (``find_root_task``, on a loop
         Dramatiq runs with ``run_forever``): with 2,000 runs in flight a stop handed over 570 runs in 10 s
-        (docs/benchmarks.md, "Scale")."""
+        (docs/benchmarks.md, "Scale (`bench/scale.py`)")."""
         assert self._sender is not None
         if self._sending is None:
             self._sending = ThreadPoolExecutor(SENDER_THREADS, thread_name_prefix="runbrake-sender")

@@ -61,8 +61,9 @@ SWEEP_S: Final = 60.0
 """How often deliveries older than the retention are deleted."""
 PACE_S: Final = 0.05
 """After a round that read less than a batch and started no delivery, the wait before the next: events then
-come in batches, not one round of five Redis round trips each (a worker spent a tenth of a core on that,
-docs/benchmarks.md, "Overhead against a hand-written peer"). A delivery waits up to this much longer."""
+come in batches, not one round of five Redis round trips each (a worker spent a tenth of a core on that:
+docs/benchmarks.md, "Overhead against a hand-written peer (`bench/overhead.py`)"). A delivery waits up to
+this much longer."""
 IDLE_PACE_S: Final = 1.0
 """The same wait while the catalog names no webhook: the entries are only acknowledged, so the outbox can be
 trimmed."""

@@ -453,14 +453,19 @@ function runView(runId) {
 
   // A finished run is carried on by a new run (docs/usage.md, "Continue a finished run"): its page opens.
   function continueForm() {
+    const draft = state.draft;
     const input = el("textarea", { rows: 3, maxlength: 100000, "data-testid": "continue-input",
-      "aria-label": t("continue.input") });
+      "aria-label": t("continue.input"), oninput: (event) => { draft.text = event.target.value; } });
+    input.value = draft.text;
     const form = el("form", { class: "decision", "data-testid": "continue-form",
       onsubmit: (event) => { event.preventDefault(); continueRun(input.value); } },
     el("label", {}, t("continue.input") + ": "), input, " ",
     el("button", { type: "submit", class: "action go", "data-testid": "continue-send" }, t("continue.send")), " ",
     el("button", { type: "button", class: "action", onclick: () => { state.deciding = null; render(); } }, t("action.back")));
-    setTimeout(() => input.focus(), 0);
+    if (draft.focus) {
+      draft.focus = false;
+      setTimeout(() => input.focus(), 0);
+    }
     return form;
   }
 
@@ -484,17 +489,31 @@ function runView(runId) {
   }
 
   function decisionForm() {
-    const input = el("input", { type: "text", maxlength: 1000, "data-testid": "reason", "aria-label": t("reason") });
+    // Drawn again at every event of the run (a call's progress, each second): what was typed is kept in
+    // state.draft, and the focus is given once, when the form opens.
+    const draft = state.draft;
+    const input = el("input", { type: "text", maxlength: 1000, "data-testid": "reason", "aria-label": t("reason"),
+      oninput: (event) => { draft.reason = event.target.value; }, onfocus: () => { draft.focused = "reason"; } });
+    input.value = draft.reason;
     // A steer's new message (docs/http-api.md, "Steer a run"), sent with the reason.
     const text = state.deciding === "steer"
-      ? el("textarea", { rows: 3, "data-testid": "steer-input", "aria-label": t("steer.input") }) : null;
+      ? el("textarea", { rows: 3, "data-testid": "steer-input", "aria-label": t("steer.input"),
+          oninput: (event) => { draft.text = event.target.value; },
+          onfocus: () => { draft.focused = "steer-input"; } }) : null;
+    if (text) text.value = draft.text;
     const form = el("form", { class: "decision", "data-testid": "decision",
       onsubmit: (event) => { event.preventDefault(); submit(state.deciding, input.value, text && text.value); } },
     text ? [el("label", {}, t("steer.input") + ": "), text, el("br")] : null,
     el("label", {}, t("reason") + " (" + t("action." + state.deciding) + "): "), input, " ",
     el("button", { type: "submit", class: "action", "data-testid": "confirm" }, t("action.confirm")), " ",
     el("button", { type: "button", class: "action", onclick: () => { state.deciding = null; render(); } }, t("action.back")));
-    setTimeout(() => (text || input).focus(), 0);
+    if (draft.focus) {
+      draft.focus = false;
+      setTimeout(() => (text || input).focus(), 0);
+    } else if (draft.focused) {
+      const again = draft.focused === "reason" ? input : text;
+      if (again) setTimeout(() => again.focus(), 0);
+    }
     return form;
   }
 
@@ -563,7 +582,12 @@ function runView(runId) {
     for (const bar of main.querySelectorAll("[data-share]")) bar.style.width = bar.dataset.share + "%";
   }
 
-  function decide(action) { state.deciding = action; state.message = null; render(); }
+  function decide(action) {
+    state.deciding = action;
+    state.draft = { text: "", reason: "", focus: true, focused: null };
+    state.message = null;
+    render();
+  }
 
   async function submit(action, reason, text) {
     const body = action === "steer" ? { input: text || "", reason } : (reason ? { reason } : {});
