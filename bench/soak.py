@@ -410,8 +410,11 @@ def redis_sample(bench: Bench) -> dict[str, Any]:
         for key in keys:
             pipe.memory_usage(key, samples=0)
         usage = pipe.execute()
+    # By kind (the key's part after the namespace: run, steps, idem, …): which kind a growth is made of.
+    kinds = Counter(str(key.decode() if isinstance(key, bytes) else key)[len(bench.namespace) + 1:].split(":")[0]
+                    for key in keys)
     return {"used_memory": int(client.info("memory")["used_memory"]), "namespace_keys": len(keys),
-            "namespace_bytes": sum(int(u or 0) for u in usage)}
+            "namespace_bytes": sum(int(u or 0) for u in usage), "namespace_key_kinds": dict(kinds)}
 
 
 def queue_depths(bench: Bench) -> dict[str, int | None]:
