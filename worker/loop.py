@@ -99,6 +99,7 @@ class LoopEndKind(StrEnum):
 
 
 HANDOFF_REASON = TerminationReason.WORKER_SHUTDOWN.value
+"""``detail.reason`` of a call cut off by a hand-over (docs/architecture.md, "Drain and hand-over")."""
 _INTERRUPTED = {
     None: "model call interrupted by a cancel",
     STEERED: "model call interrupted by a steer; its answer was dropped",
@@ -118,7 +119,6 @@ def interrupted_model_step(round_number: int, duration_ms: int, why: str | None,
         detail["partial"] = True
     return RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
                    content=kept or _INTERRUPTED[why], detail=detail)
-"""``detail.reason`` of a call cut off by a hand-over (docs/architecture.md, "Drain and hand-over")."""
 
 
 class _HandOverDue(Exception):

@@ -340,7 +340,8 @@ class Runtime:
         self._admission = admission
         self._sender = sender
         """Sends a handed-over run's message (None: the re-drive sends it, RUNBRAKE_REDRIVE_S later)."""
-        self._sending: ThreadPoolExecutor | None = None
+        self._sending = ThreadPoolExecutor(SENDER_THREADS, thread_name_prefix="runbrake-sender")
+        """Where ``_send`` sends from (its threads start at the first send)."""
         self.subscribers = Subscribers(default_subscribers(store, settings) if subscribers is None else subscribers)
 
     async def execute(
@@ -557,8 +558,6 @@ class Runtime:
         Dramatiq runs with ``run_forever``): with 2,000 runs in flight a stop handed over 570 runs in 10 s
         (docs/benchmarks.md, "Scale (`bench/scale.py`)")."""
         assert self._sender is not None
-        if self._sending is None:
-            self._sending = ThreadPoolExecutor(SENDER_THREADS, thread_name_prefix="runbrake-sender")
         sent = self._sending.submit(functools.partial(self._sender.send, run_id, resume=resume))
         with anyio.CancelScope(shield=True):
             await asyncio.wrap_future(sent)
