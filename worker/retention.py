@@ -23,12 +23,18 @@ log = structlog.get_logger(__name__)
 MAX_SWEEP_INTERVAL_S = 30.0
 
 
+def sweep_interval_s(retention_s: float) -> float:
+    """How often a sweeper deletes what is due: every half retention, from 0.5 s to 30 s. A finished run's
+    record is therefore kept its retention and at most one interval more (each tick waits its interval after
+    the one before, so the ticks of a process drift by their own duration)."""
+    return min(MAX_SWEEP_INTERVAL_S, max(0.5, retention_s / 2))
+
+
 class Sweeper(Periodic):
-    """Deletes the finished runs whose retention ended, every few seconds (at most every half retention)."""
+    """Deletes the finished runs whose retention ended, every few seconds (:func:`sweep_interval_s`)."""
 
     def __init__(self, settings: Settings, store: RunStore) -> None:
-        super().__init__("runbrake-retention-sweeper",
-                         interval_s=min(MAX_SWEEP_INTERVAL_S, max(0.5, settings.retention_s / 2)),
+        super().__init__("runbrake-retention-sweeper", interval_s=sweep_interval_s(settings.retention_s),
                          enabled=settings.retention_s > 0)
         self._store = store
         self._retention_s = settings.retention_s
