@@ -39,8 +39,9 @@ from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
+from tests.ports import free_port
 from tests.test_cli import assert_clean_failure, runbrake, write_spec
-from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+from tests.worker_helpers import WorkerProcess, call, scrape_metrics, spec, wait_for_run
 
 WAIT_S = 30.0
 MODEL = {"provider": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"}
@@ -162,15 +163,23 @@ def test_a_deadline_that_passes_in_a_tool_call_cuts_the_call_off_and_cancels_the
 
 @pytest.mark.integration
 def test_a_token_budget_reached_by_a_model_call_stops_the_run_before_any_further_call(
-    llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer,
+    store: RunStore,
 ) -> None:
+    metrics_port = free_port()
+    worker = start_worker(RUNBRAKE_METRICS_PORT=str(metrics_port))
     llm_mock.server.when("2 + 3").reply(reply(tools=[("toolbox__get-sum", {"a": 2, "b": 3}, "call_1")],
                                               usage=(150, 60)))
     run = producer.enqueue(priced_spec(llm_mock, toolbox_http, budget={"max_total_tokens": 200}))
 
     record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    worker.wait_for_log("run_segment_ended", run_id=run.run_id, outcome="cancelled", timeout=WAIT_S)
 
     stopped_by_budget(record, TerminationReason.BUDGET_EXCEEDED)
+    # The worker's metrics count the run by the reason its record has, not as an operator's cancel.
+    finished = {labels: value for (name, labels), value in scrape_metrics(metrics_port).items()
+                if name == "runbrake_runs_finished_total"}
+    assert finished == {(("reason", "budget_exceeded"), ("status", "cancelled")): 1.0}
     assert record.cancel is not None
     assert "used 210 tokens; its budget is 200" in record.cancel.reason
     assert [s.kind for s in record.steps] == [StepKind.MODEL]

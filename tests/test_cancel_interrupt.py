@@ -16,13 +16,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from runbrake.shared import (
@@ -47,7 +45,7 @@ from tests.mcp_helpers import (
     wait_for_event,
 )
 from tests.polling import poll_until, poll_until_async
-from tests.worker_helpers import WorkerProcess, call, redis_monitor, spec, wait_for_run
+from tests.worker_helpers import WorkerProcess, call, redis_monitor, scrape_metrics, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -284,16 +282,12 @@ def test_the_cancel_latency_and_the_cancelled_tool_call_are_counted_in_the_metri
     worker = start_worker(RUNBRAKE_METRICS_PORT=str(port))
     _cancel_mid_slow(toolbox_http, worker, producer, store, publisher)
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        samples = {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(response.read().decode())
-            for sample in family.samples
-        }
+    samples = scrape_metrics(port)
 
     assert samples[("runbrake_cancel_latency_seconds_count", ())] >= 1
     assert samples[("runbrake_tool_calls_total", (("outcome", "cancelled"), ("server", "toolbox")))] == 1.0
     assert ("runbrake_tool_calls_total", (("outcome", "failed"), ("server", "toolbox"))) not in samples
+    assert samples[("runbrake_runs_finished_total", (("reason", "cancelled"), ("status", "cancelled")))] == 1.0
 
 
 def test_server_health_counts_cancelled_calls_and_argument_errors_apart_from_failures(

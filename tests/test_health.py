@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from dramatiq.asyncio import EventLoopThread, get_event_loop_thread, set_event_loop_thread
 from dramatiq.logging import get_logger
-from prometheus_client.parser import text_string_to_metric_families
 
 from runbrake.shared import RunStore, Settings
 from runbrake.shared.messaging.rabbitmq import build_broker
@@ -30,7 +29,7 @@ from runbrake.worker.health import (
 )
 from tests.polling import poll_until
 from tests.ports import free_port
-from tests.worker_helpers import WorkerProcess
+from tests.worker_helpers import Metrics, WorkerProcess, scrape_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -255,17 +254,12 @@ def test_a_worker_serves_healthz_readyz_and_the_gauges(
     queue = Topology(store.namespace).run_queue
     worker.wait_for_log("queue_depth_sampler_elected", queue=queue)
 
-    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-            return {
-                (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-                for family in text_string_to_metric_families(response.read().decode())
-                for sample in family.samples
-            }
+    def scrape() -> Metrics:
+        return scrape_metrics(metrics_port)
 
     # The first sample may find the queue not declared yet (the worker's consumer declares it); the next
     # round, one check interval later, has it.
-    def with_depth() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+    def with_depth() -> Metrics | None:
         found = scrape()
         return found if ("runbrake_queue_depth", (("queue", queue),)) in found else None
 

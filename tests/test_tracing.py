@@ -40,7 +40,7 @@ from runbrake.shared.messaging.wire import (
     check_run_message,
     run_message,
 )
-from runbrake.shared.spec import OpenAIModel
+from runbrake.shared.spec import OpenAIModel, RunSpec
 from runbrake.shared.status import RunStatus
 from runbrake.worker.cancel_listener import CancelListener
 from runbrake.worker.registry import ActiveRuns
@@ -305,7 +305,42 @@ async def test_a_cancel_continues_its_trace_through_the_cancel_message_to_the_in
     attributes: dict[str, Any] = dict(event.attributes or {})
     assert attributes["runbrake.cancel.requested_by"] == "tracing-test"
     assert 0 <= attributes["runbrake.cancel.latency_ms"] < 60_000
-    assert _named(recorded, "runbrake.run.segment").attributes["runbrake.segment.outcome"] == "cancelled"
+    segment = _named(recorded, "runbrake.run.segment")
+    assert segment.attributes["runbrake.segment.outcome"] == "cancelled"
+    assert segment.attributes["runbrake.run.termination_reason"] == "cancelled"
+
+
+@pytest.mark.integration
+@pytest.mark.anyio
+@pytest.mark.parametrize(("bound", "reason"), [("deadline_s", "deadline_exceeded"),
+                                               ("max_total_tokens", "budget_exceeded")])
+async def test_the_segment_span_of_a_run_its_budget_stopped_has_the_budgets_reason_not_an_operators_cancel(
+    bound: str, reason: str, spans: InMemorySpanExporter, settings: Settings, store: RunStore,
+    async_store: AsyncRunStore, toolbox_http: Toolbox, request: pytest.FixtureRequest,
+) -> None:
+    """The deadline's timer fences from a task of its own while a call runs; a model call's tokens fence in the
+    segment's task: either way the span says the reason the record has (docs/usage.md, "Budgets")."""
+    if bound == "deadline_s":
+        run_spec = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=60)]},
+                                                         {"content": "never reached"}], budget={"deadline_s": 2})
+    else:
+        llm_mock: LlmMock = request.getfixturevalue("llm_mock")
+        llm_mock.server.when("2 + 3").reply(reply(tools=[("toolbox__get-sum", {"a": 2, "b": 3}, "call_1")],
+                                                  usage=(150, 60)))
+        add_to_catalog({"toolbox": toolbox_http.spec},
+                       models={"mock": OpenAIModel(base_url=llm_mock.openai_url, model="gpt-mock")})
+        run_spec = RunSpec.parse({"input": "What is 2 + 3?", "model": "mock", "mcp_servers": ["toolbox"],
+                                  "budget": {"max_total_tokens": 200}})
+    run_id = store.create(run_spec.raw).run_id
+
+    outcome = await _traced_runtime(settings, async_store, ActiveRuns()).execute(run_id)
+
+    assert outcome is RunOutcome.CANCELLED
+    record = store.get(run_id)
+    assert (record.status.value, record.termination_reason.value) == ("cancelled", reason)
+    segment = _named(spans.get_finished_spans(), "runbrake.run.segment")
+    assert {key: segment.attributes[key] for key in ("runbrake.run.status", "runbrake.run.termination_reason")} == {
+        "runbrake.run.status": "cancelled", "runbrake.run.termination_reason": reason}
 
 
 @pytest.mark.integration

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from typing import Any
 import pika
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from runbrake.shared import RunRecord, RunSpec, RunStore, Settings
 from runbrake.shared.catalog import Admission
@@ -143,6 +145,20 @@ def spec(servers: Mapping[str, Any], turns: list[dict[str, Any]], **extra: Any) 
 
 def call(tool: str, server: str = "toolbox", **arguments: Any) -> dict[str, Any]:
     return {"server": server, "tool": tool, "arguments": arguments}
+
+
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""A scrape of /metrics: (sample name, its labels sorted) → value."""
+
+
+def scrape_metrics(port: int) -> Metrics:
+    """What a worker's /metrics (``RUNBRAKE_METRICS_PORT``) serves now."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.read().decode())
+            for sample in family.samples
+        }
 
 
 def wait_for_run(

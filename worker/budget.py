@@ -49,6 +49,9 @@ class BudgetGuard:
         self.cost_usd = cost_usd
         """What the run cost so far, all segments together (0 when the model has no prices)."""
         self._clock = clock
+        self.stopped: TerminationReason | None = None
+        """Why this guard stopped the run, once its fence won (``deadline_exceeded``, ``budget_exceeded``);
+        None while it has not (a cancel that won first stays the operator's)."""
         self._timer: asyncio.TimerHandle | None = None
         self._fence: asyncio.Task[None] | None = None
 
@@ -160,6 +163,7 @@ class BudgetGuard:
         transition = await self._store.cancel(self._run_id, reason=reason, requested_by=BUDGET_REQUESTER,
                                               termination=termination)
         if transition.won:
+            self.stopped = termination
             log.info("run_budget_reached", run_id=self._run_id, reason=termination.value, detail=reason)
         elif transition.found is not RunStatus.CANCELLED:
             return False

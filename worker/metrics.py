@@ -30,8 +30,10 @@ MODEL_TOKENS = Counter(
     ["model", "kind"], registry=REGISTRY,
 )
 RUNS_FINISHED = Counter(
-    "runbrake_runs_finished_total", "Run segments this worker ended, by the run's status.",
-    ["status"], registry=REGISTRY,
+    "runbrake_runs_finished_total",
+    "Run segments this worker ended, by the run's status and termination reason (reason empty for a run another "
+    "writer ended first, for a reason this worker did not learn).",
+    ["status", "reason"], registry=REGISTRY,
 )
 MESSAGES_SKIPPED = Counter(
     "runbrake_messages_skipped_total", "Run messages acked as no-ops (duplicate, stale or no longer queued).",
@@ -105,7 +107,7 @@ class MetricsSubscriber(Subscriber):
                 CANCEL_LATENCY.observe(max(0.0, step.recorded_at - request.requested_at))
 
     def after_settle(self, run_id: str, status: RunStatus, reason: TerminationReason | None) -> None:
-        RUNS_FINISHED.labels(status=status.value).inc()
+        RUNS_FINISHED.labels(status=status.value, reason="" if reason is None else reason.value).inc()
 
 
 def watch_process(active_runs: Sized, listener_ready: threading.Event) -> None:

@@ -392,6 +392,7 @@ class Runtime:
             return outcome
 
     async def _ladder(self, run_id: str, owner: str, handle: RunHandle, claim: Claim, *, resume: bool) -> RunOutcome:
+        budget: BudgetGuard | None = None
         try:
             # Checked again here: a producer can be bypassed by publishing to the queue directly.
             # A refused spec starts no process and opens no connection (docs/security.md).
@@ -414,7 +415,7 @@ class Runtime:
                 async with nullcontext() if budget is None else budget.watching():
                     end = await self._run_loop(admitted, state, hooks)
         except BaseException as exc:  # noqa: BLE001 - every way a segment ends early, mapped in one place: ending_of
-            return await self._ended_by(run_id, owner, exc)
+            return await self._ended_by(run_id, owner, exc, stopped_by=None if budget is None else budget.stopped)
         if end.kind is LoopEndKind.SUSPENDED:
             return await self._suspend(run_id, owner, end)
         if end.kind is LoopEndKind.HANDOFF:
@@ -425,21 +426,24 @@ class Runtime:
         transition = hooks.completion
         assert transition is not None  # the loop completed through hooks.complete
         if not transition.won:
-            return self._lost(run_id, transition.found)
+            return self._lost(run_id, transition.found, stopped_by=None if budget is None else budget.stopped)
         return self._settled(run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED)
 
-    async def _ended_by(self, run_id: str, owner: str, exc: BaseException) -> RunOutcome:
+    async def _ended_by(self, run_id: str, owner: str, exc: BaseException, *,
+                        stopped_by: TerminationReason | None = None) -> RunOutcome:
         """End the segment as ``exc`` says (:func:`ending_of`): log it, settle the run unless the ending says
-        not to, and re-raise what stops the worker itself."""
+        not to, and re-raise what stops the worker itself. ``stopped_by``: the reason the segment's budget
+        stopped the run with, when its fence won (worker/budget.py, ``BudgetGuard.stopped``)."""
         ending = ending_of(exc)
         if ending.reason is TerminationReason.LEASE_LOST:
             # The run was reaped (this worker looked dead) or taken over: it is not ours to write any more.
             log.warning("run_ownership_lost", owner=owner)
             return RunOutcome.LOST
         if ending.reason is TerminationReason.CANCELLED:
-            # The cancel already won the terminal transition: nothing to settle.
+            # The cancel (an operator's, or the budget's own fence) already won the terminal transition: nothing
+            # to settle; the subscribers hear the reason that transition recorded.
             log.info("run_cancelled_at_boundary")
-            self.subscribers.settle(run_id, RunStatus.CANCELLED, TerminationReason.CANCELLED)
+            self.subscribers.settle(run_id, RunStatus.CANCELLED, stopped_by or TerminationReason.CANCELLED)
             return RunOutcome.CANCELLED
         error = ending.error
         if ending.reason is TerminationReason.SPEC_REFUSED:
@@ -577,10 +581,11 @@ class Runtime:
         log.debug("run_settled", status=status.value, reason=reason.value)
         return RunOutcome.COMPLETED if status is RunStatus.COMPLETED else RunOutcome.FAILED
 
-    def _lost(self, run_id: str, found: RunStatus) -> RunOutcome:
-        # Terminal is terminal: a cancel (or another writer) ended the run first; the store logged it.
+    def _lost(self, run_id: str, found: RunStatus, *, stopped_by: TerminationReason | None = None) -> RunOutcome:
+        # Terminal is terminal: a cancel (or another writer) ended the run first; the store logged it. Its reason
+        # is known here only when it was this segment's budget (``stopped_by``).
         log.info("run_settle_lost", found=found.value)
         if found is RunStatus.CANCELLED:
-            self.subscribers.settle(run_id, RunStatus.CANCELLED, None)
+            self.subscribers.settle(run_id, RunStatus.CANCELLED, stopped_by)
             return RunOutcome.CANCELLED
         return RunOutcome.LOST
