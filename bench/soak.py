@@ -413,7 +413,7 @@ def redis_sample(bench: Bench, *, sweep_s: float) -> dict[str, Any]:
     its runs within their retention and that plus one interval of runs: at 5 runs a second and a 60 s
     retention, 310 and 445 runs, 30 s apart. A sample every 30 s reads one point of that saw, and the point
     moves when a sweeper's ticks shift (a restart, a slow tick): a step in the count that is no growth (the
-    hour of 2026-12-04, docs/benchmarks.md, "Soak: the hour"). The steady figures leave out the runs due for
+    hour of 2026-12-04, docs/benchmarks.md, "Soak: Redis's saw"). The steady figures leave out the runs due for
     at most two intervals, which the next tick deletes; a run due for longer (``overdue_runs``: the sweepers
     fell behind) stays in them, so what the sweepers leave behind still shows as growth.
     """
