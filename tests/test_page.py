@@ -102,6 +102,11 @@ def test_the_page_shows_a_run_live_with_progress_and_cancels_it_in_german(
 
     page.get_by_test_id("cancel").click()
     page.get_by_test_id("reason").fill("Test: zu langsam")
+    # The page is drawn again at each progress event; the open form stays the same nodes, the focus where it was.
+    page.get_by_test_id("confirm").evaluate("button => { button.dataset.mark = 'drawn once'; }")
+    expect(page.get_by_test_id("progress")).not_to_have_text(page.get_by_test_id("progress").inner_text())
+    expect(page.locator("[data-testid=confirm][data-mark]")).to_have_count(1)
+    assert page.evaluate("document.activeElement.dataset.testid") == "reason"
     page.get_by_test_id("confirm").click()
 
     expect(page.get_by_test_id("run-status")).to_have_text("abgebrochen")
@@ -269,6 +274,12 @@ def test_the_page_shows_the_answer_as_it_streams_in_and_keeps_what_a_cancel_cut_
     expect(forming).to_contain_text("antwortet…")
     expect(page.get_by_test_id("forming-text")).to_contain_text("word word")
     screenshot(page, "runs-page-streaming-de.png")
+    # Ten deltas a second: the cancel button stays the node it was (one drawn anew between a click's press and
+    # release lost that click, CI of 2026-12-05), and the answer grows in its cell.
+    page.get_by_test_id("cancel").evaluate("button => { button.dataset.mark = 'drawn once'; }")
+    length = "document.querySelector('[data-testid=forming-text]').textContent.length"
+    page.wait_for_function(f"n => {length} > n", arg=page.evaluate(length))
+    expect(page.locator("[data-testid=cancel][data-mark]")).to_have_count(1)
     page.get_by_test_id("cancel").click()
     page.get_by_test_id("confirm").click()
 

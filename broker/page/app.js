@@ -427,6 +427,19 @@ function runView(runId) {
     state.forming = f && f.round === delta.round ? { round: f.round, text: f.text + delta.text } : { round: delta.round, text: delta.text };
   }
 
+  // The page is drawn again at every event of the run; the parts a user acts on are kept, node for node, while
+  // what they show is unchanged (key). A button drawn anew between the press and the release of a click loses
+  // that click: the press was on a node no longer there.
+  const kept = new Map();
+  let opened = 0;  // forms opened, so that a form opened again is drawn anew, empty
+  function keep(name, key, build) {
+    const last = kept.get(name);
+    if (last && last.key === key) return last.node;
+    const node = build();
+    kept.set(name, { key, node });
+    return node;
+  }
+
   function actions() {
     const box = el("div", { class: "actions" });
     if (state.status && !TERMINAL.has(state.status)) {
@@ -489,17 +502,16 @@ function runView(runId) {
   }
 
   function decisionForm() {
-    // Drawn again at every event of the run (a call's progress, each second): what was typed is kept in
-    // state.draft, and the focus is given once, when the form opens.
+    // Kept across the redraws at each event of the run (see keep); what was typed is also kept in state.draft,
+    // for the form a change of language draws anew.
     const draft = state.draft;
     const input = el("input", { type: "text", maxlength: 1000, "data-testid": "reason", "aria-label": t("reason"),
-      oninput: (event) => { draft.reason = event.target.value; }, onfocus: () => { draft.focused = "reason"; } });
+      oninput: (event) => { draft.reason = event.target.value; } });
     input.value = draft.reason;
     // A steer's new message (docs/http-api.md, "Steer a run"), sent with the reason.
     const text = state.deciding === "steer"
       ? el("textarea", { rows: 3, "data-testid": "steer-input", "aria-label": t("steer.input"),
-          oninput: (event) => { draft.text = event.target.value; },
-          onfocus: () => { draft.focused = "steer-input"; } }) : null;
+          oninput: (event) => { draft.text = event.target.value; } }) : null;
     if (text) text.value = draft.text;
     const form = el("form", { class: "decision", "data-testid": "decision",
       onsubmit: (event) => { event.preventDefault(); submit(state.deciding, input.value, text && text.value); } },
@@ -510,9 +522,6 @@ function runView(runId) {
     if (draft.focus) {
       draft.focus = false;
       setTimeout(() => (text || input).focus(), 0);
-    } else if (draft.focused) {
-      const again = draft.focused === "reason" ? input : text;
-      if (again) setTimeout(() => again.focus(), 0);
     }
     return form;
   }
@@ -540,6 +549,7 @@ function runView(runId) {
   }
 
   function render() {
+    const focused = document.activeElement;  // in a kept part (keep), it has the focus again after the redraw
     main.replaceChildren();
     main.append(el("p", {}, el("a", { href: "#/" }, "← " + t("back"))));
     main.append(el("h1", {}, label("run.run") + " ", el("code", {}, runId)));
@@ -568,9 +578,12 @@ function runView(runId) {
     }
     const budget = budgetParts({ ...run, status: state.status || run.status });
     if (budget.length) facts.append(el("dt", {}, label("run.budget")), el("dd", { "data-testid": "run-budget" }, budget));
-    main.append(...[facts, threadBox(), conversation(run), pendingBox(), actions()].filter(Boolean));
-    if (state.deciding === "continue") main.append(continueForm());
-    else if (state.deciding) main.append(decisionForm());
+    main.append(...[facts, threadBox(), conversation(run), pendingBox(),
+      keep("actions", [lang, state.status, state.message].join("|"), actions)].filter(Boolean));
+    if (state.deciding) {
+      const key = [lang, state.deciding, state.draft.opened].join("|");
+      main.append(keep("form", key, state.deciding === "continue" ? continueForm : decisionForm));
+    }
     const rows = sortedSteps().map(stepRow);
     const flight = inFlight();
     if (flight) rows.push(inFlightRow(flight));
@@ -580,11 +593,12 @@ function runView(runId) {
       ...["column.sequence", "column.round", "column.kind", "column.duration", "column.outcome", "column.detail"]
         .map((key) => el("th", {}, label(key))))), el("tbody", {}, rows)));
     for (const bar of main.querySelectorAll("[data-share]")) bar.style.width = bar.dataset.share + "%";
+    if (focused !== document.activeElement && main.contains(focused)) focused.focus();
   }
 
   function decide(action) {
     state.deciding = action;
-    state.draft = { text: "", reason: "", focus: true, focused: null };
+    state.draft = { text: "", reason: "", focus: true, opened: ++opened };
     state.message = null;
     render();
   }
@@ -627,7 +641,13 @@ function runView(runId) {
         if (changed) refresh(); else render();
       },
       progress: (progress) => { state.progress = progress; render(); },
-      delta: (delta) => { addDelta(delta); render(); },
+      delta: (delta) => {
+        addDelta(delta);
+        // Ten or more a second while an answer streams: the growing answer is written in place, the rest of the
+        // page is left as it is (render draws it anew when the round is new).
+        const cell = main.querySelector(`[data-testid=forming][data-round="${delta.round}"] [data-testid=forming-text] > bdi`);
+        if (cell) cell.textContent = state.forming.text; else render();
+      },
       end: () => { setConnection(""); refresh(); },
     });
   });
