@@ -239,6 +239,14 @@ def test_the_page_shows_what_a_run_is_asked_what_it_answers_and_what_it_cost_and
     expect(row.get_by_test_id("run-tokens")).to_have_text("230")
     expect(row.get_by_test_id("run-duration")).to_have_text(ELAPSED)
 
+    # A new run draws the list again: a filter being typed keeps its text and focus, an unchanged row its node.
+    page.get_by_test_id("filter-label").fill("team:ac")
+    row.evaluate("tr => { tr.dataset.mark = 'drawn once'; }")
+    third = httpx2.post(f"{api.url}/v1/runs", json={**asked, "labels": {"team": "initech"}}).json()["run_id"]
+    expect(page.locator(f"[data-run-id='{third}']")).to_have_count(1)
+    expect(page.locator(f"[data-run-id='{acme}'][data-mark]")).to_have_count(1)
+    expect(page.get_by_test_id("filter-label")).to_have_value("team:ac")
+    expect(page.get_by_test_id("filter-label")).to_be_focused()
     page.get_by_test_id("filter-label").fill("team:acme")
     page.get_by_test_id("filter-apply").click()
     expect(page.locator(f"[data-run-id='{other}']")).to_have_count(0)

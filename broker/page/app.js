@@ -240,6 +240,31 @@ class EventStream {
 
 function setConnection(text) { document.getElementById("connection").textContent = text; }
 
+// A view draws its page again at every event it gets (several a second on a busy system); the parts a user
+// acts on are kept, node for node, while what they show (key) is unchanged. A button drawn anew between the
+// press and the release of a click loses the click, a field drawn anew what was typed in it and the focus.
+// Each drawing starts with keep.drawing(): what the drawing before did not use is let go.
+function keeper() {
+  let kept = new Map(), used = new Map();
+  function keep(name, key, build) {
+    const last = kept.get(name);
+    const entry = last && last.key === key ? last : { key, node: build() };
+    used.set(name, entry);
+    return entry.node;
+  }
+  keep.drawing = () => { kept = used; used = new Map(); };
+  return keep;
+}
+
+// Draws a view's page again with draw(), the focus given back to a kept field that had it.
+function redraw(main, keep, draw) {
+  const focused = document.activeElement;
+  keep.drawing();
+  main.replaceChildren();
+  draw();
+  if (focused !== document.activeElement && main.contains(focused)) focused.focus();
+}
+
 // -- the list of runs -----------------------------------------------------------------------------
 
 function listView() {
@@ -247,6 +272,7 @@ function listView() {
   const filter = { status: params.get("status") || "", labels: params.getAll("label") };
   const state = { runs: [], error: null };
   const main = document.getElementById("main");
+  const keep = keeper();
   let stream = null;
 
   function query() {
@@ -285,13 +311,8 @@ function listView() {
     });
   }
 
-  function render() {
-    main.replaceChildren();
-    main.append(el("h1", {}, t("runs.title")), filterForm());
-    if (state.error) main.append(el("p", { class: "error" }, state.error));
-    const runs = state.runs.filter(matches);
-    if (!runs.length) { main.append(el("p", { class: "empty" }, t("runs.empty"))); return; }
-    const rows = runs.map((run) => el("tr", {
+  function runRow(run) {
+    return el("tr", {
       class: "run-row", "data-testid": "run-row", "data-run-id": run.run_id,
       onclick: () => { location.hash = "#/runs/" + run.run_id; },
     },
@@ -302,7 +323,21 @@ function listView() {
     el("td", { "data-testid": "run-labels" }, labelChips(run.labels)),
     el("td", { class: "num", "data-testid": "run-duration" }, duration(run)),
     el("td", { class: "num", "data-testid": "run-tokens" }, run.usage ? run.usage.total_tokens : ""),
-    el("td", {}, when(run.created_at))));
+    el("td", {}, when(run.created_at)));
+  }
+
+  function render() { redraw(main, keep, draw); }
+
+  function draw() {
+    main.append(el("h1", {}, t("runs.title")), keep("filters", lang, filterForm));
+    if (state.error) main.append(el("p", { class: "error" }, state.error));
+    const runs = state.runs.filter(matches);
+    if (!runs.length) { main.append(el("p", { class: "empty" }, t("runs.empty"))); return; }
+    const rows = runs.map((run) => {
+      const row = keep("run " + run.run_id, lang + JSON.stringify(run), () => runRow(run));
+      row.querySelector("[data-testid=run-duration]").textContent = duration(run);  // a running run's grows
+      return row;
+    });
     main.append(el("table", {}, el("thead", {}, el("tr", {},
       el("th", {}, label("run.run")), el("th", {}, label("run.status")), el("th", {}, label("run.reason")),
       el("th", {}, t("runs.input")), el("th", {}, t("runs.labels")), el("th", {}, t("runs.duration")),
@@ -338,6 +373,8 @@ function runView(runId) {
   const state = { run: null, steps: new Map(), status: null, reason: "", progress: null, error: null,
     deciding: null, message: null, forming: null, thread: [] };
   const main = document.getElementById("main");
+  const keep = keeper();
+  let opened = 0;  // forms opened, so that one opened again is drawn anew, empty
   let stream = null;
   const ticker = setInterval(() => {
     const cell = document.querySelector("[data-testid=elapsed]");
@@ -425,19 +462,6 @@ function runView(runId) {
   function addDelta(delta) {
     const f = state.forming;
     state.forming = f && f.round === delta.round ? { round: f.round, text: f.text + delta.text } : { round: delta.round, text: delta.text };
-  }
-
-  // The page is drawn again at every event of the run; the parts a user acts on are kept, node for node, while
-  // what they show is unchanged (key). A button drawn anew between the press and the release of a click loses
-  // that click: the press was on a node no longer there.
-  const kept = new Map();
-  let opened = 0;  // forms opened, so that a form opened again is drawn anew, empty
-  function keep(name, key, build) {
-    const last = kept.get(name);
-    if (last && last.key === key) return last.node;
-    const node = build();
-    kept.set(name, { key, node });
-    return node;
   }
 
   function actions() {
@@ -548,9 +572,9 @@ function runView(runId) {
       el("pre", { "data-testid": "pending-arguments", dir: "ltr" }, user(call.arguments_text)));
   }
 
-  function render() {
-    const focused = document.activeElement;  // in a kept part (keep), it has the focus again after the redraw
-    main.replaceChildren();
+  function render() { redraw(main, keep, draw); }
+
+  function draw() {
     main.append(el("p", {}, el("a", { href: "#/" }, "← " + t("back"))));
     main.append(el("h1", {}, label("run.run") + " ", el("code", {}, runId)));
     if (state.error) { main.append(el("p", { class: "error", "data-testid": "error" }, state.error)); return; }
@@ -593,7 +617,6 @@ function runView(runId) {
       ...["column.sequence", "column.round", "column.kind", "column.duration", "column.outcome", "column.detail"]
         .map((key) => el("th", {}, label(key))))), el("tbody", {}, rows)));
     for (const bar of main.querySelectorAll("[data-share]")) bar.style.width = bar.dataset.share + "%";
-    if (focused !== document.activeElement && main.contains(focused)) focused.focus();
   }
 
   function decide(action) {
