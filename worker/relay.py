@@ -108,9 +108,13 @@ class ConfirmedPublisher:
         """
         exchange = self._topology.events_exchange
         for message in messages:
-            self._channel.basic_publish(exchange, message.routing_key, message.body, message.properties)
+            # Counted before it is sent: basic_publish services the connection until the message is written and
+            # handles what came in meanwhile, which can be this message's own confirm (a thread that runs again
+            # only after RabbitMQ answered, on a loaded machine). Counted after, that confirm found nothing to
+            # clear and the batch waited for it until CONFIRM_TIMEOUT_S.
             self._tag += 1
             self._unconfirmed.add(self._tag)
+            self._channel.basic_publish(exchange, message.routing_key, message.body, message.properties)
         self._service(lambda: not self._unconfirmed, "confirms", still_leading)
         if self._refused:
             refused, self._refused = self._refused, 0
