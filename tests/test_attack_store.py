@@ -412,12 +412,14 @@ def test_the_page_isolates_outside_text_so_an_override_cannot_flip_the_attributi
     page, errors = open_page(browser, f"{api.url}/#/runs/{run_id}", locale="en-US")
     from playwright.sync_api import expect
 
+    # The cancel comes with the run's record, the steps with its event stream, a moment later: wait for both.
     expect(page.get_by_test_id("run-cancel")).to_contain_text("(by anonymous)")
+    expect(page.locator("[data-testid=step-row][data-kind=model]")).to_contain_text("(calls calc.get-sum)")
+    expect(page.locator("[data-testid=step-row][data-kind=approval]")).to_contain_text("evil note (by ops)")
     cancel = page.evaluate(_LAYOUT, ["[data-testid=run-cancel]", " (by "])
     model = page.evaluate(_LAYOUT, ["[data-testid=step-row][data-kind=model] td.detail", " (calls "])
     approval = page.evaluate(_LAYOUT, ["[data-testid=step-row][data-kind=approval] td.detail", " (by "])
 
-    expect(page.locator("[data-testid=step-row][data-kind=approval]")).to_contain_text("evil note (by ops)")
     for layout in (cancel, model, approval):
         assert layout["isolated"] == "isolate"
         # Isolated: "(by …)" follows the reason, left to right.

@@ -22,6 +22,7 @@ from tests.api_helpers import TOKENS, ApiProcess, bearer
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -52,12 +53,16 @@ def browser_fixture() -> Iterator[Any]:
             browser.close()
 
 
-def open_page(browser: Any, url: str, *, locale: str) -> tuple[Any, list[str]]:
-    """A page at ``url`` in ``locale``; the list collects the page's script errors."""
+def open_page(browser: Any, url: str, *, locale: str,
+              routes: dict[str | re.Pattern[str], Callable[[Any], None]] | None = None) -> tuple[Any, list[str]]:
+    """A page at ``url`` in ``locale``; the list collects the page's script errors. ``routes``: Playwright
+    route handlers by URL pattern, in place before the page loads."""
     page = browser.new_page(locale=locale, viewport={"width": 1200, "height": 720})
     page.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    for pattern, handler in (routes or {}).items():
+        page.route(pattern, handler)
     page.goto(url)
     page.evaluate("window.__notReloaded = true")
     return page, errors
@@ -77,12 +82,31 @@ def test_the_page_shows_a_run_live_with_progress_and_cancels_it_in_german(
     from playwright.sync_api import expect
 
     api = start_api(tokens=tokens_file)
-    page, errors = open_page(browser, f"{api.url}/", locale="de-DE")
+    # The page's first listing goes out before there is a token. Its 401, held here until the token was given,
+    # must neither open the token form again nor start the event stream of a list no longer shown.
+    tokenless: list[Any] = []
+    streams: list[str] = []
+
+    def hold_tokenless(route: Any) -> None:
+        if "authorization" in route.request.headers:
+            route.continue_()
+        else:
+            tokenless.append(route)
+
+    def count_stream(route: Any) -> None:
+        streams.append(route.request.headers.get("authorization", ""))
+        route.continue_()
+
+    page, errors = open_page(browser, f"{api.url}/", locale="de-DE", routes={
+        re.compile(r"/v1/runs\?limit=100$"): hold_tokenless, "**/v1/events": count_stream})
     # With tokens, the page asks for one once and keeps it in sessionStorage.
     expect(page.get_by_test_id("token-form")).to_be_visible()
+    poll_until(lambda: page.evaluate("1") and tokenless, timeout=10, failure=lambda: "no tokenless listing")
     page.get_by_test_id("token-input").fill(TOKENS["ops-alice"][0])
     page.get_by_test_id("token-submit").click()
     expect(page.locator("h1")).to_have_text("Läufe")
+    with page.expect_response(lambda response: response.status == 401 and "/v1/runs" in response.url):
+        tokenless[0].continue_()
 
     slow = spec({"toolbox": toolbox_http.spec}, [{"tool_calls": [call("slow", seconds=30)]}, {"content": "x"}])
     created = httpx2.post(f"{api.url}/v1/runs", json=slow.raw, headers=bearer("ops-alice"))
@@ -116,6 +140,8 @@ def test_the_page_shows_a_run_live_with_progress_and_cancels_it_in_german(
     expect(page.get_by_test_id("run-cancel")).to_contain_text("Test: zu langsam (von ops-alice)")
     expect(page.locator("th").nth(4)).to_have_text("Ergebnis")
     assert page.evaluate("window.__notReloaded") is True
+    expect(page.get_by_test_id("token-form")).to_be_hidden()
+    assert streams == [bearer("ops-alice")["Authorization"]]  # the list's, once
     screenshot(page, "runs-page-cancelled-de.png")
     record = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
     assert record.status is RunStatus.CANCELLED

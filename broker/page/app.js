@@ -142,12 +142,15 @@ async function api(path, options) {
   const response = await fetch(path, opts);
   let body = null;
   try { body = await response.json(); } catch (_) { body = null; }
-  if (response.status === 401) askForToken();
+  if (response.status === 401) askForToken(opts.headers);
   if (!response.ok) throw new ApiError(response.status, body);
   return body;
 }
 
-function askForToken() {
+// Asked again only when the token refused is still the one in use: a request sent before a token was given
+// (the page's first) is answered 401 after the form was already sent, and must not open it once more.
+function askForToken(sent) {
+  if (sent && sent.Authorization !== headers().Authorization) return;
   const form = document.getElementById("token-form");
   form.hidden = false;
   document.getElementById("token-input").focus();
@@ -184,8 +187,9 @@ class EventStream {
       try {
         const extra = { Accept: "text/event-stream" };
         if (this.lastId !== null) extra["Last-Event-ID"] = this.lastId;
-        const response = await fetch(this.path, { headers: headers(extra), signal: this.controller.signal });
-        if (response.status === 401) { askForToken(); return; }
+        const sent = headers(extra);
+        const response = await fetch(this.path, { headers: sent, signal: this.controller.signal });
+        if (response.status === 401) { askForToken(sent); return; }
         if (!response.ok) throw new Error("HTTP " + response.status);
         setConnection(t("live"));
         ended = await this.read(response.body.getReader());
@@ -273,7 +277,7 @@ function listView() {
   const state = { runs: [], error: null };
   const main = document.getElementById("main");
   const keep = keeper();
-  let stream = null;
+  let stream = null, stopped = false;  // stopped: another view has the page (see route)
 
   function query() {
     const q = new URLSearchParams({ limit: "100" });
@@ -326,7 +330,7 @@ function listView() {
     el("td", {}, when(run.created_at)));
   }
 
-  function render() { redraw(main, keep, draw); }
+  function render() { if (!stopped) redraw(main, keep, draw); }
 
   function draw() {
     main.append(el("h1", {}, t("runs.title")), keep("filters", lang, filterForm));
@@ -355,6 +359,7 @@ function listView() {
   }
 
   load().then(() => {
+    if (stopped) return;
     stream = new EventStream("/v1/events", {
       status: (event) => {
         const run = state.runs.find((r) => r.run_id === event.run_id);
@@ -364,7 +369,7 @@ function listView() {
       resync: () => load(),
     }, "runbrake.events.last");
   });
-  return { render, stop: () => stream && stream.stop() };
+  return { render, stop: () => { stopped = true; if (stream) stream.stop(); } };
 }
 
 // -- one run ---------------------------------------------------------------------------------------
@@ -375,7 +380,7 @@ function runView(runId) {
   const main = document.getElementById("main");
   const keep = keeper();
   let opened = 0;  // forms opened, so that one opened again is drawn anew, empty
-  let stream = null;
+  let stream = null, stopped = false;  // stopped: another view has the page (see route)
   const ticker = setInterval(() => {
     const cell = document.querySelector("[data-testid=elapsed]");
     if (cell) cell.textContent = elapsedText();
@@ -572,7 +577,7 @@ function runView(runId) {
       el("pre", { "data-testid": "pending-arguments", dir: "ltr" }, user(call.arguments_text)));
   }
 
-  function render() { redraw(main, keep, draw); }
+  function render() { if (!stopped) redraw(main, keep, draw); }
 
   function draw() {
     main.append(el("p", {}, el("a", { href: "#/" }, "← " + t("back"))));
@@ -651,7 +656,7 @@ function runView(runId) {
   }
 
   refresh().then(() => {
-    if (state.error) return;
+    if (state.error || stopped) return;
     stream = new EventStream("/v1/runs/" + runId + "/events", {
       step: (step) => {
         state.steps.set(step.sequence, step);
@@ -674,7 +679,7 @@ function runView(runId) {
       end: () => { setConnection(""); refresh(); },
     });
   });
-  return { render, stop: () => { clearInterval(ticker); if (stream) stream.stop(); } };
+  return { render, stop: () => { stopped = true; clearInterval(ticker); if (stream) stream.stop(); } };
 }
 
 // -- routing and language ----------------------------------------------------------------------
