@@ -671,7 +671,7 @@ function runView(runId) {
       progress: (progress) => { state.progress = progress; render(); },
       delta: (delta) => {
         addDelta(delta);
-        // Ten or more a second while an answer streams: the growing answer is written in place, the rest of the
+        // Up to ten a second while an answer streams: the growing answer is written in place, the rest of the
         // page is left as it is (render draws it anew when the round is new).
         const cell = main.querySelector(`[data-testid=forming][data-round="${delta.round}"] [data-testid=forming-text] > bdi`);
         if (cell) cell.textContent = state.forming.text; else render();
