@@ -182,6 +182,20 @@ def finished_run(producer: Producer, store: RunStore) -> RunStatus:
     return wait_for_run(store, run.run_id).status
 
 
+def test_a_worker_says_it_started_only_once_a_message_published_to_its_queues_is_routed(
+    start_worker: Callable[..., WorkerProcess], rabbitmq: Settings,
+) -> None:
+    """``worker_started`` came once the consumer threads were started, not bound: in a new namespace a
+    message published right after it could find no queue (CI of 3bc26b8: NO_ROUTE on ``<ns>.runs``)."""
+    run_queue = Topology.of(rabbitmq).run_queue
+    worker = start_worker()
+
+    assert worker.logged("worker_started", consuming=True)
+    for queue in (run_queue, f"{run_queue}.DQ"):  # mandatory, confirmed: unroutable raises
+        publish(rabbitmq, encoded(queue_name="elsewhere.runs"), queue=queue)
+    take_dead_letters(rabbitmq, 2)
+
+
 def test_forged_queue_names_no_longer_stop_a_worker_and_are_dead_lettered_once_through_a_restart(
     start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore, rabbitmq: Settings,
 ) -> None:

@@ -17,6 +17,7 @@ import pika.exceptions
 import redis
 import structlog
 from dramatiq import Broker
+from dramatiq.common import dq_name
 
 from runbrake.shared import tracing
 from runbrake.shared.async_store import AsyncRunStore
@@ -140,10 +141,12 @@ def run_worker_process(
         log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
-    listener.ready.wait(10)
-    run_requests.ready.wait(10)  # its queue declared: a request published from now on is routed
+    # Each queue and its delay twin declared and consumed: a run message published from now on is routed
+    consuming = broker.wait_consuming([*queues, *map(dq_name, queues)], STARTUP_WAIT_S)
+    listener.ready.wait(STARTUP_WAIT_S)
+    run_requests.ready.wait(STARTUP_WAIT_S)  # its queue declared: a request published from now on is routed
     log.info("worker_started", pid=os.getpid(), concurrency=concurrency, consumer_threads=intake.consumer_threads,
-             queues=sorted(queues), listener_ready=listener.ready.is_set(),
+             queues=sorted(queues), consuming=consuming, listener_ready=listener.ready.is_set(),
              run_requests_ready=run_requests.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         _replace_dead(parts)
@@ -155,6 +158,10 @@ def run_worker_process(
     log.info("worker_stopped")
     return 0
 
+
+STARTUP_WAIT_S = 10.0
+"""How long the start waits for each of its consumers to be bound before it logs ``worker_started`` anyway
+(with ``consuming``, ``listener_ready`` or ``run_requests_ready`` false): they go on connecting after it."""
 
 PART_JOIN_S = 5.0
 """How long a stopping part is waited for."""

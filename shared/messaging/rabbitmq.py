@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pika
@@ -148,6 +149,20 @@ class RunbrakeBroker(RabbitmqBroker):
         self._queue_type = settings.queue_type
         self._type_arguments = queue_type_arguments(settings.queue_type)
         self.outage = broker_outage()
+        self._consuming: dict[str, threading.Event] = {}
+        self._consuming_lock = threading.Lock()
+
+    def consuming(self, queue_name: str) -> threading.Event:
+        """Set once a consumer of ``queue_name`` in this process is bound to it (its declaration done): a
+        message published to the queue from then on is routed."""
+        with self._consuming_lock:
+            return self._consuming.setdefault(queue_name, threading.Event())
+
+    def wait_consuming(self, queue_names: Iterable[str], timeout: float) -> bool:
+        """Block until a consumer of each of ``queue_names`` was bound, at most ``timeout`` seconds in all;
+        True when every one was."""
+        deadline = time.monotonic() + timeout
+        return all(self.consuming(name).wait(max(0.0, deadline - time.monotonic())) for name in queue_names)
 
     @property
     def consumer_class(self) -> type[CheckedConsumer]:
@@ -201,6 +216,7 @@ class CheckedConsumer(_RabbitmqConsumer):
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call] # as Dramatiq's own constructor does: the consumer restarts
         self.iterator = self._checked(self.iterator)
         broker.outage.back(queue_name)
+        broker.consuming(queue_name).set()
 
     @property
     def consuming(self) -> bool:
