@@ -190,7 +190,7 @@ def test_a_worker_says_it_started_only_once_a_message_published_to_its_queues_is
     run_queue = Topology.of(rabbitmq).run_queue
     worker = start_worker()
 
-    assert worker.logged("worker_started", consuming=True)
+    assert worker.logged("worker_started", consuming=True, cancel_requests_ready=True)
     for queue in (run_queue, f"{run_queue}.DQ"):  # mandatory, confirmed: unroutable raises
         publish(rabbitmq, encoded(queue_name="elsewhere.runs"), queue=queue)
     take_dead_letters(rabbitmq, 2)

@@ -103,6 +103,7 @@ def run_worker_process(
     listener = CancelListener(settings, store, registry)
     # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
     run_requests = RunRequestConsumer(settings, Producer(store, broker, admission))
+    cancel_requests = CancelRequestConsumer(settings, store, admission)  # docs/messages.md, "Cancel requests"
     metrics.watch_process(registry, listener.ready)
     # The parts, in start order (docs/architecture.md, "The worker's parts"); stopped in reverse once the
     # intake has drained, so the listener still interrupts and the lease keeper still renews during the drain.
@@ -110,8 +111,7 @@ def run_worker_process(
     parts: list[Part] = [
         *([metrics.MetricsServer(settings.metrics_port + index, settings.health_host)] if settings.metrics_port
           else []),
-        CancelRequestConsumer(settings, store, admission),  # docs/messages.md, "Cancel requests"
-        # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
+        cancel_requests,
         run_requests,
         listener,
         Backstop(settings, store, registry),
@@ -141,13 +141,15 @@ def run_worker_process(
         log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
-    # Each queue and its delay twin declared and consumed: a run message published from now on is routed
+    # Each queue declared and consumed (the run queue, its delay twin, the cancel and run requests' queues):
+    # a message published from now on is routed. Bounded, all together.
+    deadline = time.monotonic() + STARTUP_WAIT_S
     consuming = broker.wait_consuming([*queues, *map(dq_name, queues)], STARTUP_WAIT_S)
-    listener.ready.wait(STARTUP_WAIT_S)
-    run_requests.ready.wait(STARTUP_WAIT_S)  # its queue declared: a request published from now on is routed
+    for ready in (listener.ready, run_requests.ready, cancel_requests.ready):
+        ready.wait(max(0.0, deadline - time.monotonic()))
     log.info("worker_started", pid=os.getpid(), concurrency=concurrency, consumer_threads=intake.consumer_threads,
              queues=sorted(queues), consuming=consuming, listener_ready=listener.ready.is_set(),
-             run_requests_ready=run_requests.ready.is_set())
+             run_requests_ready=run_requests.ready.is_set(), cancel_requests_ready=cancel_requests.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         _replace_dead(parts)
     drain(intake, registry, drain_s=settings.drain_s, hurry=hurry)
@@ -160,8 +162,8 @@ def run_worker_process(
 
 
 STARTUP_WAIT_S = 10.0
-"""How long the start waits for each of its consumers to be bound before it logs ``worker_started`` anyway
-(with ``consuming``, ``listener_ready`` or ``run_requests_ready`` false): they go on connecting after it."""
+"""How long the start waits for its consumers to be bound before it logs ``worker_started`` anyway (with
+``consuming`` or a ``…_ready`` false): they go on connecting after it."""
 
 PART_JOIN_S = 5.0
 """How long a stopping part is waited for."""
