@@ -173,7 +173,6 @@ def test_an_entry_the_store_did_not_write_is_skipped_and_the_next_event_still_go
                    failure=lambda: "the skipped entries were not acknowledged")
 
 
-
 @pytest.mark.timeout(60)
 def test_a_confirm_read_while_its_message_is_still_being_published_counts(rabbitmq: Settings) -> None:
     """pika's ``basic_publish`` services the connection until the message is written, and reads what came in

@@ -143,12 +143,13 @@ def run_worker_process(
     intake.start_consuming(broker, queues)
     # Each queue declared and consumed (the run queue, its delay twin, the cancel and run requests' queues):
     # a message published from now on is routed. Bounded, all together.
+    consumed = [broker.consuming(queue) for queue in (*queues, *map(dq_name, queues))]
     deadline = time.monotonic() + STARTUP_WAIT_S
-    consuming = broker.wait_consuming([*queues, *map(dq_name, queues)], STARTUP_WAIT_S)
-    for ready in (listener.ready, run_requests.ready, cancel_requests.ready):
+    for ready in (*consumed, listener.ready, run_requests.ready, cancel_requests.ready):
         ready.wait(max(0.0, deadline - time.monotonic()))
     log.info("worker_started", pid=os.getpid(), concurrency=concurrency, consumer_threads=intake.consumer_threads,
-             queues=sorted(queues), consuming=consuming, listener_ready=listener.ready.is_set(),
+             queues=sorted(queues), consuming=all(event.is_set() for event in consumed),
+             listener_ready=listener.ready.is_set(),
              run_requests_ready=run_requests.ready.is_set(), cancel_requests_ready=cancel_requests.ready.is_set())
     while not stop.wait(WATCHDOG_INTERVAL_S):
         _replace_dead(parts)

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pika
@@ -157,12 +156,6 @@ class RunbrakeBroker(RabbitmqBroker):
         message published to the queue from then on is routed."""
         with self._consuming_lock:
             return self._consuming.setdefault(queue_name, threading.Event())
-
-    def wait_consuming(self, queue_names: Iterable[str], timeout: float) -> bool:
-        """Block until a consumer of each of ``queue_names`` was bound, at most ``timeout`` seconds in all;
-        True when every one was."""
-        deadline = time.monotonic() + timeout
-        return all(self.consuming(name).wait(max(0.0, deadline - time.monotonic())) for name in queue_names)
 
     @property
     def consumer_class(self) -> type[CheckedConsumer]:
