@@ -247,6 +247,18 @@ class Settings(BaseSettings):
     its runs leave (cancel scopes, exceptions) waited that long: its RSS rose 9.5 % over a 30-minute soak
     (docs/benchmarks.md, "Soak: the RSS growth"). Each collection walks every object the worker holds:
     some milliseconds at tens of runs in flight, longer at thousands, when a longer interval costs less."""
+    admit_max_lag_ms: Annotated[float, _number(float, 0, 10_000.0)] = 50.0
+    """The event loop's lag past which a worker process takes no new run, in milliseconds (0: not watched).
+    The lag is how late a callback scheduled on the loop from another thread runs, the 90th percentile of
+    the last second; past it a run's message is held and then handed back to the queue for a worker with
+    room (docs/architecture.md, "Capacity: runs in flight"), so the runs the process holds keep their cancels
+    fast. `--concurrency` stays the upper bound."""
+    admit_max_rss_mb: Annotated[int, _integer(0, 1_048_576)] = 0
+    """The resident memory past which a worker process takes no new run, in MiB (0: not watched). Set it
+    below the container's memory limit: a process that stops taking runs is not OOM-killed with all of them."""
+    admit_min_runs: Annotated[int, _integer(0, 100_000)] = 16
+    """Below this many runs in flight a worker process takes a run whatever its loop's lag and memory say: a
+    lag it did not cause (a collection, a neighbour on the machine) does not starve a nearly idle process."""
     cancel_poll_ms: Annotated[int, _integer(10)] = 250
     """Backstop interval: how often a worker reads its active runs' cancel keys, in milliseconds."""
     run_time_limit_s: Annotated[int, _integer(1)] = 3600

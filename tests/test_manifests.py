@@ -322,7 +322,7 @@ def test_keda_scales_the_worker_deployment_on_the_run_queue_and_the_runs_in_flig
     scaled = one(objects, "ScaledObject", "runbrake-worker")
     worker = container(objects, "worker")
     namespace = effective_env(objects, worker)["RUNBRAKE_NAMESPACE"]
-    trigger, in_flight = scaled["spec"]["triggers"]
+    trigger, in_flight, saturation = scaled["spec"]["triggers"]
 
     assert scaled["spec"]["scaleTargetRef"]["name"] == "runbrake-worker"
     assert find(objects, "Deployment", "runbrake-worker")
@@ -337,7 +337,12 @@ def test_keda_scales_the_worker_deployment_on_the_run_queue_and_the_runs_in_flig
     assert in_flight["metadata"]["threshold"] == option(worker["command"], "--concurrency")
     queried = set(re.findall(r"runbrake_[a-z_]+", in_flight["metadata"]["query"]))
     assert queried == {"runbrake_runs_in_flight", "runbrake_queue_depth"}
-    assert queried <= _exported().keys()
+    assert queried | {"runbrake_worker_saturation"} <= _exported().keys()
+    # Admission by health (worker/saturation.py): saturated workers leave runs queued, so scale on it too.
+    assert saturation["type"] == "prometheus"
+    assert set(re.findall(r"runbrake_[a-z_]+", saturation["metadata"]["query"])) == {"runbrake_worker_saturation"}
+    assert float(saturation["metadata"]["threshold"]) < 1.0
+    assert 'service="runbrake-worker-metrics"' in saturation["metadata"]["query"]
     metrics_service = one(objects, "ServiceMonitor", "runbrake-worker")
     assert 'service="runbrake-worker-metrics"' in in_flight["metadata"]["query"]
     assert metrics_service["spec"]["selector"]["matchLabels"].items() <= one(

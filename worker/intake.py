@@ -47,6 +47,7 @@ from runbrake.shared.errors import RunbrakeError
 from runbrake.worker import metrics
 from runbrake.worker.parts import Periodic
 from runbrake.worker.runtime import Runtime
+from runbrake.worker.saturation import LoopWatch
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +60,8 @@ HAND_BACK_DELAY_MS = 1_000
 """A handed-back message waits this long in Dramatiq's delay queue: a full worker does not take it straight back."""
 WAIT_SLICE_S = 1.0
 """A consumer thread blocked on a slot or a claim wakes this often, so Dramatiq's Interrupt reaches it."""
+HEALTH_SLICE_S = 0.1
+"""A consumer thread held back by the process's health looks at it again this often (worker/saturation.py)."""
 WORKER_TIMEOUT_MS = 200
 """How often idle Dramatiq threads wake up; 200 ms makes a stop take a fraction of a second."""
 
@@ -109,7 +112,8 @@ class HandBack(RunbrakeError, Retry):
 
 
 class WorkerFull(HandBack):
-    """Raised when no slot came free within :data:`SLOT_WAIT_S`."""
+    """Raised when no slot came free, or the process's health admitted no run (worker/saturation.py), within
+    :data:`SLOT_WAIT_S`."""
 
 
 class CapacityClosed(HandBack):
@@ -122,30 +126,38 @@ class Slots:
     Not a ``threading.Semaphore``: a closed gate must wake its waiters, and :meth:`wait_idle` must see zero.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, admits: Callable[[int], bool] | None = None) -> None:
         self.capacity = capacity
+        self._admits = admits
+        """Whether the process's health lets it take one more run, given the runs in flight
+        (worker/saturation.py); None: only the count decides."""
         self._taken = 0
         self._closed = False
         self._changed = threading.Condition()
 
     def acquire(self, timeout: float) -> bool:
-        """Take a slot, waiting up to ``timeout`` seconds for one to come free; False when none did.
+        """Take a slot, waiting up to ``timeout`` seconds for one to come free and for the process's health to
+        admit a run; False when neither came.
 
         Raises:
             CapacityClosed: the gate closed (the worker is stopping) before a slot came free.
         """
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not self._closed and self._taken >= self.capacity:
+            while not self._closed and (self._taken >= self.capacity or not self._admitted()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                # In slices: Dramatiq delivers its Interrupt (a time limit) only between Python bytecodes.
-                self._changed.wait(min(left, WAIT_SLICE_S))
+                # In slices: Dramatiq delivers its Interrupt (a time limit) only between Python bytecodes. A
+                # slot given back notifies; a health that recovers does not, so it is looked at more often.
+                self._changed.wait(min(left, WAIT_SLICE_S if self._taken >= self.capacity else HEALTH_SLICE_S))
             if self._closed:
                 raise CapacityClosed("the worker stopped taking runs")
             self._taken += 1
             return True
+
+    def _admitted(self) -> bool:
+        return self._admits is None or self._admits(self._taken)
 
     def release(self) -> None:
         with self._changed:
@@ -306,11 +318,12 @@ class Intake:
     """The runs one worker process takes: ``concurrency`` in flight on the loop, fed by a few consumer
     threads. :meth:`take` is the run actor's body; the rest is for starting and stopping the process."""
 
-    def __init__(self, runtime: Runtime, *, concurrency: int) -> None:
+    def __init__(self, runtime: Runtime, *, concurrency: int, watch: LoopWatch | None = None) -> None:
         self.concurrency = concurrency
         self.consumer_threads = min(concurrency, CONSUMER_THREADS)
         self._runtime = runtime
-        self._slots = Slots(concurrency)
+        self._watch = watch
+        self._slots = Slots(concurrency, None if watch is None else watch.admits)
         self._tasks: set[asyncio.Task[None]] = set()
         """The segments' tasks; touched on the loop only."""
         self._interrupted = False
@@ -327,7 +340,9 @@ class Intake:
             StoreError: Redis could not be reached at claim (the message is retried).
         """
         if not self._slots.acquire(SLOT_WAIT_S):
-            raise WorkerFull(f"{self.concurrency} runs in flight here")
+            why = self._why_full()
+            log.info("run_handed_back", run_id=run_id, reason=why)
+            raise WorkerFull(why)
         try:
             decided: concurrent.futures.Future[bool] = concurrent.futures.Future()
             asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided, traceparent), _loop())
@@ -340,6 +355,11 @@ class Intake:
             except concurrent.futures.TimeoutError:
                 continue
             return
+
+    def _why_full(self) -> str:
+        in_flight = self._slots.in_flight
+        refusal = self._watch.refusal() if self._watch is not None and in_flight < self.concurrency else ""
+        return f"{in_flight} runs in flight here" + (f" ({refusal})" if refusal else "")
 
     async def _segment(self, run_id: str, resume: bool, decided: concurrent.futures.Future[bool],
                        traceparent: str | None = None) -> None:

@@ -68,6 +68,18 @@ CANCEL_LISTENER_CONNECTED = Gauge(
     "runbrake_cancel_listener_connected", "1 while this process's cancel listener is bound and consuming, else 0.",
     registry=REGISTRY,
 )
+EVENT_LOOP_LAG = Gauge(
+    "runbrake_event_loop_lag_seconds",
+    "How late a callback scheduled on this process's event loop runs: the 90th percentile of the last second "
+    "(worker/saturation.py).",
+    registry=REGISTRY,
+)
+SATURATION = Gauge(
+    "runbrake_worker_saturation",
+    "How saturated this process is, 1.0 at a bound: the largest of its runs in flight against --concurrency, its "
+    "event loop's lag against RUNBRAKE_ADMIT_MAX_LAG_MS and its RSS against RUNBRAKE_ADMIT_MAX_RSS_MB.",
+    registry=REGISTRY,
+)
 QUEUE_DEPTH = Gauge(
     "runbrake_queue_depth",
     "Messages ready in the queue (not counting those delivered and unacked), sampled every few seconds by "

@@ -44,6 +44,7 @@ from runbrake.worker.relay import EventRelay
 from runbrake.worker.retention import Sweeper
 from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
+from runbrake.worker.saturation import LoopWatch, running_loop
 from runbrake.worker.webhooks import WebhookDispatcher
 
 log = structlog.get_logger(__name__)
@@ -91,7 +92,10 @@ def run_worker_process(
     admission = Admission.from_settings(settings)
     runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer)
     topology = Topology.of(settings)
-    intake = Intake(runtime, concurrency=concurrency)
+    watch = LoopWatch(running_loop, concurrency=concurrency, max_lag_ms=settings.admit_max_lag_ms,
+                      max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs)
+    intake = Intake(runtime, concurrency=concurrency, watch=watch)
+    metrics.SATURATION.set_function(lambda: watch.saturation(intake.in_flight))
     declare_run_actor(broker, intake, settings)
     queues = {topology.run_queue}
     if include_noop:
@@ -121,6 +125,7 @@ def run_worker_process(
         EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
         WebhookDispatcher(settings, RunStore.connect(settings)),  # docs/webhooks.md; its own connections
         Collector(settings.gc_interval_s),  # a full collection on a timer (worker/intake.py)
+        watch,  # admission by health (worker/saturation.py)
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
     ]

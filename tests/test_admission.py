@@ -1,0 +1,102 @@
+"""Admission by health: a worker process past its health bound takes no new run and hands the message back,
+so the excess waits ``queued`` while the runs it holds go on (worker/saturation.py; docs/architecture.md,
+"Capacity: runs in flight")."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from runbrake.shared import RunStatus, RunStore, ToolOutcome
+from runbrake.shared.messaging.cancel import CancelPublisher
+from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.operations import cancel
+from runbrake.worker.saturation import LoopWatch
+from tests.mcp_helpers import Toolbox, read_events, wait_for_event
+from tests.polling import poll_until
+from tests.worker_helpers import WorkerProcess, call, has_step, spec, wait_for_run
+
+FLOOR = 3
+"""RUNBRAKE_ADMIT_MIN_RUNS in these tests: below it a process takes a run whatever its health says."""
+
+
+def most_calls_at_once(toolbox: Toolbox) -> int:
+    """The most ``slow`` calls the server had in flight at one moment, from its own record."""
+    at_once = most = 0
+    for event in read_events(toolbox.events):
+        if event["tool"] != "slow":
+            continue
+        at_once += 1 if event["event"] == "started" else -1
+        most = max(most, at_once)
+    return most
+
+
+@pytest.mark.integration
+def test_a_worker_past_its_memory_bound_leaves_the_excess_queued_and_serves_the_runs_it_holds(
+    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
+    publisher: CancelPublisher,
+) -> None:
+    # A memory bound of 1 MiB: every process is past it, so only the floor lets runs in.
+    worker = start_worker(concurrency=64, RUNBRAKE_ADMIT_MAX_RSS_MB="1", RUNBRAKE_ADMIT_MIN_RUNS=str(FLOOR))
+    runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec},
+                                  [{"tool_calls": [call("slow", seconds=6)]}, {"content": "done"}])).run_id
+            for _ in range(6)]
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=FLOOR, timeout=30)
+
+    # A consumer thread held a fourth run for a while, then handed it back unclaimed, naming the bound.
+    [handed, *_] = poll_until(lambda: worker.logged("run_handed_back") or None, timeout=30,
+                              failure=lambda: "the worker never handed a run back")
+    assert "resident memory" in handed["reason"]
+    assert handed["reason"].startswith(f"{FLOOR} runs in flight here")
+    assert store.get(handed["run_id"]).status is RunStatus.QUEUED
+
+    # A cancel amid them is recorded as one, and frees a place for the next run.
+    running = next(run_id for run_id in runs if store.get(run_id).status is RunStatus.RUNNING)
+    assert cancel(store, publisher, running, reason="amid the load", requested_by="test").message_confirmed
+    cancelled = wait_for_run(store, running, has_step("tool"), timeout=30)
+    assert cancelled.status is RunStatus.CANCELLED
+    assert cancelled.steps[-1].tool_outcome is ToolOutcome.CANCELLED
+
+    # Every other run completes, its call whole, and the server never had more calls at once than the floor.
+    for run_id in runs:
+        if run_id != running:
+            record = wait_for_run(store, run_id, timeout=90)
+            assert record.status is RunStatus.COMPLETED, run_id
+            assert [step.tool_outcome for step in record.steps if step.tool_outcome] == [ToolOutcome.OK]
+    assert most_calls_at_once(toolbox_http) == FLOOR
+    assert len([e for e in read_events(toolbox_http.events) if e["event"] == "finished"]) == 5
+
+
+def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop_answers() -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=1, max_rss_mb=0, min_runs=2)
+    try:
+        busy = threading.Event()
+        loop.call_soon_threadsafe(busy.wait, 30)  # the loop runs nothing else until it is set
+
+        def closed() -> bool:
+            watch.tick()
+            return not watch.admits(2)
+
+        poll_until(closed, timeout=10, failure=lambda: "a loop that answered nothing kept admitting runs")
+        assert watch.admits(1), "below the floor a run is always admitted"
+        assert "event loop lag" in watch.refusal()
+        assert watch.saturation(2) > 1.0
+
+        busy.set()
+
+        def opened() -> bool:
+            watch.tick()
+            return watch.admits(2)
+
+        poll_until(opened, timeout=10, failure=lambda: f"the gate stayed closed: {watch.refusal()}")
+        assert watch.refusal() == ""
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
