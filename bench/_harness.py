@@ -431,9 +431,33 @@ class Bench:
             return ToolboxServer(process, url, JsonLines(events))
         raise BenchError(f"the toolbox server did not start; see {log_path}")
 
-    def use_server(self, url: str) -> None:
-        """Name the MCP server at ``url`` in the catalog as ``toolbox`` (what the specs here call)."""
-        self.catalog.write_text(f"[mcp_servers.{SERVER_NAME}]\nurl = {json.dumps(url)}\n", encoding="utf-8")
+    def use_server(self, url: str, name: str = SERVER_NAME) -> None:
+        """Name the MCP server at ``url`` in the catalog as ``name`` (``toolbox``: what the specs here call)."""
+        self.catalog.write_text(f"[mcp_servers.{name}]\nurl = {json.dumps(url)}\n", encoding="utf-8")
+
+    def start_everything(self, name: str) -> ManagedProcess:
+        """The npm ``@modelcontextprotocol/server-everything`` (a server nobody here wrote) over streamable HTTP
+        on a free loopback port, named ``name`` in the catalog; installed once into ``.venv/node``."""
+        entry = npm_package(EVERYTHING) / "dist" / "index.js"
+        log_path = self.workdir / "everything.log"
+        for _ in range(3):  # another process may take the free port between probe and bind
+            port = free_port()
+            with log_path.open("ab") as log:
+                popen = subprocess.Popen(["node", str(entry), "streamableHttp"], cwd=self.workdir,
+                                         env={**self.env, "PORT": str(port)}, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+            process = ManagedProcess("everything server", popen, log_path)
+            self._processes.append(process)
+            try:
+                wait_until(lambda port=port: _listening(port), timeout=STARTUP_TIMEOUT_S,
+                           what=f"the everything server on 127.0.0.1:{port}", interval=0.05, alive=[process])
+            except BenchError:
+                process.stop()
+                self._processes.remove(process)
+                continue
+            self.use_server(f"http://127.0.0.1:{port}/mcp", name)
+            return process
+        raise BenchError(f"the everything server did not start; see {log_path}")
 
     def admission(self) -> Admission:
         """What a producer checks specs against: this benchmark's catalog and settings."""
@@ -478,6 +502,25 @@ class Bench:
         path = RESULTS_DIR / f"{self.name}.json"
         path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         return path
+
+
+NODE_PREFIX = REPO / ".venv" / "node"
+EVERYTHING = "@modelcontextprotocol/server-everything"
+
+
+def npm_package(name: str) -> Path:
+    """The folder of the npm package ``name``, installed once into ``.venv/node``."""
+    folder = NODE_PREFIX / "node_modules" / name
+    if not folder.is_dir():
+        npm = shutil.which("npm")
+        if npm is None or shutil.which("node") is None:
+            raise BenchError(f"node and npm are needed for {name}: install Debian's nodejs and npm")
+        NODE_PREFIX.mkdir(parents=True, exist_ok=True)
+        installed = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--silent", "--prefix",
+                                    str(NODE_PREFIX), name], capture_output=True, text=True, timeout=600, check=False)
+        if installed.returncode != 0:
+            raise BenchError(f"npm could not install {name}: {installed.stderr.strip()[-500:]}")
+    return folder
 
 
 def _check_rabbitmq(settings: Settings) -> None:
