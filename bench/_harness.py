@@ -399,37 +399,45 @@ class Bench:
 
     # -- processes --
 
-    def _spawn(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        with log_path.open("wb") as log:
+    def _spawn(self, command: list[str], log_path: Path,
+               env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with log_path.open("ab") as log:
             return subprocess.Popen(
-                command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                command, cwd=REPO, env=dict(env or self.env), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
             )
+
+    def _start_server(self, name: str, command: Callable[[int], tuple[list[str], Mapping[str, str] | None]],
+                      log_path: Path) -> tuple[ManagedProcess, int]:
+        """Start ``command(port)`` (its arguments, and its environment or None for the bench's) on a free loopback
+        port, until it listens there; the process and its port."""
+        for _ in range(3):  # another process may take the free port between probe and bind
+            port = free_port()
+            arguments, env = command(port)
+            process = ManagedProcess(name, self._spawn(arguments, log_path, env), log_path)
+            self._processes.append(process)
+            try:
+                wait_until(lambda port=port: _listening(port), timeout=STARTUP_TIMEOUT_S,
+                           what=f"the {name} on 127.0.0.1:{port}", interval=0.05, alive=[process])
+            except BenchError:
+                process.stop()
+                self._processes.remove(process)
+                continue
+            return process, port
+        raise BenchError(f"the {name} did not start; see {log_path}")
 
     def start_toolbox(self, *arguments: str) -> ToolboxServer:
         """The example toolbox server over HTTP on a free loopback port, writing an events file; ``arguments``
         are more of its options (``--progress-s 10``)."""
         events = self.workdir / "toolbox-events.jsonl"
-        log_path = self.workdir / "toolbox.log"
-        for _ in range(3):  # another process may take the free port between probe and bind
-            port = free_port()
-            popen = self._spawn(
-                [sys.executable, *TOOLBOX_SERVER, "--transport", "http", "--host", "127.0.0.1",
-                 "--port", str(port), "--events", str(events), *arguments],
-                log_path,
-            )
-            process = ManagedProcess("toolbox server", popen, log_path)
-            self._processes.append(process)
-            try:
-                wait_until(lambda port=port: _listening(port), timeout=STARTUP_TIMEOUT_S,
-                           what=f"the toolbox server on 127.0.0.1:{port}", interval=0.05, alive=[process])
-            except BenchError:
-                process.stop()
-                self._processes.remove(process)
-                continue
-            url = f"http://127.0.0.1:{port}/mcp"
-            self.use_server(url)
-            return ToolboxServer(process, url, JsonLines(events))
-        raise BenchError(f"the toolbox server did not start; see {log_path}")
+        process, port = self._start_server(
+            "toolbox server",
+            lambda port: ([sys.executable, *TOOLBOX_SERVER, "--transport", "http", "--host", "127.0.0.1",
+                           "--port", str(port), "--events", str(events), *arguments], None),
+            self.workdir / "toolbox.log")
+        url = f"http://127.0.0.1:{port}/mcp"
+        self.use_server(url)
+        return ToolboxServer(process, url, JsonLines(events))
 
     def use_server(self, url: str, name: str = SERVER_NAME) -> None:
         """Name the MCP server at ``url`` in the catalog as ``name`` (``toolbox``: what the specs here call)."""
@@ -439,25 +447,11 @@ class Bench:
         """The npm ``@modelcontextprotocol/server-everything`` (a server nobody here wrote) over streamable HTTP
         on a free loopback port, named ``name`` in the catalog; installed once into ``.venv/node``."""
         entry = npm_package(EVERYTHING) / "dist" / "index.js"
-        log_path = self.workdir / "everything.log"
-        for _ in range(3):  # another process may take the free port between probe and bind
-            port = free_port()
-            with log_path.open("ab") as log:
-                popen = subprocess.Popen(["node", str(entry), "streamableHttp"], cwd=self.workdir,
-                                         env={**self.env, "PORT": str(port)}, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
-            process = ManagedProcess("everything server", popen, log_path)
-            self._processes.append(process)
-            try:
-                wait_until(lambda port=port: _listening(port), timeout=STARTUP_TIMEOUT_S,
-                           what=f"the everything server on 127.0.0.1:{port}", interval=0.05, alive=[process])
-            except BenchError:
-                process.stop()
-                self._processes.remove(process)
-                continue
-            self.use_server(f"http://127.0.0.1:{port}/mcp", name)
-            return process
-        raise BenchError(f"the everything server did not start; see {log_path}")
+        process, port = self._start_server(
+            "everything server", lambda port: (["node", str(entry), "streamableHttp"], {**self.env, "PORT": str(port)}),
+            self.workdir / "everything.log")
+        self.use_server(f"http://127.0.0.1:{port}/mcp", name)
+        return process
 
     def admission(self) -> Admission:
         """What a producer checks specs against: this benchmark's catalog and settings."""
