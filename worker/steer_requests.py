@@ -15,6 +15,7 @@ import structlog
 
 from runbrake.shared import operations
 from runbrake.shared.errors import FieldProblem, RunNotFound, SpecError, TransitionRefused
+from runbrake.shared.logging import silenced
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import Topology, decode_steer_request, encode_steer_request_answer
@@ -44,7 +45,8 @@ class SteerRequestConsumer(RequestConsumer):
         return min(self._publisher.keep_alive_interval(), super()._keep_alive())
 
     def _stopped(self) -> None:
-        self._publisher.close()
+        with silenced("pika"):  # a connection RabbitMQ dropped anyway (an outage) closes with a traceback
+            self._publisher.close()
 
     def _admit(self, body: bytes, *, message_id: str | None, user: str | None) -> Answer:
         try:
