@@ -15,11 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from runbrake.shared import RunSpec, RunStatus, RunStore, Settings, StepKind, ToolOutcome
+from runbrake.shared.errors import SpecError
 from runbrake.shared.messaging.producer import Producer
-from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, Topology
+from runbrake.shared.messaging.wire import (
+    DEAD_REASON_HEADER,
+    Topology,
+    decode_continue_request,
+    decode_steer_request,
+)
 from tests.amqp_clients import CLIENTS
 from tests.mcp_helpers import Toolbox, wait_for_event
 from tests.test_tenants import rabbitmq_user, set_catalog
@@ -200,3 +208,25 @@ def test_a_reply_to_naming_a_workers_own_queue_is_refused_and_dead_lettered_and_
     assert store.pending_steer(running) is None
     assert store.status(running) is RunStatus.RUNNING
     assert len(store.recent(limit=10)) == 2
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                                 max_size=4), max_leaves=20)
+HOSTILE = [b"[" * 5000, b'{"run_id": NaN}', b"\xff\xfe", b"{}" + b" " * 2000, b'"' + b"x" * 100 + b'"', b""]
+
+
+@pytest.mark.parametrize("decode", [decode_steer_request, decode_continue_request])
+@given(body=st.binary(max_size=64) | JSON.map(lambda value: json.dumps(value).encode())
+       | st.dictionaries(st.sampled_from(["run_id", "input", "reason", "model"]), JSON, max_size=4).map(
+           lambda value: json.dumps(value).encode()) | st.sampled_from(HOSTILE))
+def test_any_body_is_read_or_refused_naming_a_field_and_nothing_else_escapes(decode: Any, body: bytes) -> None:
+    """No body makes a decoder raise anything but the refusal the consumer answers (a crash would dead-letter it
+    as a bug, and a request should be told which field)."""
+    problems: tuple[Any, ...] = ()
+    try:
+        decode(body, max_bytes=1024)
+    except SpecError as exc:
+        problems = exc.problems
+        assert problems
+    assert all(problem.field for problem in problems)
