@@ -26,7 +26,7 @@ from runbrake.shared.messaging.wire import Topology, connection_parameters
 from tests.api_helpers import ApiProcess
 from tests.mcp_helpers import Toolbox, wait_for_event
 from tests.polling import poll_until
-from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
+from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -120,3 +120,39 @@ def test_a_cancel_request_after_an_idle_spell_wakes_the_worker_with_a_confirmed_
     wait_for_event(toolbox_http.events, "cancelled", tool="slow", count=2, timeout=30)
     record = wait_for_run(store, runs[1], lambda r: r.status is RunStatus.CANCELLED)
     assert record.status is RunStatus.CANCELLED
+
+
+def test_the_event_relay_publishes_the_first_events_after_an_idle_spell_on_the_connection_it_kept(
+    worker: WorkerProcess, producer: Producer, store: RunStore, rabbitmq: Settings
+) -> None:
+    topology = Topology.of(rabbitmq)
+    events = f"{rabbitmq.namespace}.test-run-completed"
+    connection = pika.BlockingConnection(connection_parameters(rabbitmq))
+    try:
+        channel = connection.channel()
+        topology.declare_events_exchange(channel)
+        channel.queue_declare(events, durable=False)
+        channel.queue_bind(events, topology.events_exchange, routing_key="run.completed")
+    finally:
+        connection.close()
+    try:
+        quick = spec({}, [{"content": "done"}])
+        first = producer.enqueue(quick).run_id
+        assert wait_for_run(store, first, timeout=30).status is RunStatus.COMPLETED
+        [(body, _headers)] = take_messages(rabbitmq, events, 1, timeout=30)
+        assert json.loads(body)["run_id"] == first
+
+        idle_past_heartbeats(rabbitmq)
+
+        second = producer.enqueue(quick).run_id
+        assert wait_for_run(store, second, timeout=30).status is RunStatus.COMPLETED
+        [(body, _headers)] = take_messages(rabbitmq, events, 1, timeout=30)
+        assert json.loads(body)["run_id"] == second
+        # Published on the connection it kept alive: it never lost it, so never had to start over.
+        assert worker.logged("event_relay_interrupted") == []
+    finally:
+        connection = pika.BlockingConnection(connection_parameters(rabbitmq))
+        try:
+            connection.channel().queue_delete(events)
+        finally:
+            connection.close()
