@@ -126,6 +126,7 @@ bench: setup services
 	$(PY) -m bench.cancel_latency
 	$(PY) -m bench.stream_cancel
 	$(PY) -m bench.steer_latency
+	$(PY) -m bench.idle_cancel
 	$(PY) -m bench.overhead
 	$(PY) -m bench.api
 	$(PY) -m bench.model_overhead

@@ -75,19 +75,22 @@ def throughput(bench: Bench, server: Any, count: int) -> tuple[float, list[str]]
     connection = pika.BlockingConnection(pika.URLParameters(bench.settings.rabbitmq_url))
     try:
         channel = connection.channel()
-        reply_to = channel.queue_declare(queue="", exclusive=True).method.queue
+        run_ids: list[str] = []
+
+        def on_answer(_channel: Any, _method: Any, _properties: pika.BasicProperties, answer: bytes) -> None:
+            run_ids.append(json.loads(answer)["run_id"])
+
+        # Direct reply-to: the only reply_to a worker answers (docs/messages.md, "Run requests: trust").
+        channel.basic_consume("amq.rabbitmq.reply-to", on_answer, auto_ack=True)
         started = time.perf_counter()
         for body in bodies:
             channel.basic_publish(exchange, exchange, body, pika.BasicProperties(
-                content_type="application/json", delivery_mode=2, reply_to=reply_to))
-        run_ids: list[str] = []
-        for _method, properties, answer in channel.consume(reply_to, auto_ack=True,
-                                                           inactivity_timeout=ANSWER_TIMEOUT_S):
-            if properties is None:
+                content_type="application/json", delivery_mode=2, reply_to="amq.rabbitmq.reply-to"))
+        deadline = started + ANSWER_TIMEOUT_S
+        while len(run_ids) < count:
+            if time.perf_counter() > deadline:
                 raise BenchError(f"only {len(run_ids)} of {count} requests answered")
-            run_ids.append(json.loads(answer)["run_id"])
-            if len(run_ids) == count:
-                break
+            connection.process_data_events(time_limit=0.05)
         return time.perf_counter() - started, run_ids
     finally:
         connection.close()

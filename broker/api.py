@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import math
+import queue
 import re
 import threading
 import time
@@ -144,17 +145,30 @@ class Metrics:
 
 
 class AmqpWorkers:
-    """A few threads for synchronous calls that publish on RabbitMQ; each has its own cancel publisher."""
+    """A few threads for synchronous calls that publish on RabbitMQ; each has its own cancel publisher.
 
-    def __init__(self, settings: Settings) -> None:
+    Each thread owns its connections (pika is not thread-safe) and, between calls, services them on a timer:
+    an idle connection answers RabbitMQ's heartbeats, so the first cancel after idle minutes is confirmed as
+    fast as any (issue 30; docs/messages.md, "Idle connections").
+    """
+
+    def __init__(self, settings: Settings, broker: RunbrakeBroker) -> None:
         self._settings = settings
+        self._broker = broker
         self._local = threading.local()
         self._publishers: list[CancelPublisher] = []
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(AMQP_THREADS, thread_name_prefix="runbrake-api-amqp")
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = (
+            queue.SimpleQueue())
+        self._threads = [threading.Thread(target=self._serve, name=f"runbrake-api-amqp-{number}", daemon=True)
+                         for number in range(AMQP_THREADS)]
+        for thread in self._threads:
+            thread.start()
 
     async def run(self, call: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((call, future))
+        return await asyncio.wrap_future(future)
 
     def publisher(self) -> CancelPublisher:
         """This thread's cancel publisher (pika is not thread-safe)."""
@@ -166,9 +180,30 @@ class AmqpWorkers:
         return publisher
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        for _thread in self._threads:
+            self._calls.put(None)
+        for thread in self._threads:
+            thread.join()
         for publisher in self._publishers:  # the threads are gone: nothing else uses these now
             publisher.close()
+
+    def _serve(self) -> None:
+        publisher = self.publisher()
+        while True:
+            try:
+                item = self._calls.get(timeout=min(publisher.keep_alive_interval(), self._broker.keep_alive()))
+            except queue.Empty:
+                publisher.keep_alive()
+                continue
+            if item is None:
+                return
+            call, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request, as an executor does
+                future.set_exception(exc)
 
 
 @dataclass
@@ -355,10 +390,11 @@ def create_app(settings: Settings, tokens: Tokens | None) -> FastAPI:
         metrics = Metrics()
         hub = EventHub(settings, on_drop=metrics.dropped.inc, on_unreadable=metrics.events_unreadable.inc,
                        on_restart=metrics.hub_restarts.inc)
+        broker = build_broker(settings)
         state = ApiState(
             settings=settings, tokens=tokens, store=AsyncRunStore.connect(settings),
-            sync_store=RunStore.connect(settings), broker=build_broker(settings), hub=hub,
-            amqp=AmqpWorkers(settings), metrics=metrics, admission=Admission.from_settings(settings),
+            sync_store=RunStore.connect(settings), broker=broker, hub=hub,
+            amqp=AmqpWorkers(settings, broker), metrics=metrics, admission=Admission.from_settings(settings),
             connections=connections, streams=StreamSlots(settings.api_max_streams_per_token),
         )
         app.state.api = state

@@ -226,6 +226,26 @@ def test_a_reply_to_naming_a_queue_of_its_own_is_refused_so_a_reply_cannot_becom
     assert declared.method.message_count == 0
 
 
+def test_a_reply_to_naming_a_workers_server_named_cancel_listener_queue_is_refused_and_nothing_is_written(
+    worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore, rabbitmq: Settings
+) -> None:
+    """A server-named queue proves nothing of its owner (issue 27, finding 8): every worker's cancel listener
+    consumes one, and the worker's answer {"run_id": …} published there would read as a cancel wake-up. Only
+    RabbitMQ's direct reply-to is answered."""
+    [connected] = worker.wait_for_log("cancel_listener_connected")
+    listener = connected["queue"]
+    assert listener.startswith("amq.gen-")
+
+    sent = request(rabbitmq, summing_spec(toolbox_http), "--reply-to", listener)
+
+    assert sent.returncode == 0, sent.stderr
+    [(_body, headers)] = dead_letters(rabbitmq, 1)
+    assert "direct reply-to" in headers[DEAD_REASON_HEADER]
+    worker.wait_for_log("run_request_dead_lettered")
+    assert store.recent(limit=10) == []
+    assert not worker.logged("run_request_enqueued")
+
+
 def test_a_backend_on_node_requests_a_run_and_follows_its_events_to_the_end_over_rabbitmq_alone(
     worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore, rabbitmq: Settings
 ) -> None:

@@ -47,6 +47,20 @@ class ConsumerThread(PartThread):
     def _stopped(self) -> None:
         """Called once, on this thread, after the last connection closed."""
 
+    def _keep_alive(self) -> float | None:
+        """Service the other connections this thread publishes on, while it waits for messages (their
+        heartbeats: issue 30); returns how long until the next call, or None when there are none. The consumed
+        connection itself is serviced by ``start_consuming``."""
+        return None
+
+    def _schedule_keep_alive(self) -> None:
+        connection = self._connection
+        if connection is None or not connection.is_open:
+            return
+        interval = self._keep_alive()
+        if interval is not None:
+            connection.call_later(interval, self._schedule_keep_alive)  # runs on this thread, in start_consuming
+
     def run(self) -> None:
         backoff = _FIRST_BACKOFF_S
         connected = True  # until the first attempt says otherwise: a failed first connect is reported too
@@ -58,6 +72,7 @@ class ConsumerThread(PartThread):
                 log.info(f"{self.role}_connected", queue=queue, node=_node(self._connection))
                 backoff, connected = _FIRST_BACKOFF_S, True
                 self.ready.set()
+                self._schedule_keep_alive()
                 channel.start_consuming()
             except pika.exceptions.AMQPError as exc:
                 self.ready.clear()

@@ -69,8 +69,12 @@ class CancelRequestConsumer(ConsumerThread):
         channel.basic_consume(queue=self._topology.cancel_requests_queue, on_message_callback=self._on_message)
         return self._topology.cancel_requests_queue
 
+    def _keep_alive(self) -> float:
+        self._publisher.keep_alive()
+        return self._publisher.keep_alive_interval()
+
     def _stopped(self) -> None:
-        with silenced("pika"):  # its connection sat idle since the last request: RabbitMQ may have dropped it
+        with silenced("pika"):  # a connection RabbitMQ dropped anyway (an outage) closes with a traceback
             self._publisher.close()
 
     def _on_message(self, channel: BlockingChannel, method: Any, properties: pika.BasicProperties,

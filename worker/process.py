@@ -34,6 +34,7 @@ from runbrake.worker import metrics
 from runbrake.worker.actors import declare_noop_actor, declare_run_actor
 from runbrake.worker.cancel_listener import Backstop, CancelListener
 from runbrake.worker.cancel_requests import CancelRequestConsumer
+from runbrake.worker.continue_requests import ContinueRequestConsumer
 from runbrake.worker.health import health_parts
 from runbrake.worker.intake import Collector, Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
@@ -45,6 +46,7 @@ from runbrake.worker.retention import Sweeper
 from runbrake.worker.run_requests import RunRequestConsumer
 from runbrake.worker.runtime import Runtime
 from runbrake.worker.saturation import LoopWatch, running_loop
+from runbrake.worker.steer_requests import SteerRequestConsumer
 from runbrake.worker.webhooks import WebhookDispatcher
 
 log = structlog.get_logger(__name__)
@@ -107,6 +109,9 @@ def run_worker_process(
     listener = CancelListener(settings, store, registry)
     # docs/messages.md, "Run requests": admitted like POST /v1/runs (the catalog, the bounds, idempotency)
     run_requests = RunRequestConsumer(settings, Producer(store, broker, admission))
+    # docs/messages.md, "Steer requests", "Continue requests": applied like their HTTP routes
+    steer_requests = SteerRequestConsumer(settings, store, Producer(store, broker, admission))
+    continue_requests = ContinueRequestConsumer(settings, store, Producer(store, broker, admission))
     cancel_requests = CancelRequestConsumer(settings, store, admission)  # docs/messages.md, "Cancel requests"
     metrics.watch_process(registry, listener.ready)
     # The parts, in start order (docs/architecture.md, "The worker's parts"); stopped in reverse once the
@@ -117,6 +122,8 @@ def run_worker_process(
           else []),
         cancel_requests,
         run_requests,
+        steer_requests,
+        continue_requests,
         listener,
         Backstop(settings, store, registry),
         LeaseKeeper(settings, store, registry),
@@ -146,16 +153,17 @@ def run_worker_process(
         log.info("metrics_serving", host=settings.health_host, port=settings.metrics_port + index)
     tune_gc()  # thousands of runs in flight on one loop (worker/intake.py)
     intake.start_consuming(broker, queues)
-    # Each queue declared and consumed (the run queue, its delay twin, the cancel and run requests' queues):
+    # Each queue declared and consumed (the run queue, its delay twin, the requests' queues):
     # a message published from now on is routed. Bounded, all together.
     consumed = [broker.consuming(queue) for queue in (*queues, *map(dq_name, queues))]
     deadline = time.monotonic() + STARTUP_WAIT_S
-    for ready in (*consumed, listener.ready, run_requests.ready, cancel_requests.ready):
+    requests = (run_requests, cancel_requests, steer_requests, continue_requests)
+    for ready in (*consumed, listener.ready, *(consumer.ready for consumer in requests)):
         ready.wait(max(0.0, deadline - time.monotonic()))
     log.info("worker_started", pid=os.getpid(), concurrency=concurrency, consumer_threads=intake.consumer_threads,
              queues=sorted(queues), consuming=all(event.is_set() for event in consumed),
              listener_ready=listener.ready.is_set(),
-             run_requests_ready=run_requests.ready.is_set(), cancel_requests_ready=cancel_requests.ready.is_set())
+             **{f"{consumer.role}_ready": consumer.ready.is_set() for consumer in requests})
     while not stop.wait(WATCHDOG_INTERVAL_S):
         _replace_dead(parts)
     drain(intake, registry, drain_s=settings.drain_s, hurry=hurry)

@@ -32,7 +32,13 @@ from pika.spec import Basic
 
 from runbrake.shared.errors import PublishError, StoreError
 from runbrake.shared.logging import silenced
-from runbrake.shared.messaging.wire import RunEventMessage, Topology, connection_parameters, encode_run_event
+from runbrake.shared.messaging.wire import (
+    RunEventMessage,
+    Topology,
+    connection_parameters,
+    encode_run_event,
+    keep_alive,
+)
 from runbrake.shared.records import OutboxEntry, stream_position
 from runbrake.shared.settings import Settings
 from runbrake.shared.store import RunStore
@@ -120,6 +126,15 @@ class ConfirmedPublisher:
             refused, self._refused = self._refused, 0
             raise PublishError(f"RabbitMQ refused {refused} of {len(messages)} events (nack)")
 
+    def keep_alive(self) -> None:
+        """Service the connection between batches (heartbeats: issue 30).
+
+        Raises:
+            PublishError: when RabbitMQ dropped it (the relay reconnects, as after any failed round).
+        """
+        if not keep_alive(self._connection):
+            raise PublishError("the connection to RabbitMQ was lost while the relay was idle")
+
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None and connection.is_open:
@@ -182,6 +197,7 @@ class EventRelay(OutboxReader):
             self._publisher.connect()
         entries = self._next_entries(count=BATCH, block_ms=None if self._cluster else BLOCK_MS)
         if not entries:
+            self._publisher.keep_alive()
             if self._cluster:
                 self._stopping.wait(POLL_S)
             return

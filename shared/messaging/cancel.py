@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import pika
@@ -17,6 +18,8 @@ from runbrake.shared.messaging.wire import (
     connection_parameters,
     encode_cancel,
     encode_steer_wakeup,
+    keep_alive,
+    keep_alive_interval,
 )
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
@@ -39,7 +42,12 @@ class CancelResult:
 
 
 class CancelPublisher:
-    """Publishes ``{"run_id": …}`` on the ``<namespace>.cancel`` fanout exchange with publisher confirms."""
+    """Publishes ``{"run_id": …}`` on the ``<namespace>.cancel`` fanout exchange with publisher confirms.
+
+    Used from one thread only (pika is not thread-safe). A long-lived owner calls :meth:`keep_alive` every
+    :meth:`keep_alive_interval` while idle, so that RabbitMQ does not drop the connection for missed heartbeats
+    (issue 30); a connection lost anyway is noticed and opened again before the next publish.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -50,15 +58,40 @@ class CancelPublisher:
     def publish(self, run_id: str, *, steer: bool = False) -> None:
         """Publish one cancel message (with ``steer``, a steer's wake-up) and wait for the broker's confirm.
 
+        A connection found lost (RabbitMQ closed it, or it broke during the publish) is opened again and the
+        message published once more on the new one: a wake-up received twice wakes the worker once.
+
         Raises:
             pika.exceptions.AMQPError: when RabbitMQ cannot be reached or refuses the message.
         """
-        channel = self._ensure_channel()
         body = encode_steer_wakeup(run_id) if steer else encode_cancel(run_id)
-        channel.basic_publish(
-            exchange=self._topology.cancel_exchange, routing_key="", body=body,
-            properties=cancel_properties(tracing.current().traceparent()),
-        )
+        properties = cancel_properties(tracing.current().traceparent())
+        reopened = False
+        while True:
+            channel = self._ensure_channel()
+            try:
+                channel.basic_publish(exchange=self._topology.cancel_exchange, routing_key="", body=body,
+                                      properties=properties)
+            except (pika.exceptions.NackError, pika.exceptions.UnroutableError):
+                raise  # RabbitMQ answered: a second try would be answered the same
+            except pika.exceptions.AMQPError as exc:
+                self.close()
+                if reopened:
+                    raise
+                log.info("cancel_publisher_reconnecting", run_id=run_id, error=repr(exc)[:300])
+                reopened = True
+            else:
+                return
+
+    def keep_alive(self) -> None:
+        """Service the idle connection, if any (heartbeats); a lost one is closed, to be opened at the next
+        publish."""
+        if self._connection is not None and not keep_alive(self._connection):
+            self.close()
+
+    def keep_alive_interval(self) -> float:
+        """How long this publisher may go between two :meth:`keep_alive` calls."""
+        return keep_alive_interval(self._connection)
 
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
@@ -67,10 +100,14 @@ class CancelPublisher:
                 connection.close()
 
     def _ensure_channel(self) -> pika.adapters.blocking_connection.BlockingChannel:
-        if self._channel is not None and self._channel.is_open:
+        # Checked before use: a connection RabbitMQ closed while it sat idle is noticed here, not by a publish
+        # that fails half-way.
+        if self._channel is not None and self._channel.is_open and keep_alive(self._connection):
             return self._channel
         self.close()
-        self._connection = pika.BlockingConnection(connection_parameters(self._settings))
+        # A name operators (and tests) can find in `rabbitmqctl list_connections client_properties`.
+        self._connection = pika.BlockingConnection(connection_parameters(
+            self._settings, name=f"runbrake-cancel-publisher {self._settings.namespace} pid={os.getpid()}"))
         channel = self._connection.channel()
         channel.confirm_delivery()
         self._topology.declare_cancel_exchange(channel)

@@ -98,6 +98,11 @@ class Producer:
         log.info("run_enqueued", run_id=created.run_id)
         return Enqueued(created.run_id, RunStatus.QUEUED, created=True)
 
+    def keep_alive(self) -> float:
+        """Service this thread's connection to RabbitMQ while idle (:meth:`RunbrakeBroker.keep_alive`); returns
+        how long until the next call."""
+        return self._broker.keep_alive()
+
     def send(self, run_id: str, *, resume: bool = False) -> None:
         """Send the run's message and wait for RabbitMQ's confirm.
 

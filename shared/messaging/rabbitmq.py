@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ from runbrake.shared.messaging.wire import (
     MalformedRunMessage,
     check_run_message,
     declare_dead_letter_queue,
+    keep_alive,
+    keep_alive_interval,
     queue_type_arguments,
 )
 from runbrake.shared.settings import Settings
@@ -156,6 +159,16 @@ class RunbrakeBroker(RabbitmqBroker):
         message published to the queue from then on is routed."""
         with self._consuming_lock:
             return self._consuming.setdefault(queue_name, threading.Event())
+
+    def keep_alive(self) -> float:
+        """Service this thread's connection, if it has one, while the thread is idle (heartbeats: issue 30); a
+        lost one is dropped, and the next enqueue opens another. Returns how long until the next call."""
+        connection = getattr(self.state, "connection", None)
+        if connection is not None and not keep_alive(connection):
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                del self.connection  # Dramatiq's deleter forgets the channel and the connection, closing what is open
+            connection = None
+        return keep_alive_interval(connection)
 
     @property
     def consumer_class(self) -> type[CheckedConsumer]:

@@ -25,9 +25,12 @@ The durable queues are classic, or quorum queues with ``RUNBRAKE_QUEUE_TYPE=quor
                          + durable queue bound to it (routing key: the queue's name); any worker admits
                                          and enqueues the run (shared/operations.py, ``enqueue``)
     <ns>.run-requests.dead  durable queue  run requests refused with nobody to answer, with the reason why
+    <ns>.steer-requests, <ns>.continue-requests  the same shape as run requests: steers {"run_id", "input",
+                         "reason"} and continuations {"run_id", "input", …}, answered on reply_to, each with its
+                         .dead queue
 
 The dead-letter queues (``<ns>.runs.XQ``, ``<ns>.noop.XQ``, ``<ns>.cancel-requests.dead``,
-``<ns>.run-requests.dead``) are bounded:
+``<ns>.run-requests.dead`` and the steer and continue requests') are bounded:
 :func:`dead_letter_arguments` (docs/messages.md, "Dead-letter queues: bounds").
 """
 
@@ -84,6 +87,37 @@ PRECONDITION_FAILED: Final = 406
 """AMQP's reply code for a declaration whose arguments differ from the existing queue's."""
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestQueue:
+    """A door for requests on RabbitMQ alone (run, steer and continue requests): a durable direct exchange, a
+    durable queue of the same name bound to it (binding key: that name), consumed by every worker process,
+    and the dead-letter queue ``<name>.dead`` (docs/messages.md, "Run requests: declaration")."""
+
+    name: str
+
+    @property
+    def exchange(self) -> str:
+        return self.name
+
+    @property
+    def queue(self) -> str:
+        return self.name
+
+    @property
+    def routing_key(self) -> str:
+        return self.name
+
+    @property
+    def dead_queue(self) -> str:
+        """Requests refused with nobody to answer (no usable ``reply_to``), each with a header saying why."""
+        return f"{self.name}.dead"
+
+    def declare(self, channel: BlockingChannel, *, queue_type: str = "classic") -> None:
+        """Declare the exchange, the queue and the dead-letter queue, and bind them: the same shape and rules
+        as :meth:`Topology.declare_cancel_requests`."""
+        _declare_request_queue(channel, self.exchange, self.queue, self.dead_queue, queue_type=queue_type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +192,22 @@ class Topology:
         """Run requests refused with nobody to answer (no usable ``reply_to``), each with a header saying why."""
         return f"{self.namespace}.run-requests.dead"
 
+    @property
+    def run_requests(self) -> RequestQueue:
+        return RequestQueue(self.run_requests_queue)
+
+    @property
+    def steer_requests(self) -> RequestQueue:
+        """Steers of running runs from backends: ``{"run_id", "input", "reason"}`` (docs/messages.md, "Steer
+        requests")."""
+        return RequestQueue(f"{self.namespace}.steer-requests")
+
+    @property
+    def continue_requests(self) -> RequestQueue:
+        """Continuations of finished runs from backends: ``{"run_id", "input", …}`` (docs/messages.md,
+        "Continue requests")."""
+        return RequestQueue(f"{self.namespace}.continue-requests")
+
     def queues(self) -> tuple[str, ...]:
         """Every durable queue of the namespace, with Dramatiq's delay and dead-letter twins."""
         return tuple(base + twin for base in (self.run_queue, self.noop_queue) for twin in _DRAMATIQ_TWINS)
@@ -176,8 +226,7 @@ class Topology:
     def declare_run_requests(self, channel: BlockingChannel, *, queue_type: str = "classic") -> None:
         """Declare the run-requests exchange, its queue and the dead-letter queue, and bind them: the same
         shape and rules as :meth:`declare_cancel_requests` (docs/messages.md, "Run requests: declaration")."""
-        _declare_request_queue(channel, self.run_requests_exchange, self.run_requests_queue,
-                               self.run_requests_dead_queue, queue_type=queue_type)
+        self.run_requests.declare(channel, queue_type=queue_type)
 
     def declare_cancel_exchange(self, channel: BlockingChannel) -> None:
         """Declare the cancel fanout (idempotent; publishers and listeners both call it)."""
@@ -593,18 +642,22 @@ def _labels(raw: str) -> dict[str, str]:
     return dict(list(kept.items())[:MAX_EVENT_LABELS])
 # -- run requests --------------------------------------------------------------------------------
 
-REPLY_TO_PREFIXES: Final = ("amq.rabbitmq.reply-to", "amq.gen-")
-"""The ``reply_to`` a run request may name: RabbitMQ's direct reply-to, or a queue RabbitMQ named itself.
-No client can declare a queue under ``amq.`` (RabbitMQ refuses it), so a reply can never be steered into a
-named queue such as ``<ns>.cancel-requests``, where the worker's own permissions would make it an
-instruction (docs/security.md, "Tested attacks")."""
+DIRECT_REPLY_TO: Final = "amq.rabbitmq.reply-to"
+"""The only ``reply_to`` a request is answered on: RabbitMQ's direct reply-to (issue 27, finding 8).
+
+RabbitMQ hands the consumer of a request published with this ``reply_to`` the name
+``amq.rabbitmq.reply-to.<token>``, which routes to the publishing channel alone and to no queue. A
+server-named queue (``amq.gen-…``) proves nothing of its owner: every worker's cancel listener consumes one,
+and an answer ``{"run_id": …}`` published there by the worker's user reads as a cancel wake-up. A named
+queue is refused for the same reason (``<ns>.cancel-requests``, ``<ns>.runs``; docs/messages.md, "Run
+requests: trust")."""
 
 
 def reply_to_problem(reply_to: str) -> str | None:
-    """Why a run request's ``reply_to`` cannot be answered, or None when it can (:data:`REPLY_TO_PREFIXES`)."""
-    if not reply_to.startswith(REPLY_TO_PREFIXES):
-        return ("reply_to must be RabbitMQ's direct reply-to (amq.rabbitmq.reply-to) or a server-named queue "
-                "(amq.gen-…)")
+    """Why a request's ``reply_to`` cannot be answered, or None when it can (:data:`DIRECT_REPLY_TO`)."""
+    if reply_to != DIRECT_REPLY_TO and not reply_to.startswith(DIRECT_REPLY_TO + "."):
+        return ("reply_to must be RabbitMQ's direct reply-to (amq.rabbitmq.reply-to): only that one is known to "
+                "reach the requester")
     return None
 
 
@@ -636,6 +689,81 @@ def encode_run_request_refusal(error: str, problems: Sequence[FieldProblem], *, 
     if run_id is not None:
         answer["run_id"] = run_id
     return json.dumps(answer, separators=(",", ":")).encode()
+
+
+# -- steer and continue requests (docs/messages.md, "Steer requests", "Continue requests") ----------
+
+
+@dataclass(frozen=True, slots=True)
+class SteerRequestBody:
+    """A steer request as read: the run, the new user message and why (checked further by the steer)."""
+
+    run_id: str
+    input: object
+    reason: object
+
+
+STEER_REQUEST_FIELDS: Final = frozenset({"run_id", "input", "reason"})
+
+
+def _request_object(body: bytes, *, max_bytes: int, what: str) -> dict[str, Any]:
+    """A request's body as a JSON object, bounded before it is parsed.
+
+    Raises:
+        SpecError: longer than ``max_bytes``, not UTF-8 JSON, nested too deep, or not an object.
+    """
+    if len(body) > max_bytes:
+        raise SpecError("body", f"is {len(body)} bytes; the limit is {max_bytes} (RUNBRAKE_MAX_SPEC_BYTES)")
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise SpecError("body", f"must be UTF-8 JSON: {what}") from None
+    if not isinstance(data, dict):
+        raise SpecError("body", f"must be a JSON object: {what}")
+    return data
+
+
+def _run_id_problem(data: dict[str, Any]) -> FieldProblem | None:
+    if is_run_id(data.get("run_id")):
+        return None
+    return FieldProblem(loc=("run_id",), msg="must be a run id: 32 lowercase hex characters")
+
+
+def decode_steer_request(body: bytes, *, max_bytes: int) -> SteerRequestBody:
+    """Read a steer request ``{"run_id", "input", "reason"?}``; the input's and the reason's bounds are the
+    steer's own (:func:`runbrake.shared.messaging.steer.check_steer`).
+
+    Raises:
+        SpecError: naming every offending field (``body``, ``run_id``, an unknown field). Never anything else.
+    """
+    data = _request_object(body, max_bytes=max_bytes, what='{"run_id": "...", "input": "...", "reason": "..."}')
+    problems = [FieldProblem(loc=(name,), msg="is not a field of a steer request (run_id, input, reason)")
+                for name in sorted(set(data) - STEER_REQUEST_FIELDS)][:20]
+    if (problem := _run_id_problem(data)) is not None:
+        problems.insert(0, problem)
+    if problems:
+        raise SpecError.from_problems(problems)
+    return SteerRequestBody(run_id=data["run_id"], input=data.get("input"), reason=data.get("reason", ""))
+
+
+def decode_continue_request(body: bytes, *, max_bytes: int) -> tuple[str, dict[str, Any]]:
+    """Read a continue request ``{"run_id", "input", …}``: the run to continue, and the rest, which is the body
+    of ``POST /v1/runs/{id}/continue`` (checked as the spec it makes: shared/threads.py).
+
+    Raises:
+        SpecError: too long, not a JSON object, or no valid ``run_id``. Never anything else.
+    """
+    data = _request_object(body, max_bytes=max_bytes, what='{"run_id": "...", "input": "...", ...}')
+    if (problem := _run_id_problem(data)) is not None:
+        raise SpecError.from_problems([problem])
+    run_id = data.pop("run_id")
+    return run_id, data
+
+
+def encode_steer_request_answer(run_id: str, found: str, *, message_confirmed: bool) -> bytes:
+    """The reply to an applied steer request, as ``POST /v1/runs/{id}/steer`` answers."""
+    return json.dumps({"run_id": run_id, "steered": True, "found": found, "message_confirmed": message_confirmed},
+                      separators=(",", ":")).encode()
 
 
 # -- the whole topology --------------------------------------------------------------------------
@@ -671,6 +799,38 @@ def connection_parameters(settings: Settings, *, name: str = "", **options: Any)
     return nodes
 
 
+KEEP_ALIVE_MAX_S: Final = 5.0
+"""The longest an idle connection goes unserviced, whatever heartbeat RabbitMQ proposed."""
+
+
+def keep_alive_interval(connection: BlockingConnection | None) -> float:
+    """How often the owner of an idle ``connection`` services it (:func:`keep_alive`): four times per
+    negotiated heartbeat, since pika sends one every half heartbeat only while the connection is serviced and
+    RabbitMQ drops a connection after two silent ones (issue 30; docs/messages.md, "Idle connections")."""
+    parameters = getattr(getattr(connection, "_impl", None), "params", None)
+    heartbeat = getattr(parameters, "heartbeat", None)
+    if not isinstance(heartbeat, int | float) or heartbeat <= 0:
+        return KEEP_ALIVE_MAX_S
+    return max(0.1, min(KEEP_ALIVE_MAX_S, heartbeat / 4))
+
+
+def keep_alive(connection: BlockingConnection | None) -> bool:
+    """Service an idle ``connection`` on the thread that owns it: send the heartbeat that is due and read what
+    RabbitMQ sent (a heartbeat, or the close of a connection it dropped). Answers whether it is still open; a
+    lost one is to be closed and opened again before its next use.
+
+    A ``BlockingConnection`` that nothing uses answers no heartbeats: RabbitMQ dropped serve's cancel publisher
+    after a few idle minutes, and the next cancel was not confirmed (issue 30)."""
+    if connection is None or not connection.is_open:
+        return False
+    try:
+        connection.process_data_events(time_limit=0)
+    except pika.exceptions.AMQPError as exc:
+        log.info("rabbitmq_idle_connection_lost", error=repr(exc)[:300])
+        return False
+    return bool(connection.is_open)
+
+
 def delete_topology(settings: Settings) -> None:
     """Delete every queue and exchange of ``settings.namespace`` (tests, the demo and the benchmarks
     clean up with this). Missing ones are fine.
@@ -682,13 +842,15 @@ def delete_topology(settings: Settings) -> None:
     connection = pika.BlockingConnection(connection_parameters(settings))
     try:
         channel = connection.channel()
+        requests = (topology.run_requests, topology.steer_requests, topology.continue_requests)
         for queue in (*topology.queues(), topology.cancel_requests_queue, topology.cancel_requests_dead_queue,
-                      topology.run_requests_queue, topology.run_requests_dead_queue):
+                      *(name for door in requests for name in (door.queue, door.dead_queue))):
             channel.queue_delete(queue=queue)
         channel.exchange_delete(exchange=topology.cancel_exchange)
         channel.exchange_delete(exchange=topology.cancel_requests_exchange)
         channel.exchange_delete(exchange=topology.events_exchange)
-        channel.exchange_delete(exchange=topology.run_requests_exchange)
+        for door in requests:
+            channel.exchange_delete(exchange=door.exchange)
     finally:
         with contextlib.suppress(pika.exceptions.AMQPError):
             connection.close()
