@@ -226,15 +226,15 @@ def test_a_reply_to_naming_a_queue_of_its_own_is_refused_so_a_reply_cannot_becom
     assert declared.method.message_count == 0
 
 
-def test_a_reply_to_naming_a_workers_server_named_cancel_listener_queue_is_refused_and_nothing_is_written(
+def test_a_reply_to_naming_a_workers_cancel_listener_queue_is_refused_and_nothing_is_written(
     worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore, rabbitmq: Settings
 ) -> None:
-    """A server-named queue proves nothing of its owner (issue 27, finding 8): every worker's cancel listener
-    consumes one, and the worker's answer {"run_id": …} published there would read as a cancel wake-up. Only
-    RabbitMQ's direct reply-to is answered."""
+    """The worker's answer {"run_id": …} published on a cancel listener's queue would read as a cancel wake-up
+    (issue 27, finding 8). Those queues are named by runbrake, never by the server, so they are refused like any
+    named queue."""
     [connected] = worker.wait_for_log("cancel_listener_connected")
     listener = connected["queue"]
-    assert listener.startswith("amq.gen-")
+    assert listener.startswith(f"{rabbitmq.namespace}.cancel.listener.")
 
     sent = request(rabbitmq, summing_spec(toolbox_http), "--reply-to", listener)
 
@@ -244,6 +244,17 @@ def test_a_reply_to_naming_a_workers_server_named_cancel_listener_queue_is_refus
     worker.wait_for_log("run_request_dead_lettered")
     assert store.recent(limit=10) == []
     assert not worker.logged("run_request_enqueued")
+
+
+def test_a_requester_may_have_its_answer_on_a_server_named_queue_of_its_own_as_rabbitmqs_rpc_tutorial_does(
+    worker: WorkerProcess, toolbox_http: Toolbox, store: RunStore, rabbitmq: Settings
+) -> None:
+    sent = request(rabbitmq, summing_spec(toolbox_http), "--exclusive-queue")
+
+    assert sent.returncode == 0, sent.stderr
+    answer = json.loads(sent.stdout)
+    assert answer["created"] is True, answer
+    assert wait_for_run(store, answer["run_id"], timeout=60).status is RunStatus.COMPLETED
 
 
 def test_a_backend_on_node_requests_a_run_and_follows_its_events_to_the_end_over_rabbitmq_alone(

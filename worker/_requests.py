@@ -1,6 +1,7 @@
 """What the consumers of requests on RabbitMQ alone share (docs/messages.md, "Run requests", "Steer requests",
 "Continue requests"): one durable queue each, consumed by every worker process with manual acks; the request's
-properties checked, its ``reply_to`` answered only on RabbitMQ's direct reply-to, its tenant taken from the
+properties checked, its ``reply_to`` answered only on RabbitMQ's direct reply-to or a server-named queue
+(``reply_to_problem`` in shared/messaging/wire.py), its tenant taken from the
 ``user_id`` RabbitMQ checked; each request acked once its outcome is settled, answered, or dead-lettered with
 the reason when nobody can be answered.
 

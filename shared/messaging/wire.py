@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -235,11 +236,14 @@ class Topology:
     def bind_cancel_listener(self, channel: BlockingChannel) -> str:
         """Declare the cancel fanout and a queue of this listener's own bound to it; returns the queue's name.
 
-        The queue is exclusive, server-named and auto-deleted: a listener that goes away takes it
-        along, so no cancel piles up for a process that no longer exists.
+        The queue is exclusive and auto-deleted: a listener that goes away takes it along, so no cancel piles
+        up for a process that no longer exists. It is named ``<ns>.cancel.listener.<random>``, never by the
+        server: a server-named queue (``amq.gen-…``) is one a requester may have its answers sent to
+        (:func:`reply_to_problem`), and none of runbrake's own may be one.
         """
         self.declare_cancel_exchange(channel)
-        queue: str = channel.queue_declare(queue="", exclusive=True, auto_delete=True).method.queue
+        queue: str = channel.queue_declare(queue=f"{self.cancel_exchange}.listener.{secrets.token_hex(8)}",
+                                           exclusive=True, auto_delete=True).method.queue
         channel.queue_bind(queue=queue, exchange=self.cancel_exchange)
         return queue
 
@@ -643,22 +647,23 @@ def _labels(raw: str) -> dict[str, str]:
 # -- run requests --------------------------------------------------------------------------------
 
 DIRECT_REPLY_TO: Final = "amq.rabbitmq.reply-to"
-"""The only ``reply_to`` a request is answered on: RabbitMQ's direct reply-to (issue 27, finding 8).
-
-RabbitMQ hands the consumer of a request published with this ``reply_to`` the name
-``amq.rabbitmq.reply-to.<token>``, which routes to the publishing channel alone and to no queue. A
-server-named queue (``amq.gen-…``) proves nothing of its owner: every worker's cancel listener consumes one,
-and an answer ``{"run_id": …}`` published there by the worker's user reads as a cancel wake-up. A named
-queue is refused for the same reason (``<ns>.cancel-requests``, ``<ns>.runs``; docs/messages.md, "Run
-requests: trust")."""
+"""RabbitMQ's direct reply-to: the consumer of a request published with this ``reply_to`` sees
+``amq.rabbitmq.reply-to.<token>``, which routes to the publishing channel alone (issue 27, finding 8)."""
+SERVER_NAMED: Final = "amq.gen-"
+"""The prefix of a queue the server named: a requester's own exclusive reply queue (RabbitMQ's RPC tutorial).
+runbrake names every queue of its own, its cancel listeners' included (:meth:`Topology.bind_cancel_listener`),
+so none of them can be one."""
 
 
 def reply_to_problem(reply_to: str) -> str | None:
-    """Why a request's ``reply_to`` cannot be answered, or None when it can (:data:`DIRECT_REPLY_TO`)."""
-    if reply_to != DIRECT_REPLY_TO and not reply_to.startswith(DIRECT_REPLY_TO + "."):
-        return ("reply_to must be RabbitMQ's direct reply-to (amq.rabbitmq.reply-to): only that one is known to "
-                "reach the requester")
-    return None
+    """Why a request's ``reply_to`` cannot be answered, or None when it can: RabbitMQ's direct reply-to, or a
+    server-named queue (docs/messages.md, "Run requests: trust"). A named queue is refused: the worker's user
+    may write to every queue, and ``<ns>.cancel-requests`` would read the answer ``{"run_id": …}`` as a cancel
+    request, ``<ns>.runs`` or an application's queue would get an injected message."""
+    if reply_to == DIRECT_REPLY_TO or reply_to.startswith((DIRECT_REPLY_TO + ".", SERVER_NAMED)):
+        return None
+    return ("reply_to must be RabbitMQ's direct reply-to (amq.rabbitmq.reply-to) or a server-named queue "
+            "(amq.gen-…) of the requester's own: a named queue is never answered")
 
 
 def decode_run_request(body: bytes, *, max_bytes: int) -> RunSpec:
