@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx2
+import jsonschema
 import pytest
 
 from runbrake.shared import RunStatus, RunStep, RunStore, StepKind
@@ -21,6 +23,8 @@ from tests.test_cli import valid_spec
 from tests.worker_helpers import WorkerProcess, wait_for_run
 
 pytestmark = pytest.mark.integration
+
+HTTP_API = Path(__file__).parent.parent / "docs" / "http-api.md"
 
 
 def sent_to_the_model(message: dict[str, Any]) -> tuple[Any, ...]:
@@ -34,6 +38,13 @@ def sent_to_the_model(message: dict[str, Any]) -> tuple[Any, ...]:
 def shown_by_the_api(message: dict[str, Any]) -> tuple[Any, ...]:
     calls = tuple((f"{c['server']}__{c['tool']}", c["arguments"]) for c in message.get("tool_calls") or [])
     return message["role"], message.get("content") or None, calls, message.get("tool_call_id")
+
+
+def messages_schema() -> dict[str, Any]:
+    """The JSON Schema of what a model call received, as docs/http-api.md states it."""
+    blocks = HTTP_API.read_text(encoding="utf-8").split("```json\n")[1:]
+    schema: dict[str, Any] = next(json.loads(b.split("```")[0]) for b in blocks if "urn:runbrake:http:messages" in b)
+    return schema
 
 
 def test_each_model_call_shows_the_messages_the_model_received_with_settings_attempts_and_usage(
@@ -59,6 +70,8 @@ def test_each_model_call_shows_the_messages_the_model_received_with_settings_att
     assert len(received) == 2
     for view, sent in zip(views, received, strict=True):
         assert [shown_by_the_api(m) for m in view.json()["messages"]] == [sent_to_the_model(m) for m in sent]
+    for view in views:
+        jsonschema.validate(view.json(), messages_schema())
     second = views[1].json()
     assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "user", "assistant", "tool"]
     assert second["messages"][-1]["content"] == "5"  # the tool's whole result, as the model got it
@@ -92,6 +105,7 @@ def test_a_long_conversation_shows_its_last_messages_each_text_cut_and_says_so(
     assert body["messages"][-2] == {"role": "assistant", "content": "answer 248"}
     assert body["messages"][-1] == {"role": "assistant", "content": "y" * 20_000,
                                     "content_truncated": {"chars": 25_000}}
+    jsonschema.validate(body, messages_schema())
 
 
 @pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
