@@ -524,10 +524,16 @@ def test_the_list_is_searched_by_text_and_by_creation_time_on_the_server(
     invoice = httpx2.post(f"{api.url}/v1/runs", json={"input": "Summarise invoice 4711",
                                                       "model": {"provider": "scripted", "turns": [{"content": "x"}]}})
     weather_id, invoice_id = weather.json()["run_id"], invoice.json()["run_id"]
+    for _ in range(100):  # newer than both: the page's first listing (100 runs) ends before them
+        store.create({"input": "filler", "model": {"provider": "scripted", "turns": [{"content": "x"}]}})
     searched: list[str] = []
     page, errors = open_page(browser, f"{api.url}/", locale="en-US", timezone_id="Europe/Berlin", routes={
         re.compile(r"/v1/runs\?"): lambda route: (searched.append(route.request.url), route.continue_())})
-    expect(page.get_by_test_id("run-row")).to_have_count(2)
+    expect(page.get_by_test_id("run-row")).to_have_count(100)
+    expect(page.locator(f"[data-run-id='{weather_id}']")).to_have_count(0)
+    page.get_by_test_id("more").click()  # what lies past the first listing is one click away, never left out
+    expect(page.get_by_test_id("run-row")).to_have_count(102)
+    expect(page.get_by_test_id("more")).to_have_count(0)
     expect(page.locator(f"[data-run-id='{weather_id}']").get_by_test_id("run-created")).to_have_text(ISO_LOCAL)
 
     page.get_by_test_id("filter-q").fill("INVOICE")
@@ -552,7 +558,7 @@ def test_the_list_is_searched_by_text_and_by_creation_time_on_the_server(
         "t => { const d = new Date((t - 120) * 1000); d.setMinutes(d.getMinutes() - d.getTimezoneOffset());"
         " return d.toISOString().slice(0, 16); }", created))
     page.get_by_test_id("filter-apply").click()
-    expect(page.get_by_test_id("run-row")).to_have_count(2)
+    expect(page.get_by_test_id("run-row")).to_have_count(100)
     expect(page.get_by_test_id("filter-since")).not_to_have_value("")  # kept in the address, shown again
     page.locator("[data-lang=de]").click()
     expect(page.get_by_test_id("filter-q")).to_have_attribute("placeholder", "Text suchen")

@@ -13,6 +13,7 @@ const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 const UI = {
   en: {
     "runs.title": "Runs", "runs.empty": "No runs yet.", "runs.none_match": "No run matches this filter.",
+    "runs.more": "Show older runs",
     "action.cancel": "Cancel run", "action.approve": "Approve", "action.deny": "Deny",
     "action.steer": "Steer", "steer.input": "New message",
     "action.confirm": "Confirm", "action.back": "Back", "reason": "Reason",
@@ -47,6 +48,7 @@ const UI = {
   },
   de: {
     "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.none_match": "Kein Lauf passt zu diesem Filter.",
+    "runs.more": "Ältere Läufe zeigen",
     "action.cancel": "Lauf abbrechen", "action.approve": "Freigeben", "action.deny": "Ablehnen",
     "action.steer": "Umlenken", "steer.input": "Neue Nachricht",
     "action.confirm": "Bestätigen", "action.back": "Zurück", "reason": "Grund",
@@ -339,7 +341,7 @@ function listView() {
   const params = new URLSearchParams(location.hash.split("?")[1] || "");
   const filter = { status: params.get("status") || "", labels: params.getAll("label"), q: params.get("q") || "",
     since: params.get("since") || "", until: params.get("until") || "" };
-  const state = { runs: [], error: null };
+  const state = { runs: [], error: null, next: null };  // next: the listing's next_cursor (more runs after these)
   const main = document.getElementById("main");
   const keep = keeper();
   let stream = null, stopped = false;  // stopped: another view has the page (see route)
@@ -433,6 +435,7 @@ function listView() {
     if (!runs.length) {
       const searching = filter.status || filter.labels.length || filter.q || filter.since || filter.until;
       main.append(el("p", { class: "empty", "data-testid": "empty" }, t(searching ? "runs.none_match" : "runs.empty")));
+      more();
       return;
     }
     const rows = runs.map((run) => {
@@ -443,13 +446,38 @@ function listView() {
     main.append(el("table", {}, el("thead", {}, el("tr", {},
       el("th", {}, label("run.run")), el("th", {}, label("run.status")), el("th", {}, label("run.reason")),
       el("th", {}, t("runs.input")), el("th", {}, t("runs.labels")), el("th", {}, t("runs.duration")),
-      el("th", {}, t("runs.tokens")), el("th", {}, t("when.created")))), el("tbody", {}, rows)),
-    el("p", { class: "hint", "data-testid": "when-note" }, whenNote()));
+      el("th", {}, t("runs.tokens")), el("th", {}, t("when.created")))), el("tbody", {}, rows)));
+    more();
+    main.append(el("p", { class: "hint", "data-testid": "when-note" }, whenNote()));
+  }
+
+  // A listing stops at 100 runs, a search after 1000 examined (docs/http-api.md, "Runs: reading"): what is past
+  // them is one click away, never silently left out.
+  function more() {
+    if (!state.next) return;
+    main.append(keep("more", lang + state.next, () => el("p", {}, el("button", { type: "button", class: "action",
+      "data-testid": "more", onclick: () => loadMore() }, t("runs.more")))));
+  }
+
+  async function loadMore() {
+    const q = query();
+    q.set("cursor", state.next);
+    try {
+      const page = await api("/v1/runs?" + q.toString());
+      const known = new Set(state.runs.map((r) => r.run_id));
+      state.runs = state.runs.concat(page.runs.filter((r) => !known.has(r.run_id)));
+      state.next = page.next_cursor;
+    } catch (error) {
+      state.error = error.message;
+    }
+    render();
   }
 
   async function load() {
     try {
-      state.runs = (await api("/v1/runs?" + query().toString())).runs;
+      const page = await api("/v1/runs?" + query().toString());
+      state.runs = page.runs;
+      state.next = page.next_cursor;
       state.error = null;
     } catch (error) {
       state.error = error.message;
