@@ -417,7 +417,7 @@ def test_the_first_screen_without_a_token_says_only_that_a_token_is_needed(
     # Nothing was read, so nothing says there are no runs (the old page said both at once).
     expect(page.get_by_test_id("empty")).to_have_count(0)
     assert "No runs yet." not in page.locator("main").inner_text()
-    # Every word of the page's own table in both languages (docs/labels.md, "The runs page's own words").
+    # Every word of the page's own table in both languages (docs/labels.md says so in its opening).
     assert page.evaluate("Object.keys(UI.en).sort()") == page.evaluate("Object.keys(UI.de).sort()")
     assert errors == []
 
