@@ -6,7 +6,7 @@ with the real Redis."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +127,8 @@ def test_the_list_is_searched_by_text_and_by_creation_time(api: ApiProcess, stor
     assert listed(q="nothing like it") == []
     assert listed(since=created[invoice], until=created[invoice]) == [invoice]  # both ends included
     assert listed(since=created[invoice]) == [other, invoice]
-    iso = datetime.fromtimestamp(created[invoice], tz=UTC).isoformat()
+    # ISO 8601 here names a microsecond; the stored time has more digits, so the next microsecond up holds it.
+    iso = (datetime.fromtimestamp(created[invoice], tz=UTC) + timedelta(microseconds=1)).isoformat()
     assert listed(until=iso) == [invoice, weather]
     assert listed(q="IS", since=created[invoice]) == [other, invoice]  # "What is 2 + 3?", "Summarise …"
     assert listed(q="weather", since=created[invoice]) == []
