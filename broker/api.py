@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from importlib import resources
 from typing import Annotated, Any, Final, TypeVar
 
@@ -63,10 +64,12 @@ from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.shared.messaging.wire import connection_parameters, declare_events
+from runbrake.shared.records import MAX_SEARCH_CHARS, RunSearch
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, parse_label_filters, run_spec_json_schema
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
+from runbrake.shared.threads import received
 from runbrake.shared.timeline import LABELS
 
 log = structlog.get_logger(__name__)
@@ -320,6 +323,47 @@ def _label_filter(given: list[str]) -> dict[str, str]:
             {"loc": ["query", "label"], "msg": p.msg} for p in exc.problems]) from exc
 
 
+def _search(text: str | None, since: str | None, until: str | None) -> RunSearch:
+    """The ``q``, ``since`` and ``until`` of a listing as what it searches for (docs/http-api.md, "Runs:
+    reading"); every bad one named in one 422."""
+    problems: list[dict[str, Any]] = []
+    if text is not None and len(text) > MAX_SEARCH_CHARS:
+        problems.append({"loc": ["query", "q"], "msg": f"at most {MAX_SEARCH_CHARS} characters"})
+    bounds = {name: _instant(value, name, problems) for name, value in (("since", since), ("until", until))}
+    low, high = bounds["since"], bounds["until"]
+    if low is not None and high is not None and low > high:
+        problems.append({"loc": ["query", "until"], "msg": "until is before since"})
+    if problems:
+        raise ApiError.answer(422, "invalid search", errors=problems)
+    return RunSearch(text=(text or "").strip(), since=low, until=high)
+
+
+def _instant(value: str | None, name: str, problems: list[dict[str, Any]]) -> float | None:
+    """A point in time as epoch seconds: ISO 8601 with its UTC offset (a time without one would mean whatever
+    the server's zone is) or a finite number of epoch seconds. A bad one is added to ``problems``."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    try:
+        number = float(text)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(number) and number >= 0:
+            return number
+        problems.append({"loc": ["query", name], "msg": "epoch seconds must be a finite number, 0 or more"})
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        problems.append({"loc": ["query", name], "msg": (
+            "an ISO 8601 time with its offset (2026-12-05T14:00:00Z, 2026-12-05T15:00+01:00) or epoch seconds")})
+        return None
+    return moment.timestamp()
+
+
 async def no_unknown_query(request: Request) -> None:
     """A dependency of every route: a GET with a query parameter its route does not take is refused (422,
     naming it), never silently ignored: ``?tenant=acme`` must not answer every run."""
@@ -366,6 +410,12 @@ _ENQUEUE_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
     **_BODY_ERRORS,
     429: {"description": "The token's tenant is at one of its quotas; nothing was written. Retry-After says when "
                          "to ask again (docs/http-api.md, \"Tenants and quotas\").",
+          "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+}
+
+
+_STEP_ERRORS: Final[dict[int | str, dict[str, Any]]] = {
+    404: {"description": "No such run (or another tenant's), or no such step in it.",
           "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
 }
 
@@ -507,12 +557,21 @@ def _routes(app: FastAPI) -> None:
                             description="KEY:VALUE; repeat it: a run must carry every label given")] = None,
                         thread: Annotated[str | None, Query(
                             description="A run id: list the thread it is in, oldest first, in one page")] = None,
+                        q: Annotated[str | None, Query(
+                            description="Text the run id, the start of the input, the model, a label (KEY=VALUE) "
+                                        "or the error holds, in any case")] = None,
+                        since: Annotated[str | None, Query(
+                            description="Runs created at or after: ISO 8601 with its offset "
+                                        "(2026-12-05T14:00:00Z) or epoch seconds")] = None,
+                        until: Annotated[str | None, Query(
+                            description="Runs created at or before: ISO 8601 with its offset or epoch seconds")] = None,
                         ) -> dict[str, Any]:
         """Runs newest first, one page at a time; ``next_cursor`` is null on the last page. Filtered by
-        ``status`` and by ``label=KEY:VALUE`` (repeatable: all must match). A tenant's token lists only its
-        tenant's runs. ``thread=ROOT_ID`` lists a thread instead: its first run and every continuation, oldest
-        first (docs/http-api.md, "Threads")."""
+        ``status``, by ``label=KEY:VALUE`` (repeatable: all must match), by text (``q``) and by creation time
+        (``since``, ``until``). A tenant's token lists only its tenant's runs. ``thread=ROOT_ID`` lists a thread
+        instead: its first run and every continuation, oldest first (docs/http-api.md, "Threads")."""
         labels = _label_filter(label or [])
+        search = _search(q, since, until)
         if who.tenant is not None:
             if labels.get("tenant", who.tenant) != who.tenant:
                 return {"runs": [], "next_cursor": None}
@@ -530,9 +589,9 @@ def _routes(app: FastAPI) -> None:
                 raise ApiError.answer(422, "invalid thread", errors=[{"loc": ["query", "thread"], "msg": (
                     "a run id (32 lowercase hex characters); a thread is listed in one page, without a cursor")}])
             found = await _state(request).store.thread(thread, limit=limit, status=wanted, labels=labels)
-            return {"runs": [run_summary(r) for r in found], "next_cursor": None}
+            return {"runs": [run_summary(r) for r in found if search.admits(r)], "next_cursor": None}
         records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor),
-                                                             labels=labels)
+                                                             labels=labels, search=search)
         return {"runs": [run_summary(r) for r in records], "next_cursor": _next_cursor(position)}
 
     @app.get("/v1/runs/{run_id}", tags=["runs"])
@@ -541,6 +600,24 @@ def _routes(app: FastAPI) -> None:
         state = _state(request)
         await _visible(state, who, run_id)
         return run_json(await state.store.get(run_id))
+
+    @app.get("/v1/runs/{run_id}/steps/{sequence}/messages", tags=["runs"], responses=_STEP_ERRORS)
+    async def step_messages(request: Request, who: Reader, run_id: RunId,
+                            sequence: Annotated[int, Path(ge=1, le=2**31)]) -> dict[str, Any]:
+        """What the model call of step ``sequence`` was sent: the conversation rebuilt from the run's record
+        (its instructions, history, input and the steps before it), the last 200 messages at most, each text
+        cut at 20,000 characters (``content_truncated``), and the run's model settings (docs/http-api.md,
+        "What a model call received")."""
+        state = _state(request)
+        await _visible(state, who, run_id)
+        record = await state.store.get(run_id)
+        try:
+            return received(record, sequence)
+        except LookupError as exc:
+            raise ApiError.answer(404, str(exc)) from exc
+        except ValueError as exc:
+            raise ApiError.answer(422, "not a model step", errors=[
+                {"loc": ["path", "sequence"], "msg": str(exc)}]) from exc
 
     @app.get("/v1/runs/{run_id}/events", tags=["runs"], response_class=StreamingResponse)
     async def events(request: Request, who: Reader, run_id: RunId,

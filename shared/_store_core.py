@@ -1166,12 +1166,16 @@ def clear_progress(keys: Keys, run_id: str) -> Op[None]:
               context={"run_id": run_id})
 
 
-def index_after(keys: Keys, cursor: tuple[float, str] | None, *,
-                count: int) -> Op[tuple[list[tuple[str, float]], bool]]:
+def index_after(keys: Keys, cursor: tuple[float, str] | None, *, count: int, since: float | None = None,
+                until: float | None = None) -> Op[tuple[list[tuple[str, float]], bool]]:
     """Run ids with their creation times, newest first, after ``cursor`` (score, id): the next ``count``
     entries from the cursor's score down, less those at or before the cursor (ties on the score come
-    in reverse id order), and whether the index ends there. In a cluster, the shards' indexes merged."""
-    top = "+inf" if cursor is None else repr(cursor[0])
+    in reverse id order), and whether the index ends there. In a cluster, the shards' indexes merged.
+    ``since`` and ``until`` (creation times, both included) bound the range read, so a time window costs
+    the runs in it, not the runs around it."""
+    tops = [score for score in (None if cursor is None else cursor[0], until) if score is not None]
+    top = repr(min(tops)) if tops else "+inf"
+    bottom = "-inf" if since is None else repr(since)
 
     def parse(answers: list[Any]) -> tuple[list[tuple[str, float]], bool]:
         pairs, exhausted = merge_newest([_pairs(answer) for answer in answers], count)
@@ -1179,7 +1183,7 @@ def index_after(keys: Keys, cursor: tuple[float, str] | None, *,
             return pairs, exhausted
         return [(m, s) for m, s in pairs if s < cursor[0] or m < cursor[1]], exhausted
 
-    return Op("list runs", tuple(Command(("ZREVRANGEBYSCORE", keys.index(shard), top, "-inf", "WITHSCORES",
+    return Op("list runs", tuple(Command(("ZREVRANGEBYSCORE", keys.index(shard), top, bottom, "WITHSCORES",
                                           "LIMIT", 0, count)) for shard in keys.shards), parse)
 
 

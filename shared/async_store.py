@@ -21,11 +21,13 @@ import redis.asyncio.sentinel
 from runbrake.shared import _store_core as core
 from runbrake.shared.errors import RunNotFound
 from runbrake.shared.records import (
+    ANY_RUN,
     Appended,
     CancelRequest,
     Claim,
     OutboxEntry,
     RunRecord,
+    RunSearch,
     SteerRequest,
     Transition,
     read_cancel_request,
@@ -309,10 +311,10 @@ class AsyncRunStore:
 
     async def page(
         self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,
-        labels: Mapping[str, str] | None = None, scan: int = 1000,
+        labels: Mapping[str, str] | None = None, search: RunSearch = ANY_RUN, scan: int = 1000,
     ) -> tuple[list[RunRecord], tuple[float, str] | None]:
-        """Runs newest first (without steps), after the position ``after``; filtered by ``status`` and
-        ``labels`` (all must match).
+        """Runs newest first (without steps), after the position ``after``; filtered by ``status``,
+        ``labels`` (all must match) and ``search`` (its time window bounds the index range read).
 
         Examines at most ``scan`` runs, so a rare status costs a bounded amount of work per call. Answers
         the runs and the position to continue from, or None when the index is exhausted.
@@ -322,14 +324,15 @@ class AsyncRunStore:
         examined = 0
         while examined < scan:
             batch = min(max(limit * 2, 50), scan - examined)
-            ids, exhausted = await self.execute(core.index_after(self.keys, position, count=batch))
+            ids, exhausted = await self.execute(core.index_after(self.keys, position, count=batch,
+                                                                 since=search.since, until=search.until))
             if not ids:  # (more runs created in the same microsecond than a batch holds end the listing too)
                 return found, None
             records = await self.execute(core.summaries(self.keys, [run_id for run_id, _ in ids]))
             for (run_id, score), record in zip(ids, records, strict=True):
                 examined += 1
                 position = (score, run_id)
-                if record is not None and core.matches(record, status, labels):
+                if record is not None and core.matches(record, status, labels) and search.admits(record):
                     found.append(record)
                     if len(found) >= limit:
                         return found, position

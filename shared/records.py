@@ -283,6 +283,39 @@ _NOT_IN_A_LISTING: Final = frozenset({"steps", "input", "instructions", "output"
                                       "budget_use"})
 
 
+MAX_SEARCH_CHARS: Final = 200
+"""The longest text a listing searches for (``GET /v1/runs?q=``): as long as the input preview it reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSearch:
+    """What a listing searches for (docs/http-api.md, "Runs: reading"): runs created within ``since`` and
+    ``until`` (epoch seconds, both included; None: unbounded) whose listing fields hold ``text``, compared
+    case-insensitively: the run id, the start of the input (``input_preview``), the model, the labels as
+    ``KEY=VALUE`` and the error. Only what a listing reads is searched, so a search costs no more than it."""
+
+    text: str = ""
+    since: float | None = None
+    until: float | None = None
+
+    def admits(self, record: RunRecord) -> bool:
+        """Whether ``record`` is one of the runs searched for."""
+        if self.since is not None and record.created_at < self.since:
+            return False
+        if self.until is not None and record.created_at > self.until:
+            return False
+        if not self.text:
+            return True
+        wanted = self.text.casefold()
+        parts = (record.run_id, record.input_preview, record.model or "", record.error,
+                 *(f"{key}={value}" for key, value in record.labels.items()))
+        return any(wanted in part.casefold() for part in parts)
+
+
+ANY_RUN: Final = RunSearch()
+"""The search that admits every run."""
+
+
 # -- reading stored values -----------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ cancelled, so every call in the history has its result, as OpenAI and Anthropic 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from runbrake.shared.errors import SpecError
@@ -100,6 +100,49 @@ def conversation(parent: RunRecord, servers: frozenset[str]) -> list[dict[str, A
         if isinstance(problem, str):
             messages.append({"role": "user", "content": hand_back(problem)})
     return messages
+
+
+MAX_RECEIVED_MESSAGES: Final = 200
+"""How many messages a model call's view shows: the last ones (``omitted`` counts those left out before)."""
+MAX_RECEIVED_CHARS: Final = 20_000
+"""How much of one message's text a model call's view shows (``content_truncated`` gives the whole length)."""
+
+
+def received(record: RunRecord, sequence: int) -> dict[str, Any]:
+    """What the model call of step ``sequence`` was sent (docs/http-api.md, "What a model call received"):
+    the run's instructions, its history, its input and the conversation rebuilt from the steps before it,
+    as :func:`conversation` rebuilds a thread's (every call kept, made-up ones too: the model saw them),
+    bounded (:data:`MAX_RECEIVED_MESSAGES`, :data:`MAX_RECEIVED_CHARS`); and the run's model settings.
+
+    Raises:
+        LookupError: the run has no step ``sequence``.
+        ValueError: that step is not a model step.
+    """
+    index = next((i for i, step in enumerate(record.steps) if step.sequence == sequence), None)
+    if index is None:
+        raise LookupError(f"run {record.run_id} has no step {sequence}")
+    step = record.steps[index]
+    if step.kind is not StepKind.MODEL:
+        raise ValueError(f"step {sequence} is a {step.kind.value} step; only a model step was sent messages")
+    before = replace(record, steps=record.steps[:index])
+    named = {c.get("server") for s in before.steps if s.kind is StepKind.MODEL
+             for c in s.detail.get("tool_calls") or [] if isinstance(c, Mapping)}
+    messages = conversation(before, frozenset(name for name in named if isinstance(name, str)))
+    if record.instructions is not None:
+        messages.insert(0, {"role": "system", "content": record.instructions})
+    omitted = max(0, len(messages) - MAX_RECEIVED_MESSAGES)
+    settings = record.request.get("model_settings")
+    return {"run_id": record.run_id, "sequence": sequence, "round": step.round,
+            "model": step.detail.get("model", record.model), "settings": dict(settings) if isinstance(
+                settings, Mapping) else {}, "output_schema": record.request.get("output_schema") is not None,
+            "omitted": omitted, "messages": [_shown(m) for m in messages[omitted:]]}
+
+
+def _shown(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str) and len(content) > MAX_RECEIVED_CHARS:
+        return {**message, "content": content[:MAX_RECEIVED_CHARS], "content_truncated": {"chars": len(content)}}
+    return message
 
 
 def _servers(declared: object) -> frozenset[str]:

@@ -54,10 +54,11 @@ def browser_fixture() -> Iterator[Any]:
 
 
 def open_page(browser: Any, url: str, *, locale: str,
-              routes: dict[str | re.Pattern[str], Callable[[Any], None]] | None = None) -> tuple[Any, list[str]]:
-    """A page at ``url`` in ``locale``; the list collects the page's script errors. ``routes``: Playwright
-    route handlers by URL pattern, in place before the page loads."""
-    page = browser.new_page(locale=locale, viewport={"width": 1200, "height": 720})
+              routes: dict[str | re.Pattern[str], Callable[[Any], None]] | None = None,
+              timezone_id: str | None = None) -> tuple[Any, list[str]]:
+    """A page at ``url`` in ``locale`` (and ``timezone_id``, else the machine's); the list collects the page's
+    script errors. ``routes``: Playwright route handlers by URL pattern, in place before the page loads."""
+    page = browser.new_page(locale=locale, viewport={"width": 1200, "height": 720}, timezone_id=timezone_id)
     page.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
@@ -136,6 +137,7 @@ def test_the_page_shows_a_run_live_with_progress_and_cancels_it_in_german(
     expect(page.get_by_test_id("run-status")).to_have_text("abgebrochen")
     tool_row = page.locator("[data-testid=step-row][data-kind=tool]")
     expect(tool_row.get_by_test_id("outcome")).to_have_text("abgebrochen")
+    expect(tool_row.get_by_test_id("step-note")).to_have_text("(gesendet, Nebenwirkungen unbekannt)")  # as show says
     expect(page.get_by_test_id("in-flight")).to_have_count(0)
     expect(page.get_by_test_id("run-cancel")).to_contain_text("Test: zu langsam (von ops-alice)")
     expect(page.locator("th").nth(4)).to_have_text("Ergebnis")
@@ -175,6 +177,10 @@ def test_the_page_shows_what_a_waiting_run_asks_for_and_approves_it(
     expect(approval).to_contain_text("approved: sums are harmless (by anonymous)")
     expect(page.locator("[data-testid=step-row][data-kind=tool]").get_by_test_id("outcome")).to_have_text("ok")
     expect(page.get_by_test_id("pending-call")).to_have_count(0)
+    # The timeline draws the wait for approval, from the call that asked to the decision, on its own lane.
+    wait = page.locator("[data-testid=lane][data-lane=wait] [data-testid=bar][data-kind=wait]")
+    expect(wait).to_have_count(1)
+    expect(wait).to_have_attribute("title", re.compile(r"waiting for approval"))
     assert page.evaluate("window.__notReloaded") is True
     screenshot(page, "runs-page-approved-en.png")
     # The switch turns the same page German without a reload.
@@ -285,9 +291,9 @@ def test_the_page_shows_what_a_run_is_asked_what_it_answers_and_what_it_cost_and
     expect(page.get_by_test_id("run-instructions")).to_have_text("Answer as JSON.")
     expect(page.get_by_test_id("run-input")).to_have_text("What is the sum of 2 and 3?")
     expect(page.get_by_test_id("run-output")).to_have_text('{\n  "sum": 5\n}')  # pretty-printed
-    expect(page.get_by_test_id("run-usage")).to_have_text("200 in + 30 out = 230 tokens, 1 model calls")
+    expect(page.get_by_test_id("run-usage")).to_have_text("200 in + 30 out = 230 tokens, 1 model call")
     page.locator("[data-lang=de]").click()
-    expect(page.get_by_test_id("run-usage")).to_have_text("200 ein + 30 aus = 230 Tokens, 1 Modellaufrufe")
+    expect(page.get_by_test_id("run-usage")).to_have_text("200 ein + 30 aus = 230 Tokens, 1 Modellaufruf")
     screenshot(page, "runs-page-answer-de.png")
     assert errors == []
 
@@ -352,7 +358,7 @@ def test_the_page_shows_a_budgets_use_tokens_cost_and_time_left_in_english_and_g
     expect(page.get_by_test_id("run-reason")).to_have_text("budget exceeded")
     expect(page.get_by_test_id("budget-tokens")).to_have_text("tokens 210/200")
     expect(page.get_by_test_id("budget-cost")).to_have_text("cost 0.000780/1 USD")  # 150 × 2 + 60 × 8 per million
-    expect(page.get_by_test_id("run-usage")).to_have_text("150 in + 60 out = 210 tokens, 1 model calls, 0.000780 USD")
+    expect(page.get_by_test_id("run-usage")).to_have_text("150 in + 60 out = 210 tokens, 1 model call, 0.000780 USD")
     page.locator("[data-lang=de]").click()
     expect(page.get_by_test_id("run-reason")).to_have_text("Budget überschritten")
     expect(page.get_by_test_id("budget-cost")).to_have_text("Kosten 0.000780/1 USD")
@@ -396,4 +402,164 @@ def test_a_finished_run_is_continued_from_its_page_which_links_its_parent_and_li
     expect(page.get_by_test_id("thread-run")).to_have_count(2)
     assert store.get(child).parent_run_id == root
     assert page.evaluate("window.__notReloaded") is True
+    assert errors == []
+
+
+def test_the_first_screen_without_a_token_says_only_that_a_token_is_needed(
+    browser: Any, start_api: Callable[..., ApiProcess], tokens_file: Path,
+) -> None:
+    from playwright.sync_api import expect
+
+    api = start_api(tokens=tokens_file)
+    page, errors = open_page(browser, f"{api.url}/", locale="en-US")
+    expect(page.get_by_test_id("token-form")).to_be_visible()
+    expect(page.get_by_test_id("error")).to_contain_text("a valid bearer token is required")
+    # Nothing was read, so nothing says there are no runs (the old page said both at once).
+    expect(page.get_by_test_id("empty")).to_have_count(0)
+    assert "No runs yet." not in page.locator("main").inner_text()
+    # Every word of the page's own table in both languages (docs/labels.md says so in its opening).
+    assert page.evaluate("Object.keys(UI.en).sort()") == page.evaluate("Object.keys(UI.de).sort()")
+    assert errors == []
+
+
+ISO_LOCAL = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} UTC\+01:00$")
+"""A time as the page writes it in Berlin in December: year-month-day, the zone's offset stated."""
+
+
+def test_each_step_expands_to_what_it_saw_and_did_and_the_timeline_draws_the_steps_to_scale(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, llm_mock: LlmMock, toolbox_http: Toolbox, store: RunStore,
+) -> None:
+    from playwright.sync_api import expect
+
+    # One turn asks for two calls at once (one takes a second), the next answers: two tool lanes side by side.
+    llm_mock.server.when("sum").reply(reply(tools=[("toolbox__slow", {"seconds": 1}, "call_1"),
+                                                   ("toolbox__get-sum", {"a": 2, "b": 3}, "call_2")],
+                                            usage=(120, 20))).times(1)
+    llm_mock.server.when_tool_result("call_2").reply(reply("It is 5.", usage=(160, 5)))
+    add_to_catalog({"toolbox": toolbox_http.spec}, models={"mock": {
+        "provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}})
+    run_id = httpx2.post(f"{api.url}/v1/runs", json={
+        "input": "What is the sum of 2 and 3?", "model": "mock", "mcp_servers": ["toolbox"],
+        "instructions": "Use the tools.", "model_settings": {"temperature": 0.2}}).json()["run_id"]
+    record = wait_for_run(store, run_id)
+    assert record.status is RunStatus.COMPLETED, record.error
+    steps = {(s.kind, s.tool_name): s for s in record.steps}
+    first_model = next(s for s in record.steps if s.kind is StepKind.MODEL)
+    second_model = [s for s in record.steps if s.kind is StepKind.MODEL][1]
+    slow, summed = steps[(StepKind.TOOL, "slow")], steps[(StepKind.TOOL, "get-sum")]
+
+    page, errors = open_page(browser, f"{api.url}/#/runs/{run_id}", locale="en-US", timezone_id="Europe/Berlin")
+    expect(page.get_by_test_id("run-status")).to_have_text("completed")
+    used = record.usage
+    expect(page.get_by_test_id("run-usage")).to_have_text(
+        f"{used.input_tokens} in + {used.output_tokens} out = {used.total_tokens} tokens, 2 model calls")
+    # Item 7: the three times labelled alike, written year-month-day with the reader's zone, and the page says so.
+    expect(page.locator(".facts dt").nth(2)).to_have_text("Created")
+    expect(page.locator(".facts dt").nth(3)).to_have_text("Started")
+    expect(page.locator(".facts dt").nth(4)).to_have_text("Finished")
+    for testid in ("run-created", "run-started", "run-finished"):
+        expect(page.get_by_test_id(testid)).to_have_text(ISO_LOCAL)
+    expect(page.get_by_test_id("when-note")).to_contain_text("UTC+01:00")
+
+    # The second model call: what it was sent, rebuilt from the record, its usage and attempts.
+    model_row = page.locator(f"[data-testid=step-row][data-seq='{second_model.sequence}']")
+    model_row.get_by_test_id("expand").click()
+    detail = page.locator(f"[data-testid=step-detail][data-seq='{second_model.sequence}']")
+    expect(detail.get_by_test_id("received-message")).to_have_count(5)
+    roles = detail.get_by_test_id("received-message").evaluate_all("items => items.map(i => i.dataset.role)")
+    assert roles == ["system", "user", "assistant", "tool", "tool"]
+    expect(detail.get_by_test_id("received-message").first).to_contain_text("Use the tools.")
+    expect(detail.get_by_test_id("received-message").nth(2)).to_contain_text("toolbox.get-sum")
+    expect(detail.get_by_test_id("received-message").nth(4)).to_contain_text("5")
+    expect(detail.get_by_test_id("received-settings")).to_have_text("Model settings: temperature = 0.2")
+    usage = second_model.detail["usage"]
+    expect(detail.get_by_test_id("step-usage")).to_have_text(
+        f"{usage['input_tokens']} in + {usage['output_tokens']} out = {usage['total_tokens']} tokens")
+    expect(detail.get_by_test_id("step-attempts")).to_have_text("1")
+    expect(detail.get_by_test_id("step-answer")).to_have_text("It is 5.")
+    # The tool call: its arguments (stored once, on the model step), its whole result, its duration.
+    page.locator(f"[data-testid=step-row][data-seq='{summed.sequence}']").get_by_test_id("expand").click()
+    tool = page.locator(f"[data-testid=step-detail][data-seq='{summed.sequence}']")
+    expect(tool.get_by_test_id("step-arguments")).to_have_text('{\n  "a": 2,\n  "b": 3\n}')
+    expect(tool.get_by_test_id("step-result")).to_have_text("5")
+    expect(tool.get_by_test_id("step-duration")).to_have_text(  # milliseconds below a second
+        f"{summed.duration_ms} ms" if summed.duration_ms < 1000 else ELAPSED)
+    # The first model call was sent the opening only; its row keeps its node across the redraws.
+    page.locator(f"[data-testid=step-row][data-seq='{first_model.sequence}']").get_by_test_id("expand").click()
+    first = page.locator(f"[data-testid=step-detail][data-seq='{first_model.sequence}']")
+    expect(first.get_by_test_id("received-message")).to_have_count(2)
+    expect(first.get_by_test_id("step-asked")).to_contain_text("toolbox.slow")
+
+    # The timeline: one bar a step, the two calls on two lanes at once, each placed and sized by its times.
+    chart = page.get_by_test_id("chart")
+    expect(chart.get_by_test_id("bar")).to_have_count(len(record.steps))
+    expect(chart.get_by_test_id("lane")).to_have_count(3)  # the model's, and one for each call at once
+    bars = {int(b["seq"]): (float(b["left"]), float(b["width"])) for b in chart.get_by_test_id("bar").evaluate_all(
+        "bars => bars.map(b => ({seq: b.dataset.seq, left: b.dataset.left, width: b.dataset.width}))")}
+    start = min(s.recorded_at - s.duration_ms / 1000 for s in record.steps)
+    span = max(s.recorded_at for s in record.steps) - start
+    for step in record.steps:
+        left, width = bars[step.sequence]
+        assert abs(left - (step.recorded_at - step.duration_ms / 1000 - start) / span * 100) < 0.5, step
+        assert abs(width - step.duration_ms / 1000 / span * 100) < 0.5, step
+    assert bars[slow.sequence][1] > 2 * bars[summed.sequence][1]  # a second against a sum
+    drawn = chart.get_by_test_id("bar").evaluate_all("bars => bars.map(b => b.getBoundingClientRect().width)")
+    assert max(drawn) > 100  # drawn to the sizes, not left at the stylesheet's minimum
+    screenshot(page, "runs-page-debug-en.png")
+    page.locator("[data-lang=de]").click()
+    expect(detail.get_by_test_id("received-settings")).to_have_text("Modelleinstellungen: temperature = 0.2")
+    expect(page.locator(".facts dt").nth(3)).to_have_text("Gestartet")
+    expect(page.get_by_test_id("run-usage")).to_contain_text("2 Modellaufrufe")
+    expect(chart).to_contain_text("Zeitleiste")
+    assert errors == []
+
+
+def test_the_list_is_searched_by_text_and_by_creation_time_on_the_server(
+    browser: Any, api: ApiProcess, store: RunStore,
+) -> None:
+    from playwright.sync_api import expect
+
+    weather = httpx2.post(f"{api.url}/v1/runs", json={"input": "What is the weather in Oslo?",
+                                                      "model": {"provider": "scripted", "turns": [{"content": "x"}]}})
+    invoice = httpx2.post(f"{api.url}/v1/runs", json={"input": "Summarise invoice 4711",
+                                                      "model": {"provider": "scripted", "turns": [{"content": "x"}]}})
+    weather_id, invoice_id = weather.json()["run_id"], invoice.json()["run_id"]
+    for _ in range(100):  # newer than both: the page's first listing (100 runs) ends before them
+        store.create({"input": "filler", "model": {"provider": "scripted", "turns": [{"content": "x"}]}})
+    searched: list[str] = []
+    page, errors = open_page(browser, f"{api.url}/", locale="en-US", timezone_id="Europe/Berlin", routes={
+        re.compile(r"/v1/runs\?"): lambda route: (searched.append(route.request.url), route.continue_())})
+    expect(page.get_by_test_id("run-row")).to_have_count(100)
+    expect(page.locator(f"[data-run-id='{weather_id}']")).to_have_count(0)
+    page.get_by_test_id("more").click()  # what lies past the first listing is one click away, never left out
+    expect(page.get_by_test_id("run-row")).to_have_count(102)
+    expect(page.get_by_test_id("more")).to_have_count(0)
+    expect(page.locator(f"[data-run-id='{weather_id}']").get_by_test_id("run-created")).to_have_text(ISO_LOCAL)
+
+    page.get_by_test_id("filter-q").fill("INVOICE")
+    page.get_by_test_id("filter-apply").click()
+    expect(page.get_by_test_id("run-row")).to_have_count(1)
+    expect(page.locator(f"[data-run-id='{invoice_id}']")).to_have_count(1)
+    assert "q=INVOICE" in searched[-1]  # the server searched, not the page
+    screenshot(page, "runs-page-search-en.png")
+
+    # A window that ends before the runs were created holds none of them; one around them holds both.
+    created = store.get(weather_id).created_at
+    page.get_by_test_id("filter-q").fill("")
+    page.get_by_test_id("filter-until").fill(page.evaluate(
+        "t => { const d = new Date((t - 120) * 1000); d.setMinutes(d.getMinutes() - d.getTimezoneOffset());"
+        " return d.toISOString().slice(0, 16); }", created))
+    page.get_by_test_id("filter-apply").click()
+    expect(page.get_by_test_id("run-row")).to_have_count(0)
+    expect(page.get_by_test_id("empty")).to_have_text("No run matches this filter.")
+    assert "until=" in searched[-1]
+    page.get_by_test_id("filter-until").fill("")
+    page.get_by_test_id("filter-since").fill(page.evaluate(
+        "t => { const d = new Date((t - 120) * 1000); d.setMinutes(d.getMinutes() - d.getTimezoneOffset());"
+        " return d.toISOString().slice(0, 16); }", created))
+    page.get_by_test_id("filter-apply").click()
+    expect(page.get_by_test_id("run-row")).to_have_count(100)
+    expect(page.get_by_test_id("filter-since")).not_to_have_value("")  # kept in the address, shown again
+    page.locator("[data-lang=de]").click()
+    expect(page.get_by_test_id("filter-q")).to_have_attribute("placeholder", "Text suchen")
     assert errors == []

@@ -105,7 +105,8 @@ def test_another_tenants_run_is_answered_exactly_as_a_missing_one(
     run_id = enqueue(alpha).json()["run_id"]
     missing = "0" * 32
 
-    for method, path in [("GET", "/v1/runs/{}"), ("GET", "/v1/runs/{}/events"), ("POST", "/v1/runs/{}/cancel"),
+    for method, path in [("GET", "/v1/runs/{}"), ("GET", "/v1/runs/{}/events"), ("GET", "/v1/runs/{}/steps/1/messages"),
+                         ("POST", "/v1/runs/{}/cancel"),
                          ("POST", "/v1/runs/{}/approve"), ("POST", "/v1/runs/{}/deny")]:
         body = {} if method == "POST" else None
         theirs = beta.request(method, path.format(run_id), json=body)

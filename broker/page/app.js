@@ -12,7 +12,8 @@ const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 
 const UI = {
   en: {
-    "runs.title": "Runs", "runs.empty": "No runs yet.", "runs.created": "Created",
+    "runs.title": "Runs", "runs.empty": "No runs yet.", "runs.none_match": "No run matches this filter.",
+    "runs.more": "Show older runs",
     "action.cancel": "Cancel run", "action.approve": "Approve", "action.deny": "Deny",
     "action.steer": "Steer", "steer.input": "New message",
     "action.confirm": "Confirm", "action.back": "Back", "reason": "Reason",
@@ -23,12 +24,31 @@ const UI = {
     "filter.status": "Status", "filter.any": "any", "filter.label": "Label (KEY:VALUE)", "filter.apply": "Filter",
     "filter.clear": "Clear", "run.instructions": "Instructions", "run.input": "Input", "run.output": "Answer",
     "run.usage": "Usage", "run.model": "Model", "run.labels": "Labels",
-    "usage.text": "{input} in + {output} out = {total} tokens, {calls} model calls",
+    "usage.text": "{input} in + {output} out = {total} tokens, {calls}",
+    "usage.calls.one": "{n} model call", "usage.calls.other": "{n} model calls",
     "run.forming": "answering…",
     "action.continue": "Continue", "continue.input": "Next message", "continue.send": "Send",
+    "when.created": "Created", "when.started": "Started", "when.finished": "Finished",
+    "when.note": "Times are in your time zone ({zone}), written year-month-day.",
+    "filter.q": "Search text", "filter.since": "Created from", "filter.until": "to",
+    "step.expand": "Show what this step saw and did", "step.collapse": "Hide the step's detail",
+    "step.model": "Model", "step.attempts": "Attempts", "step.retried": "Retried after",
+    "step.usage": "Usage", "step.tokens": "{input} in + {output} out = {total} tokens",
+    "step.answer": "Answer", "step.asked": "Tool calls asked for", "step.error": "Error",
+    "step.interrupted": "Cut off before it answered", "step.output_error": "Answer did not match the schema",
+    "step.received": "Messages sent to the model", "step.received.loading": "loading…",
+    "step.received.omitted": "{n} earlier messages not shown", "step.received.cut": "cut, {n} characters in all",
+    "step.settings": "Model settings", "step.settings.none": "the model's defaults",
+    "step.call": "Call", "step.arguments": "Arguments", "step.result": "Result", "step.side_effects": "Side effects",
+    "step.reason": "Why", "step.duration": "Duration", "step.progress": "Progress seen on this page",
+    "step.child": "Child run", "step.task": "MCP task", "step.detail": "Stored detail (JSON)",
+    "step.decision": "Decision", "step.by": "By", "step.input": "New message",
+    "timeline.title": "Timeline", "timeline.wait": "waiting for approval",
+    "timeline.span": "{s} from the first step's start to the last step's end",
   },
   de: {
-    "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.created": "Erstellt",
+    "runs.title": "Läufe", "runs.empty": "Noch keine Läufe.", "runs.none_match": "Kein Lauf passt zu diesem Filter.",
+    "runs.more": "Ältere Läufe zeigen",
     "action.cancel": "Lauf abbrechen", "action.approve": "Freigeben", "action.deny": "Ablehnen",
     "action.steer": "Umlenken", "steer.input": "Neue Nachricht",
     "action.confirm": "Bestätigen", "action.back": "Zurück", "reason": "Grund",
@@ -39,9 +59,27 @@ const UI = {
     "filter.status": "Status", "filter.any": "alle", "filter.label": "Label (SCHLÜSSEL:WERT)", "filter.apply": "Filtern",
     "filter.clear": "Zurücksetzen", "run.instructions": "Anweisungen", "run.input": "Eingabe", "run.output": "Antwort",
     "run.usage": "Verbrauch", "run.model": "Modell", "run.labels": "Labels",
-    "usage.text": "{input} ein + {output} aus = {total} Tokens, {calls} Modellaufrufe",
+    "usage.text": "{input} ein + {output} aus = {total} Tokens, {calls}",
+    "usage.calls.one": "{n} Modellaufruf", "usage.calls.other": "{n} Modellaufrufe",
     "run.forming": "antwortet…",
     "action.continue": "Fortsetzen", "continue.input": "Nächste Nachricht", "continue.send": "Senden",
+    "when.created": "Erstellt", "when.started": "Gestartet", "when.finished": "Beendet",
+    "when.note": "Zeiten in Ihrer Zeitzone ({zone}), geschrieben Jahr-Monat-Tag.",
+    "filter.q": "Text suchen", "filter.since": "Erstellt von", "filter.until": "bis",
+    "step.expand": "Zeigen, was dieser Schritt sah und tat", "step.collapse": "Details des Schritts verbergen",
+    "step.model": "Modell", "step.attempts": "Versuche", "step.retried": "Wiederholt nach",
+    "step.usage": "Verbrauch", "step.tokens": "{input} ein + {output} aus = {total} Tokens",
+    "step.answer": "Antwort", "step.asked": "Verlangte Werkzeugaufrufe", "step.error": "Fehler",
+    "step.interrupted": "Abgebrochen, bevor es antwortete", "step.output_error": "Antwort passte nicht zum Schema",
+    "step.received": "An das Modell gesendete Nachrichten", "step.received.loading": "lädt…",
+    "step.received.omitted": "{n} frühere Nachrichten nicht gezeigt", "step.received.cut": "gekürzt, {n} Zeichen insgesamt",
+    "step.settings": "Modelleinstellungen", "step.settings.none": "die Vorgaben des Modells",
+    "step.call": "Aufruf", "step.arguments": "Argumente", "step.result": "Ergebnis", "step.side_effects": "Nebenwirkungen",
+    "step.reason": "Warum", "step.duration": "Dauer", "step.progress": "Auf dieser Seite gesehener Fortschritt",
+    "step.child": "Kind-Lauf", "step.task": "MCP-Task", "step.detail": "Gespeichertes Detail (JSON)",
+    "step.decision": "Entscheidung", "step.by": "Von", "step.input": "Neue Nachricht",
+    "timeline.title": "Zeitleiste", "timeline.wait": "wartet auf Freigabe",
+    "timeline.span": "{s} vom Beginn des ersten bis zum Ende des letzten Schritts",
   },
 };
 
@@ -72,12 +110,40 @@ function el(tag, attrs, ...children) {
 // right-to-left override in it cannot reorder the words around it ("reason (by who)"): docs/security.md.
 function user(text) { return el("bdi", { class: "user" }, text === null || text === undefined ? "" : text); }
 
+// A point in time in the reader's time zone, written year-month-day (ISO 8601's order, never 05/12/2026, which
+// reads as May or December depending on the reader), with the zone's offset; the page states it (when.note).
+// A label of shared/timeline.py, or the key's own value where the page has none for it (a reason added later).
+function known(key) { const text = label(key); return text === key ? key.slice(key.indexOf(".") + 1) : text; }
+
+// ``server.tool``, or the name a model made up for a call to no server.
+function callName(server, tool) { return server ? server + "." + tool : String(tool || ""); }
+
 function when(epoch) {
   if (!epoch) return "-";
-  return new Date(epoch * 1000).toLocaleString(lang === "de" ? "de-DE" : "en-GB");
+  const d = new Date(epoch * 1000);
+  const two = (n) => String(n).padStart(2, "0");
+  return d.getFullYear() + "-" + two(d.getMonth() + 1) + "-" + two(d.getDate()) + " " + two(d.getHours()) + ":" +
+    two(d.getMinutes()) + ":" + two(d.getSeconds()) + " " + zone(d);
+}
+
+function zone(d) {
+  const minutes = -(d || new Date()).getTimezoneOffset();
+  const abs = Math.abs(minutes);
+  return "UTC" + (minutes < 0 ? "−" : "+") + String(Math.floor(abs / 60)).padStart(2, "0") + ":" + String(abs % 60).padStart(2, "0");
+}
+
+function whenNote() { return t("when.note").replace("{zone}", zone()); }
+
+// "1 model call", "2 model calls": the language's own plural rule.
+function plural(key, n) {
+  const form = new Intl.PluralRules(lang).select(n) === "one" ? "one" : "other";
+  return t(key + "." + form).replace("{n}", n);
 }
 
 function seconds(ms) { return (ms / 1000).toFixed(1) + " s"; }
+
+// A step's duration: milliseconds below a second (a 37 ms call is not "0.0 s"), else seconds.
+function took(ms) { return ms < 1000 ? Math.round(ms) + " ms" : seconds(ms); }
 
 // How long a run took (or has taken so far): from its start to its end, or to now while it runs.
 function duration(run) {
@@ -119,7 +185,7 @@ function timeLeft(deadlineAt) {
 function usageText(usage) {
   if (!usage) return "";
   const text = t("usage.text").replace("{input}", usage.input_tokens).replace("{output}", usage.output_tokens)
-    .replace("{total}", usage.total_tokens).replace("{calls}", usage.model_calls);
+    .replace("{total}", usage.total_tokens).replace("{calls}", plural("usage.calls", usage.model_calls));
   return usage.cost_usd === undefined || usage.cost_usd === null ? text : text + ", " + usage.cost_usd.toFixed(6) + " USD";
 }
 
@@ -273,8 +339,9 @@ function redraw(main, keep, draw) {
 
 function listView() {
   const params = new URLSearchParams(location.hash.split("?")[1] || "");
-  const filter = { status: params.get("status") || "", labels: params.getAll("label") };
-  const state = { runs: [], error: null };
+  const filter = { status: params.get("status") || "", labels: params.getAll("label"), q: params.get("q") || "",
+    since: params.get("since") || "", until: params.get("until") || "" };
+  const state = { runs: [], error: null, next: null };  // next: the listing's next_cursor (more runs after these)
   const main = document.getElementById("main");
   const keep = keeper();
   let stream = null, stopped = false;  // stopped: another view has the page (see route)
@@ -283,14 +350,31 @@ function listView() {
     const q = new URLSearchParams({ limit: "100" });
     if (filter.status) q.set("status", filter.status);
     for (const item of filter.labels) q.append("label", item);
+    for (const name of ["q", "since", "until"]) if (filter[name]) q.set(name, filter[name]);
     return q;
   }
 
-  function applyFilter(status, labelText) {
+  // The search runs on the server (GET /v1/runs?q=&since=&until=: docs/http-api.md, "Runs: reading"); the times
+  // typed in the reader's zone go there as ISO 8601 in UTC, so that the server never guesses a zone.
+  function applyFilter(form) {
     const q = new URLSearchParams();
-    if (status) q.set("status", status);
-    for (const item of labelText.split(/[\s,]+/).filter(Boolean)) q.append("label", item);
+    if (form.status) q.set("status", form.status);
+    for (const item of form.labels.split(/[\s,]+/).filter(Boolean)) q.append("label", item);
+    if (form.q.trim()) q.set("q", form.q.trim());
+    for (const name of ["since", "until"]) {
+      const moment = form[name] ? new Date(form[name]) : null;  // datetime-local: the reader's zone
+      if (moment && !isNaN(moment)) q.set(name, moment.toISOString());
+    }
     location.hash = "#/" + (q.toString() ? "?" + q.toString() : "");
+  }
+
+  // An ISO 8601 time from the address as the value of a datetime-local field (the reader's zone, to the minute).
+  function localInput(iso) {
+    const d = iso ? new Date(iso) : null;
+    if (!d || isNaN(d)) return "";
+    const two = (n) => String(n).padStart(2, "0");
+    return d.getFullYear() + "-" + two(d.getMonth() + 1) + "-" + two(d.getDate()) + "T" + two(d.getHours()) + ":" +
+      two(d.getMinutes());
   }
 
   function filterForm() {
@@ -300,9 +384,19 @@ function listView() {
         el("option", { value: status, selected: status === filter.status }, statusLabel(status))));
     const input = el("input", { type: "text", "data-testid": "filter-label", "aria-label": t("filter.label"),
       placeholder: t("filter.label"), value: filter.labels.join(" ") });
+    const text = el("input", { type: "search", "data-testid": "filter-q", "aria-label": t("filter.q"),
+      placeholder: t("filter.q"), maxlength: 200, value: filter.q });
+    const since = el("input", { type: "datetime-local", "data-testid": "filter-since", "aria-label": t("filter.since"),
+      value: localInput(filter.since) });
+    const until = el("input", { type: "datetime-local", "data-testid": "filter-until", "aria-label": t("filter.until"),
+      value: localInput(filter.until) });
     return el("form", { class: "filters", "data-testid": "filters",
-      onsubmit: (event) => { event.preventDefault(); applyFilter(select.value, input.value); } },
-    el("label", {}, t("filter.status") + " "), select, " ", input, " ",
+      onsubmit: (event) => {
+        event.preventDefault();
+        applyFilter({ status: select.value, labels: input.value, q: text.value, since: since.value, until: until.value });
+      } },
+    text, " ", el("label", {}, t("filter.status") + " "), select, " ", input, " ",
+    el("label", {}, t("filter.since") + " "), since, el("label", {}, " " + t("filter.until") + " "), until, " ",
     el("button", { type: "submit", class: "action", "data-testid": "filter-apply" }, t("filter.apply")), " ",
     el("button", { type: "button", class: "action", onclick: () => { location.hash = "#/"; } }, t("filter.clear")));
   }
@@ -327,16 +421,23 @@ function listView() {
     el("td", { "data-testid": "run-labels" }, labelChips(run.labels)),
     el("td", { class: "num", "data-testid": "run-duration" }, duration(run)),
     el("td", { class: "num", "data-testid": "run-tokens" }, run.usage ? run.usage.total_tokens : ""),
-    el("td", {}, when(run.created_at)));
+    el("td", { "data-testid": "run-created" }, when(run.created_at)));
   }
 
   function render() { if (!stopped) redraw(main, keep, draw); }
 
   function draw() {
     main.append(el("h1", {}, t("runs.title")), keep("filters", lang, filterForm));
-    if (state.error) main.append(el("p", { class: "error" }, state.error));
+    // An answer that failed (a 401 without a token above all) says only that: no runs were read, so "none yet"
+    // would be a second, contradictory message.
+    if (state.error) { main.append(el("p", { class: "error", "data-testid": "error" }, state.error)); return; }
     const runs = state.runs.filter(matches);
-    if (!runs.length) { main.append(el("p", { class: "empty" }, t("runs.empty"))); return; }
+    if (!runs.length) {
+      const searching = filter.status || filter.labels.length || filter.q || filter.since || filter.until;
+      main.append(el("p", { class: "empty", "data-testid": "empty" }, t(searching ? "runs.none_match" : "runs.empty")));
+      more();
+      return;
+    }
     const rows = runs.map((run) => {
       const row = keep("run " + run.run_id, lang + JSON.stringify(run), () => runRow(run));
       row.querySelector("[data-testid=run-duration]").textContent = duration(run);  // a running run's grows
@@ -345,12 +446,38 @@ function listView() {
     main.append(el("table", {}, el("thead", {}, el("tr", {},
       el("th", {}, label("run.run")), el("th", {}, label("run.status")), el("th", {}, label("run.reason")),
       el("th", {}, t("runs.input")), el("th", {}, t("runs.labels")), el("th", {}, t("runs.duration")),
-      el("th", {}, t("runs.tokens")), el("th", {}, t("runs.created")))), el("tbody", {}, rows)));
+      el("th", {}, t("runs.tokens")), el("th", {}, t("when.created")))), el("tbody", {}, rows)));
+    more();
+    main.append(el("p", { class: "hint", "data-testid": "when-note" }, whenNote()));
+  }
+
+  // A listing stops at 100 runs, a search after 1000 examined (docs/http-api.md, "Runs: reading"): what is past
+  // them is one click away, never silently left out.
+  function more() {
+    if (!state.next) return;
+    main.append(keep("more", lang + state.next, () => el("p", {}, el("button", { type: "button", class: "action",
+      "data-testid": "more", onclick: () => loadMore() }, t("runs.more")))));
+  }
+
+  async function loadMore() {
+    const q = query();
+    q.set("cursor", state.next);
+    try {
+      const page = await api("/v1/runs?" + q.toString());
+      const known = new Set(state.runs.map((r) => r.run_id));
+      state.runs = state.runs.concat(page.runs.filter((r) => !known.has(r.run_id)));
+      state.next = page.next_cursor;
+    } catch (error) {
+      state.error = error.message;
+    }
+    render();
   }
 
   async function load() {
     try {
-      state.runs = (await api("/v1/runs?" + query().toString())).runs;
+      const page = await api("/v1/runs?" + query().toString());
+      state.runs = page.runs;
+      state.next = page.next_cursor;
       state.error = null;
     } catch (error) {
       state.error = error.message;
@@ -376,7 +503,10 @@ function listView() {
 
 function runView(runId) {
   const state = { run: null, steps: new Map(), status: null, reason: "", progress: null, error: null,
-    deciding: null, message: null, forming: null, thread: [] };
+    deciding: null, message: null, forming: null, thread: [],
+    expanded: new Set(),  // the steps opened, by sequence
+    received: new Map(),  // sequence → what that model call was sent: {body} or {error}, once asked for
+    progressLog: new Map() };  // tool call id → the progress reports this page saw, oldest first
   const main = document.getElementById("main");
   const keep = keeper();
   let opened = 0;  // forms opened, so that one opened again is drawn anew, empty
@@ -410,7 +540,12 @@ function runView(runId) {
   }
 
   function detail(step) {
-    if (step.kind === "tool") return [user(step.tool_server + "." + step.tool_name), ": ", user(step.content)];
+    if (step.kind === "tool") {
+      const d = step.detail || {};
+      const notes = [d.reason ? known("step_reason." + d.reason) : null, d.side_effects ? known("side_effects." + d.side_effects) : null]
+        .filter(Boolean).map((text) => el("span", { class: "note", "data-testid": "step-note" }, " (" + text + ")"));
+      return [user(callName(step.tool_server, step.tool_name)), notes, ": ", el("span", { class: "excerpt" }, user(step.content))];
+    }
     if (step.kind === "model") {
       const calls = ((step.detail && step.detail.tool_calls) || []).map((c) => c.server + "." + c.tool).join(", ");
       const text = step.error || step.content || "";
@@ -426,11 +561,166 @@ function runView(runId) {
   }
 
   function stepRow(step) {
+    const open = state.expanded.has(step.sequence);
+    const toggle = el("button", { type: "button", class: "expand", "data-testid": "expand", "aria-expanded": String(open),
+      title: t(open ? "step.collapse" : "step.expand"), "aria-label": t(open ? "step.collapse" : "step.expand"),
+      onclick: () => expand(step) }, open ? "▾" : "▸");
     return el("tr", { "data-testid": "step-row", "data-seq": step.sequence, "data-kind": step.kind },
-      el("td", { class: "num" }, step.sequence), el("td", { class: "num" }, step.round),
+      el("td", { class: "num" }, toggle, " ", step.sequence), el("td", { class: "num" }, step.round),
       el("td", {}, label("kind." + step.kind)), el("td", { class: "num" }, step.duration_ms),
       el("td", { class: "outcome o-" + (step.outcome || "none"), "data-testid": "outcome" }, outcomeLabel(step.outcome)),
       el("td", { class: "detail" }, detail(step)));
+  }
+
+  function expand(step) {
+    if (state.expanded.has(step.sequence)) state.expanded.delete(step.sequence);
+    else {
+      state.expanded.add(step.sequence);
+      if (step.kind === "model" && !state.received.has(step.sequence)) loadReceived(step.sequence);
+    }
+    render();
+  }
+
+  // What a model call was sent, rebuilt by the server from the run's record (docs/http-api.md, "What a model
+  // call received"); asked for once, when its step is first opened.
+  async function loadReceived(sequence) {
+    state.received.set(sequence, { loading: true });
+    try {
+      state.received.set(sequence, { body: await api("/v1/runs/" + runId + "/steps/" + sequence + "/messages") });
+    } catch (error) {
+      state.received.set(sequence, { error: error.message });
+    }
+    render();
+  }
+
+  function callOf(step) {
+    const asked = [...state.steps.values()].filter((s) => s.kind === "model")
+      .flatMap((s) => (s.detail && s.detail.tool_calls) || []);
+    return asked.find((c) => c.id === step.tool_call_id) || null;
+  }
+
+  // One opened step: what it saw and did, by kind, and its stored detail as JSON.
+  function stepDetail(step) {
+    const d = step.detail || {};
+    const facts = el("dl", { class: "facts" });
+    const fact = (key, value, testid) => {
+      if (value === null || value === undefined || value === "") return;
+      facts.append(el("dt", {}, t(key)), el("dd", testid ? { "data-testid": testid } : {}, value));
+    };
+    const blocks = [];
+    const block = (key, body, testid) => blocks.push(el("h3", {}, t(key)), el("div", { class: "text", "data-testid": testid }, body));
+    if (step.kind === "model") {
+      fact("step.model", d.model ? user(d.model) : null);
+      fact("step.attempts", d.attempts, "step-attempts");
+      fact("step.retried", (d.retried || []).length ? (d.retried || []).map((r) =>
+        el("div", {}, user(r.error), r.status ? " (HTTP " + r.status + ")" : "", r.wait_s !== undefined ? ", " + r.wait_s + " s" : "")) : null,
+      "step-retried");
+      fact("step.usage", d.usage ? t("step.tokens").replace("{input}", d.usage.input_tokens)
+        .replace("{output}", d.usage.output_tokens).replace("{total}", d.usage.total_tokens) +
+        (typeof d.usage.cost_usd === "number" ? ", " + d.usage.cost_usd.toFixed(6) + " USD" : "") : null, "step-usage");
+      fact("step.duration", took(step.duration_ms));
+      if (step.interrupted) fact("step.interrupted", d.reason ? known("step_reason." + d.reason) : "✓");
+      fact("step.error", step.error ? user(step.error) : null, "step-error");
+      fact("step.output_error", d.output_error ? user(d.output_error) : null);
+      if (step.content) block("step.answer", user(step.content), "step-answer");
+      const calls = d.tool_calls || [];
+      if (calls.length) {
+        block("step.asked", calls.map((c) => el("div", { class: "call" }, el("code", {}, user(callName(c.server, c.tool))), " ",
+          el("pre", { dir: "ltr" }, user(JSON.stringify(c.arguments, null, 2))))), "step-asked");
+      }
+      blocks.push(receivedBox(step));
+    } else if (step.kind === "tool") {
+      const call = callOf(step);
+      fact("step.call", [el("code", {}, user(callName(step.tool_server, step.tool_name))), " ", el("code", {}, user(step.tool_call_id || ""))]);
+      fact("step.duration", took(step.duration_ms), "step-duration");
+      fact("step.reason", d.reason ? known("step_reason." + d.reason) : null);
+      fact("step.side_effects", d.side_effects ? known("side_effects." + d.side_effects) : null, "step-side-effects");
+      fact("step.task", d.task_id ? user(d.task_id + (d.task_status ? " (" + d.task_status + ")" : "")) : null);
+      fact("step.child", d.child_run_id ? el("a", { href: "#/runs/" + d.child_run_id }, el("code", {}, d.child_run_id)) : null);
+      block("step.arguments", el("pre", { dir: "ltr" }, user(call ? JSON.stringify(call.arguments, null, 2) : "-")), "step-arguments");
+      block("step.result", user(step.content), "step-result");
+      const seen = state.progressLog.get(step.tool_call_id) || [];
+      if (seen.length) {
+        block("step.progress", el("ol", {}, seen.map((p) => el("li", {}, when(p.updated_at), " · ",
+          p.progress + (p.total ? "/" + p.total : ""), p.message ? [" · ", user(p.message)] : null))), "step-progress");
+      }
+    } else if (step.kind === "approval") {
+      fact("step.decision", d.decision ? label("decision." + d.decision) : null);
+      fact("step.by", d.decided_by ? user(d.decided_by) : null);
+      fact("reason", step.content ? user(step.content) : null);
+    } else if (step.kind === "steer") {
+      fact("step.input", d.input ? user(d.input) : null);
+      fact("step.by", d.requested_by ? user(d.requested_by) : null);
+      fact("reason", d.reason ? user(d.reason) : null);
+    } else {
+      fact("reason", step.content ? user(step.content) : null);
+    }
+    const raw = el("details", {}, el("summary", {}, t("step.detail")), el("pre", { dir: "ltr" }, user(JSON.stringify(d, null, 2))));
+    return el("tr", { class: "step-detail", "data-testid": "step-detail", "data-seq": step.sequence },
+      el("td", { colspan: 6 }, facts.childNodes.length ? facts : null, blocks, raw));
+  }
+
+  function receivedBox(step) {
+    const got = state.received.get(step.sequence) || { loading: true };
+    const box = el("div", { class: "received", "data-testid": "received" }, el("h3", {}, t("step.received")));
+    if (got.loading) { box.append(el("p", { class: "hint" }, t("step.received.loading"))); return box; }
+    if (got.error) { box.append(el("p", { class: "error" }, got.error)); return box; }
+    const body = got.body;
+    const settings = Object.entries(body.settings || {});
+    box.append(el("p", { "data-testid": "received-settings" }, t("step.settings") + ": ",
+      settings.length ? settings.map(([k, v], i) => [i ? ", " : "", k + " = ", user(JSON.stringify(v))]) : t("step.settings.none")));
+    if (body.omitted) box.append(el("p", { class: "hint" }, t("step.received.omitted").replace("{n}", body.omitted)));
+    const message = (m) => el("li", { class: "message m-" + m.role, "data-testid": "received-message", "data-role": m.role },
+      el("span", { class: "role" }, m.role), m.tool_call_id ? [" ", el("code", {}, user(m.tool_call_id))] : null,
+      m.content ? el("div", { class: "text" }, user(m.content)) : null,
+      m.content_truncated ? el("p", { class: "hint" }, t("step.received.cut").replace("{n}", m.content_truncated.chars)) : null,
+      (m.tool_calls || []).map((c) => el("div", { class: "call" }, el("code", {}, user(callName(c.server, c.tool))), " ",
+        el("pre", { dir: "ltr" }, user(JSON.stringify(c.arguments))))));
+    box.append(el("ol", { class: "messages", start: body.omitted + 1 }, body.messages.map(message)));
+    return box;
+  }
+
+  // The run's steps drawn to scale on one time axis: model calls on the first lane, tool calls on as many lanes
+  // as ran at once, a wait for approval from the call that asked to the decision, hand-overs and steers as
+  // marks. A bar opens its step.
+  function chart() {
+    const steps = sortedSteps().filter((s) => s.recorded_at);
+    if (!steps.length) return null;
+    const items = steps.map((s) => ({ step: s, start: s.recorded_at - (s.duration_ms || 0) / 1000, end: s.recorded_at }));
+    for (const item of [...items]) {
+      if (item.step.kind !== "approval") continue;
+      const asked = [...items].reverse().find((i) => i.step.kind === "model" && i.step.sequence < item.step.sequence);
+      if (asked) items.push({ wait: true, step: item.step, start: asked.end, end: item.step.recorded_at });
+    }
+    const t0 = Math.min(...items.map((i) => i.start)), t1 = Math.max(...items.map((i) => i.end));
+    const span = Math.max(t1 - t0, 0.001);
+    const lanes = [];  // per lane, when its last bar ends
+    const laneOf = (item) => {
+      if (item.wait) return "wait";
+      if (item.step.kind !== "tool") return "main";
+      let lane = lanes.findIndex((end) => end <= item.start + 1e-6);
+      if (lane < 0) { lane = lanes.length; lanes.push(0); }
+      lanes[lane] = item.end;
+      return "tool" + lane;
+    };
+    const rows = new Map([["main", []]]);
+    for (const item of items.sort((a, b) => a.start - b.start)) {
+      const lane = laneOf(item);
+      if (!rows.has(lane)) rows.set(lane, []);
+      const kind = item.wait ? "wait" : item.step.kind;
+      const name = item.wait ? t("timeline.wait") : label("kind." + item.step.kind) +
+        (item.step.kind === "tool" ? " " + callName(item.step.tool_server, item.step.tool_name) : "");
+      rows.get(lane).push(el("button", { type: "button", class: "bar k-" + kind + " o-" + (item.step.outcome || "none"),
+        "data-testid": "bar", "data-kind": kind, "data-seq": item.step.sequence,
+        "data-left": ((item.start - t0) / span) * 100, "data-width": ((item.end - item.start) / span) * 100,
+        title: "#" + item.step.sequence + " " + name + " · " + took((item.end - item.start) * 1000),
+        onclick: () => { if (!state.expanded.has(item.step.sequence)) expand(item.step); } }, "#" + item.step.sequence));
+    }
+    const order = ["main", ...[...rows.keys()].filter((k) => k.startsWith("tool")).sort(), ...(rows.has("wait") ? ["wait"] : [])];
+    return el("div", { class: "chart", "data-testid": "chart", "data-span": span },
+      el("h2", {}, t("timeline.title")),
+      order.map((lane) => el("div", { class: "lane", "data-testid": "lane", "data-lane": lane }, rows.get(lane))),
+      el("p", { class: "hint", "data-testid": "chart-span" }, t("timeline.span").replace("{s}", seconds(span * 1000))));
   }
 
   function inFlightRow(flight) {
@@ -588,9 +878,9 @@ function runView(runId) {
       el("dt", {}, label("run.status")),
       el("dd", {}, el("span", { class: "status s-" + state.status, "data-testid": "run-status" }, state.status ? statusLabel(state.status) : "")),
       el("dt", {}, label("run.reason")), el("dd", { "data-testid": "run-reason" }, state.reason ? label("reason." + state.reason) : "-"),
-      el("dt", {}, label("run.created")), el("dd", {}, when(run.created_at)),
-      el("dt", {}, label("run.started")), el("dd", {}, when(run.started_at)),
-      el("dt", {}, label("run.finished")), el("dd", {}, when(run.finished_at)));
+      el("dt", {}, t("when.created")), el("dd", { "data-testid": "run-created" }, when(run.created_at)),
+      el("dt", {}, t("when.started")), el("dd", { "data-testid": "run-started" }, when(run.started_at)),
+      el("dt", {}, t("when.finished")), el("dd", { "data-testid": "run-finished" }, when(run.finished_at)));
     if (run.cancel) facts.append(el("dt", {}, label("run.cancel")), el("dd", { "data-testid": "run-cancel" },
       user(run.cancel.reason), " (" + label("run.by") + " ", user(run.cancel.requested_by), ")"));
     if (run.error) facts.append(el("dt", {}, label("run.error")), el("dd", {}, user(run.error)));
@@ -613,15 +903,33 @@ function runView(runId) {
       const key = [lang, state.deciding, state.draft.opened].join("|");
       main.append(keep("form", key, state.deciding === "continue" ? continueForm : decisionForm));
     }
-    const rows = sortedSteps().map(stepRow);
+    const rows = sortedSteps().flatMap((step) => {
+      // Kept node for node while the step and whether it is open are unchanged: a click on its button (or the
+      // text selected in its detail) survives the redraws of a busy run.
+      const open = state.expanded.has(step.sequence);
+      const shown = [lang, JSON.stringify(step), open].join("|");
+      const row = keep("step " + step.sequence, shown, () => stepRow(step));
+      if (!open) return [row];
+      const extra = step.kind === "model" ? JSON.stringify(state.received.get(step.sequence) || null)
+        : step.kind === "tool" ? JSON.stringify(state.progressLog.get(step.tool_call_id) || null) : "";
+      return [row, keep("detail " + step.sequence, shown + "|" + extra, () => stepDetail(step))];
+    });
     const flight = inFlight();
     if (flight) rows.push(inFlightRow(flight));
     const forming = formingNow();
     if (forming) rows.push(formingRow(forming));
+    const drawn = chart();
+    if (drawn) main.append(keep("chart", [lang, drawn.outerHTML].join("|"), () => drawn));
     main.append(el("table", { "data-testid": "timeline" }, el("thead", {}, el("tr", {},
       ...["column.sequence", "column.round", "column.kind", "column.duration", "column.outcome", "column.detail"]
         .map((key) => el("th", {}, label(key))))), el("tbody", {}, rows)));
+    main.append(el("p", { class: "hint", "data-testid": "when-note" }, whenNote()));
+    // Sizes set through the style object: the page's Content-Security-Policy allows no inline style attribute.
     for (const bar of main.querySelectorAll("[data-share]")) bar.style.width = bar.dataset.share + "%";
+    for (const bar of main.querySelectorAll("[data-left]")) {
+      bar.style.left = bar.dataset.left + "%";
+      bar.style.width = "max(" + bar.dataset.width + "%, 3px)";
+    }
   }
 
   function decide(action) {
@@ -668,7 +976,12 @@ function runView(runId) {
         state.status = event.status; state.reason = event.termination_reason;
         if (changed) refresh(); else render();
       },
-      progress: (progress) => { state.progress = progress; render(); },
+      progress: (progress) => {
+        state.progress = progress;
+        const seen = state.progressLog.get(progress.tool_call_id) || [];
+        if (seen.length < 200) state.progressLog.set(progress.tool_call_id, [...seen, progress]);
+        render();
+      },
       delta: (delta) => {
         addDelta(delta);
         // Up to ten a second while an answer streams: the growing answer is written in place, the rest of the
