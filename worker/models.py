@@ -38,6 +38,7 @@ from runbrake.shared.errors import ProviderError, RetriedAttempt
 from runbrake.shared.registry import PROVIDERS, NotImplementedHere
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
+from runbrake.worker.bounded_bodies import ResponseTooLarge, bound_bodies
 from runbrake.worker.conversation import (
     NO_SETTINGS,
     Message,
@@ -49,7 +50,7 @@ from runbrake.worker.conversation import (
     model_tool_call,
 )
 from runbrake.worker.deltas import StreamedText
-from runbrake.worker.model_stream import ChatCompletionAssembly, read_answer
+from runbrake.worker.model_stream import MAX_STREAM_BYTES, ChatCompletionAssembly, MidStream, read_answer
 
 __all__ = [
     "Connection",
@@ -61,9 +62,12 @@ __all__ = [
     "ScriptedProvider",
     "api_key",
     "close_client",
+    "http_client",
     "provider_error",
     "provider_for",
+    "timed_out",
     "tls_context",
+    "too_large",
 ]
 
 log = structlog.get_logger(__name__)
@@ -177,29 +181,35 @@ class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
                 back as a :class:`ToolCall` with a ``problem``, for the loop to hand back to the model.
         """
         where = f"{self._spec.base_url} ({self._spec.model})"
+        timeout_s = settings.timeout_s or self._timeout_s
         request: dict[str, Any] = {
             "model": self._spec.model,
             "messages": [_message_param(m) for m in messages],
             "tools": [_tool_param(t) for t in tools] if tools else omit,
-            "timeout": settings.timeout_s or self._timeout_s,
+            "timeout": timeout_s,
             **_settings_params(settings, has_tools=bool(tools)),
         }
-        async with self.connection.client() as client:
-            try:
-                if self._spec.stream is False:
-                    completion: object = await client.chat.completions.create(**request)
-                else:
-                    # include_usage: the last chunk carries the usage a whole answer has.
-                    async with client.chat.completions.with_streaming_response.create(
-                        **request, stream=True, stream_options={"include_usage": True},
-                    ) as response:
-                        body = await read_answer(response, ChatCompletionAssembly(text), where=where)
-                    completion = ChatCompletion.construct(**body)
-            except OpenAIError as exc:
-                # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-                # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
-                raise provider_error(where, exc) from exc
-        return _turn(completion, {t.server for t in tools})
+        assembly = ChatCompletionAssembly(text)
+        with anyio.move_on_after(timeout_s):
+            async with self.connection.client() as client:
+                try:
+                    if self._spec.stream is False:
+                        completion: object = await client.chat.completions.create(**request)
+                    else:
+                        # include_usage: the last chunk carries the usage a whole answer has.
+                        async with client.chat.completions.with_streaming_response.create(
+                            **request, stream=True, stream_options={"include_usage": True},
+                        ) as response:
+                            body = await read_answer(response, assembly, where=where)
+                        completion = ChatCompletion.construct(**body)
+                except OpenAIError as exc:
+                    # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
+                    # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
+                    raise provider_error(where, exc) from exc
+                except ResponseTooLarge as exc:
+                    raise too_large(where, exc) from exc
+            return _turn(completion, {t.server for t in tools})
+        raise timed_out(where, timeout_s, began=assembly.began)
 
     def _client(self) -> AsyncOpenAI:
         return AsyncOpenAI(
@@ -207,7 +217,7 @@ class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
             api_key=api_key(self._spec.api_key_env),
             # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
             max_retries=0,
-            http_client=DefaultAsyncHttpxClient(verify=tls_context()),
+            http_client=http_client(DefaultAsyncHttpxClient),
         )
 
 
@@ -295,6 +305,34 @@ def tls_context() -> ssl.SSLContext:
     return httpx2.create_ssl_context()
 
 
+def http_client(kind: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
+    """The HTTP client of a provider SDK's client (``kind``: the SDK's ``DefaultAsyncHttpxClient``, with its
+    limits and timeouts): this process's TLS context, no redirect followed (a model endpoint's redirect is an
+    error, as an MCP server's and a webhook receiver's are: docs/security.md), every answer's body, an
+    error's too, read within :data:`~worker.model_stream.MAX_STREAM_BYTES` (worker/bounded_bodies.py)."""
+    client: httpx2.AsyncClient = kind(verify=tls_context(), follow_redirects=False,
+                                      event_hooks={"response": [_BOUNDED]})
+    return client
+
+
+_BOUNDED: Final = bound_bodies(MAX_STREAM_BYTES, what="the model's answer")
+
+
+def too_large(where: str, exc: ResponseTooLarge) -> ProviderError:
+    """An answer past its bound as a :class:`ProviderError`: not retried (the next one would be as large)."""
+    return ProviderError(f"{where}: {exc}")
+
+
+def timed_out(where: str, timeout_s: float, *, began: bool) -> ProviderError:
+    """A call cut off at its deadline (``timeout_s``: the whole request, its answer's last byte included, not
+    each read): retried like any timeout, unless a streamed answer had begun (:class:`MidStream`: its text may
+    have been shown)."""
+    message = f"{where}: the model call timed out after {timeout_s:g} s"
+    if began:
+        return MidStream(f"{message}, its streamed answer unfinished")
+    return ProviderError(message, transient=True)
+
+
 _ERROR_EXCERPT_CHARS = 300
 _MAX_RETRY_AFTER_S = 3600.0
 
@@ -306,10 +344,18 @@ def provider_error(where: str, exc: Exception) -> ProviderError:
     The ``openai`` and ``anthropic`` SDKs share these shapes (``status_code``, ``response.headers``, and
     ``APIConnectionError``/``APITimeoutError`` without a response), so both map through here.
     """
+    cause = exc.__cause__
+    if isinstance(cause, ResponseTooLarge):  # the anthropic SDK wraps whatever a read raised as a connection error
+        return too_large(where, cause)
     status = getattr(exc, "status_code", None)
     response = getattr(exc, "response", None)
     headers = getattr(response, "headers", None)
     retry_after = retry_after_s(headers.get("retry-after") if headers is not None else None)
+    location = headers.get("location") if headers is not None else None
+    if isinstance(status, int) and 300 <= status < 400:
+        # Not followed (http_client): said as such, never taken for the endpoint's answer.
+        return ProviderError(f"{where}: answered {status}, a redirect to {_excerpt(str(location))}; model calls "
+                             "follow no redirects", status=status)
     return ProviderError(f"{where}: {_excerpt(str(exc))}", status=status if isinstance(status, int) else None,
                          retry_after_s=retry_after, transient=not isinstance(status, int) and response is None)
 
