@@ -19,7 +19,7 @@ all those of a namespace, the holder of a lease in Redis delivers (as the relay 
 ``RUNBRAKE_WEBHOOK_TIMEOUT_S`` bounds each request as a whole (connect, send, the answer's last byte read),
 not each read: the requests go out on one event loop of the dispatcher's own (an anyio blocking portal the
 pool's threads call into), under an anyio deadline, so a receiver that drips its answer a byte at a time
-holds a delivery slot no longer than that (docs/webhooks.md, "Answering").
+holds a delivery slot no longer than that (docs/webhooks.md, "What a receiver gets").
 """
 
 from __future__ import annotations
