@@ -72,7 +72,17 @@ class Drip:
     content_type: str = "application/json"
 
 
-Reply = Whole | Flood | Drip
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """Anything at all: ``head`` as raw bytes (any status line and headers, broken ones too), then each of
+    ``pieces``, ``every_s`` apart; then the connection is closed (so a body without a length ends there)."""
+
+    head: bytes
+    pieces: tuple[bytes, ...]
+    every_s: float = 0.0
+
+
+Reply = Whole | Flood | Drip | Pieces
 
 
 class HostileServer:
@@ -80,7 +90,8 @@ class HostileServer:
     per connection."""
 
     def __init__(self, respond: Callable[[Request], Reply]) -> None:
-        self._respond = respond
+        self.respond = respond
+        """What answers each request; may be replaced between requests."""
         self.requests: list[Request] = []
         self.sent = 0
         """Body bytes written to clients (and taken by the kernel) so far, every answer together."""
@@ -131,7 +142,10 @@ class HostileServer:
                 while (request := await _read_request(reader)) is not None:
                     with self._lock:
                         self.requests.append(request)
-                    await self._answer(writer, self._respond(request))
+                    reply = self.respond(request)
+                    await self._answer(writer, reply)
+                    if isinstance(reply, Pieces):
+                        return
             finally:
                 writer.close()
 
@@ -150,6 +164,11 @@ class HostileServer:
                     await self._write(writer, b"x" * piece)
                     remaining -= piece
                 await self._write(writer, suffix)
+            case Pieces(head, pieces, every_s):
+                await self._write(writer, head)
+                for piece in pieces:
+                    await asyncio.sleep(every_s)
+                    await self._write(writer, piece)
             case Drip(body, every_s, status, content_type):
                 writer.write(_head(status, {"content-type": content_type, "content-length": str(len(body))}))
                 await writer.drain()

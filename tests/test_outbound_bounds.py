@@ -10,20 +10,28 @@ tests/test_webhooks.py).
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from runbrake.shared import RunSpec, RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason, ToolOutcome
 from runbrake.shared.catalog import CatalogFile
+from runbrake.shared.errors import ProviderError
 from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.spec import AnthropicModel, OpenAIModel
+from runbrake.worker.conversation import Message
+from runbrake.worker.mcp_stdio import MAX_LINE_BYTES
 from runbrake.worker.mcp_transport import MAX_MESSAGE_BYTES
 from runbrake.worker.model_stream import MAX_STREAM_BYTES
+from runbrake.worker.models import RetryPolicy, provider_for
 from runbrake.worker.webhooks import WebhookDispatcher
 from tests.catalog_helpers import add_to_catalog, catalog_path, to_toml
-from tests.hostile_http import Drip, Flood, HostileServer, Whole, mcp_responder, tool_result_flood
+from tests.hostile_http import Drip, Flood, HostileServer, Pieces, Whole, mcp_responder, tool_result_flood
 from tests.polling import poll_until
 from tests.ports import free_port
 from tests.webhook_helpers import Receiver, new_secret
@@ -85,6 +93,27 @@ def test_a_tool_result_past_its_byte_bound_fails_the_call_and_the_rest_is_never_
     assert sent < FLOOD_BYTES // 4, f"the worker read {sent} bytes of the flood"
 
 
+def test_a_line_past_its_bound_from_a_stdio_server_fails_the_call_not_the_worker(
+    worker: WorkerProcess, producer: Producer, store: RunStore,
+) -> None:
+    """A stdio server answering ``tools/call`` with one 100 MB line: the worker stops holding it at the line
+    bound and ends the connection, so the call fails (the SDK's reader held the whole line and the call was
+    ``ok``); the run goes on."""
+    add_to_catalog({"hostile": {"command": sys.executable,
+                                "args": [str(Path(__file__).with_name("hostile_stdio.py")), str(FLOOD_BYTES)]}})
+    run = producer.enqueue(RunSpec.parse({
+        "input": "Call it.", "mcp_servers": ["hostile"],
+        "model": {"provider": "scripted", "turns": [
+            {"tool_calls": [{"server": "hostile", "tool": "huge", "arguments": {}}]}, {"content": "done"}]},
+    }))
+    record = wait_for_run(store, run.run_id, timeout=BOUND_S)
+
+    assert record.status is RunStatus.COMPLETED
+    tool = next(s for s in record.steps if s.kind is StepKind.TOOL)
+    assert tool.tool_outcome is ToolOutcome.FAILED
+    assert [e["max_bytes"] for e in worker.logged("mcp_line_too_long")] == [MAX_LINE_BYTES]
+
+
 @pytest.mark.parametrize("provider", sorted(PROVIDERS))
 def test_a_huge_answer_from_a_model_that_does_not_stream_fails_the_call_and_is_not_read_whole(
     provider: str, worker: WorkerProcess, producer: Producer, store: RunStore,
@@ -136,6 +165,35 @@ def test_a_redirect_from_a_model_endpoint_is_not_followed(
     assert "307" in error
     assert "follow no redirects" in error
     assert "secret-of-the-internal-service" not in error
+
+
+@pytest.mark.parametrize(("answer", "stream", "says", "transient"), [
+    pytest.param(Whole(200, {"content-type": "application/json"}, b'{"choices": [}'), False, "answer is not JSON",
+                 False, id="whole-not-json"),
+    pytest.param(Pieces(b"HTTP/1.1 500 Cut\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n",
+                        (b'{"error": ',)), True, "RemoteProtocolError", True, id="streamed-error-body-cut-short"),
+])
+@pytest.mark.parametrize("provider", sorted(PROVIDERS))
+def test_an_answer_an_sdk_cannot_read_is_a_provider_error_not_a_crash(
+    provider: str, answer: Whole | Pieces, stream: bool, says: str, transient: bool,
+) -> None:
+    """What the fuzzing of endpoints found (tests/test_fuzz_endpoints.py): a whole answer that is not JSON, or
+    the error body of a streamed call cut short, came out of the SDKs as ``JSONDecodeError`` /
+    ``httpx2.RemoteProtocolError``, which no provider caught; now a :class:`ProviderError` saying so, retried
+    only where the connection broke."""
+    with HostileServer(lambda request: answer) as server:
+        base_url = server.url + PROVIDERS[provider][0]
+        spec = (OpenAIModel(base_url=base_url, model="m", stream=stream) if provider == "openai"
+                else AnthropicModel(base_url=base_url, model="m", stream=stream))
+
+        async def ask() -> None:
+            await provider_for(spec, RetryPolicy(retries=0)).complete(
+                [Message(role="user", content="hi")], [], round_index=0)
+
+        with pytest.raises(ProviderError, match=says) as raised:
+            anyio.run(ask)
+
+    assert raised.value.retryable is transient
 
 
 SECRET_ENV = "RUNBRAKE_TEST_OUTBOUND_WEBHOOK_SECRET"

@@ -31,7 +31,6 @@ from anthropic.types.output_config_param import OutputConfigParam
 
 from runbrake.shared.errors import ProviderError
 from runbrake.shared.spec import AnthropicModel
-from runbrake.worker.bounded_bodies import ResponseTooLarge
 from runbrake.worker.conversation import (
     NO_SETTINGS,
     TOOL_NAME_SEPARATOR,
@@ -44,7 +43,7 @@ from runbrake.worker.conversation import (
 )
 from runbrake.worker.deltas import StreamedText
 from runbrake.worker.model_stream import MessageAssembly, read_answer
-from runbrake.worker.models import EndpointProvider, api_key, http_client, provider_error, timed_out, too_large
+from runbrake.worker.models import SDK_FAULTS, EndpointProvider, api_key, http_client, provider_error, timed_out
 
 __all__ = ["DEFAULT_MAX_TOKENS", "AnthropicProvider"]
 
@@ -100,11 +99,10 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
                         async with client.messages.with_streaming_response.create(**request, stream=True) as response:
                             body = await read_answer(response, assembly, where=where)
                         message = AnthropicMessage.construct(**body)
-                except AnthropicError as exc:
-                    # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
+                except (AnthropicError, *SDK_FAULTS) as exc:
+                    # Only the SDK's own errors and what it lets through: anyio's cancellation is a BaseException
+                    # and passes through.
                     raise provider_error(where, exc) from exc
-                except ResponseTooLarge as exc:
-                    raise too_large(where, exc) from exc
             return _turn(message, tools)
         raise timed_out(where, timeout_s, began=assembly.began)
 

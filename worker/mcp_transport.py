@@ -37,7 +37,7 @@ import structlog
 from anyio.abc import TaskGroup
 from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
 from mcp.client import Transport
-from mcp.client.stdio import get_default_environment, stdio_client
+from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta
@@ -52,6 +52,7 @@ from runbrake.shared.tracing import TRACEPARENT
 from runbrake.worker.bounded_bodies import bound_bodies
 from runbrake.worker.conversation import ToolInfo
 from runbrake.worker.mcp_progress import ProgressRoutes, ProgressTap
+from runbrake.worker.mcp_stdio import bounded_stdio_client
 
 __all__ = ["McpConnection"]
 
@@ -301,7 +302,7 @@ def _target(spec: McpServerSpec, progress: ProgressRoutes) -> Transport:
     (worker/mcp_progress.py); one not implemented here fails the server's connect, never falls back."""
     implementation: Callable[[McpServerSpec], Transport | StdioServerParameters] = TRANSPORTS.implementation(spec)
     target = implementation(spec)
-    transport: Transport = stdio_client(target) if isinstance(target, StdioServerParameters) else target
+    transport: Transport = bounded_stdio_client(target) if isinstance(target, StdioServerParameters) else target
     return ProgressTap(transport, progress)
 
 
@@ -317,7 +318,8 @@ def http_target(spec: HttpServerSpec) -> Transport:
 
 
 def stdio_target(spec: StdioServerSpec) -> StdioServerParameters:
-    """The ``stdio`` transport: the server's command as a subprocess."""
+    """The ``stdio`` transport: the server's command as a subprocess, each line it writes within
+    :data:`~worker.mcp_stdio.MAX_LINE_BYTES` (:func:`_target` connects through worker/mcp_stdio.py)."""
     # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
     # worker's whole environment with its credentials.
     env = {

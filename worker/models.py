@@ -53,6 +53,7 @@ from runbrake.worker.deltas import StreamedText
 from runbrake.worker.model_stream import MAX_STREAM_BYTES, ChatCompletionAssembly, MidStream, read_answer
 
 __all__ = [
+    "SDK_FAULTS",
     "Connection",
     "EndpointProvider",
     "ModelProvider",
@@ -67,7 +68,6 @@ __all__ = [
     "provider_for",
     "timed_out",
     "tls_context",
-    "too_large",
 ]
 
 log = structlog.get_logger(__name__)
@@ -202,12 +202,11 @@ class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
                         ) as response:
                             body = await read_answer(response, assembly, where=where)
                         completion = ChatCompletion.construct(**body)
-                except OpenAIError as exc:
-                    # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-                    # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
+                except (OpenAIError, *SDK_FAULTS) as exc:
+                    # Only the SDK's own errors and what it lets through: anyio's cancellation is a BaseException
+                    # and passes through. The message may carry the endpoint's error body: a short excerpt only
+                    # (docs/security.md).
                     raise provider_error(where, exc) from exc
-                except ResponseTooLarge as exc:
-                    raise too_large(where, exc) from exc
             return _turn(completion, {t.server for t in tools})
         raise timed_out(where, timeout_s, began=assembly.began)
 
@@ -318,9 +317,11 @@ def http_client(kind: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
 _BOUNDED: Final = bound_bodies(MAX_STREAM_BYTES, what="the model's answer")
 
 
-def too_large(where: str, exc: ResponseTooLarge) -> ProviderError:
-    """An answer past its bound as a :class:`ProviderError`: not retried (the next one would be as large)."""
-    return ProviderError(f"{where}: {exc}")
+SDK_FAULTS: Final = (ResponseTooLarge, httpx2.HTTPError, ValueError)
+"""What a provider SDK's call lets through besides its own errors when an endpoint answers with hostile bytes
+(tests/test_fuzz_endpoints.py): a body past its bound (worker/bounded_bodies.py), a read of the body that
+broke (the SDKs translate only the request's errors), a whole answer that is not JSON (the openai SDK reads it
+with ``json.loads``). :func:`provider_error` maps them with the SDK's own."""
 
 
 def timed_out(where: str, timeout_s: float, *, began: bool) -> ProviderError:
@@ -338,15 +339,21 @@ _MAX_RETRY_AFTER_S = 3600.0
 
 
 def provider_error(where: str, exc: Exception) -> ProviderError:
-    """A provider SDK's error as a :class:`ProviderError`: its HTTP status and ``Retry-After`` when it
-    answered, ``transient`` for a timeout or a connection error, a short excerpt of its message.
+    """A provider SDK's error (or one of :data:`SDK_FAULTS`) as a :class:`ProviderError`: its HTTP status and
+    ``Retry-After`` when it answered, ``transient`` for a timeout or a connection error, a short excerpt of its
+    message; an answer past its bound or not JSON is not transient.
 
     The ``openai`` and ``anthropic`` SDKs share these shapes (``status_code``, ``response.headers``, and
     ``APIConnectionError``/``APITimeoutError`` without a response), so both map through here.
     """
-    cause = exc.__cause__
-    if isinstance(cause, ResponseTooLarge):  # the anthropic SDK wraps whatever a read raised as a connection error
-        return too_large(where, cause)
+    # The anthropic SDK wraps whatever a read raised as a connection error: the bound is found as its cause.
+    too_large = exc if isinstance(exc, ResponseTooLarge) else exc.__cause__
+    if isinstance(too_large, ResponseTooLarge):  # not retried: the next answer would be as large
+        return ProviderError(f"{where}: {too_large}")
+    if isinstance(exc, ValueError):
+        return ProviderError(f"{where}: the model's answer is not JSON: {_excerpt(str(exc))}")
+    if isinstance(exc, httpx2.HTTPError):
+        return ProviderError(f"{where}: {type(exc).__name__}: {_excerpt(str(exc))}", transient=True)
     status = getattr(exc, "status_code", None)
     response = getattr(exc, "response", None)
     headers = getattr(response, "headers", None)
