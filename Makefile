@@ -74,9 +74,11 @@ test-long: setup services
 
 # The property-based tests with many examples, at random (make test runs a bounded, derandomised few):
 # every input (the spec, the envelopes and cancel requests on the real queues, the catalog and tokens files)
-# and the HTTP API from its own /openapi.json (tests/test_fuzz_*.py).
+# and the HTTP API from its own /openapi.json, the answers of hostile model endpoints and MCP servers,
+# dripped or not (tests/test_fuzz_*.py).
 fuzz: setup services
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_fuzz_inputs.py tests/test_fuzz_queues.py tests/test_fuzz_api.py \
+		tests/test_fuzz_endpoints.py \
 		-q --timeout=7200 -p no:cacheprovider
 
 demo: setup services

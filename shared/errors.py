@@ -28,6 +28,8 @@
      │                               (shared/registry.py; a LookupError too)
      ├── ProviderError               the model provider failed
      │    └── MidStream              a streamed answer broke after it began: not retried (worker/model_stream.py)
+     ├── ResponseTooLarge            an HTTP answer's body past its bound (worker/bounded_bodies.py;
+     │                               an httpx2 StreamError too, which the MCP SDK catches around an answer)
      ├── ToolTransportError          an MCP call did not produce a result
      │    ├── ToolCallCancelled      it was cut off on purpose: the run was cancelled
      │    └── ToolArgumentsRefused   the server refused the call's arguments (JSON-RPC -32602)

@@ -329,7 +329,8 @@ class Settings(BaseSettings):
     """The longest wait between two attempts of a webhook delivery, in seconds: a receiver that comes back
     gets its deliveries within about this long."""
     webhook_timeout_s: Annotated[float, _SECONDS] = 10.0
-    """How long one webhook request may take (connect, send, answer), in seconds; longer is a failure."""
+    """How long one webhook request may take as a whole (connect, send, the answer read to its end; not each
+    read), in seconds; longer is a failure."""
     webhook_concurrency: Annotated[int, _integer(1, 256)] = 16
     """Webhook requests in flight at once per worker process that delivers (one run's stay in order)."""
     redrive_s: Annotated[int, _integer(1)] = 60

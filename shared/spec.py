@@ -307,7 +307,8 @@ class OpenAIModel:
     max_retries: _MaxRetries = None
     """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
     timeout_s: _ModelTimeout = None
-    """Catalog only: seconds one request to the model may take (default 120)."""
+    """Catalog only: seconds one request to the model may take as a whole, its answer read to the end (default
+    120)."""
     stream: _Stream = None
     """Catalog only: ``false`` asks for the whole answer at once; by default it is streamed (``delta`` events)."""
 
@@ -327,7 +328,8 @@ class AnthropicModel:
     max_retries: _MaxRetries = None
     """Catalog only: retries of a failed model call (default ``RUNBRAKE_MODEL_RETRIES``)."""
     timeout_s: _ModelTimeout = None
-    """Catalog only: seconds one request to the model may take (default 120)."""
+    """Catalog only: seconds one request to the model may take as a whole, its answer read to the end (default
+    120)."""
     stream: _Stream = None
     """Catalog only: ``false`` asks for the whole answer at once; by default it is streamed (``delta`` events)."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+import anyio
 from anthropic import AnthropicError, AsyncAnthropic, DefaultAsyncHttpxClient, omit
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import (
@@ -42,7 +43,7 @@ from runbrake.worker.conversation import (
 )
 from runbrake.worker.deltas import StreamedText
 from runbrake.worker.model_stream import MessageAssembly, read_answer
-from runbrake.worker.models import EndpointProvider, api_key, provider_error, tls_context
+from runbrake.worker.models import SDK_FAULTS, EndpointProvider, api_key, http_client, provider_error, timed_out
 
 __all__ = ["DEFAULT_MAX_TOKENS", "AnthropicProvider"]
 
@@ -76,6 +77,7 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
         """
         system, conversation = _conversation(messages)
         where = f"{self._spec.base_url} ({self._spec.model})"
+        timeout_s = settings.timeout_s or self._timeout_s
         request: dict[str, Any] = {
             "model": self._spec.model,
             "max_tokens": settings.max_output_tokens or DEFAULT_MAX_TOKENS,
@@ -85,20 +87,24 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
             "tool_choice": _tool_choice(settings) if tools else omit,
             "stop_sequences": list(settings.stop) if settings.stop else omit,
             "output_config": _output_config(settings),
-            "timeout": settings.timeout_s or self._timeout_s,
+            "timeout": timeout_s,
         }
-        async with self.connection.client() as client:
-            try:
-                if self._spec.stream is False:
-                    message: object = await client.messages.create(**request)
-                else:
-                    async with client.messages.with_streaming_response.create(**request, stream=True) as response:
-                        body = await read_answer(response, MessageAssembly(text), where=where)
-                    message = AnthropicMessage.construct(**body)
-            except AnthropicError as exc:
-                # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-                raise provider_error(where, exc) from exc
-        return _turn(message, tools)
+        assembly = MessageAssembly(text)
+        with anyio.move_on_after(timeout_s):
+            async with self.connection.client() as client:
+                try:
+                    if self._spec.stream is False:
+                        message: object = await client.messages.create(**request)
+                    else:
+                        async with client.messages.with_streaming_response.create(**request, stream=True) as response:
+                            body = await read_answer(response, assembly, where=where)
+                        message = AnthropicMessage.construct(**body)
+                except (AnthropicError, *SDK_FAULTS) as exc:
+                    # Only the SDK's own errors and what it lets through: anyio's cancellation is a BaseException
+                    # and passes through.
+                    raise provider_error(where, exc) from exc
+            return _turn(message, tools)
+        raise timed_out(where, timeout_s, began=assembly.began)
 
     def _client(self) -> AsyncAnthropic:
         return AsyncAnthropic(
@@ -107,7 +113,7 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
             api_key=api_key(self._spec.api_key_env),
             # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
             max_retries=0,
-            http_client=DefaultAsyncHttpxClient(verify=tls_context()),
+            http_client=http_client(DefaultAsyncHttpxClient),
         )
 
 

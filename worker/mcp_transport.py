@@ -37,7 +37,7 @@ import structlog
 from anyio.abc import TaskGroup
 from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
 from mcp.client import Transport
-from mcp.client.stdio import get_default_environment, stdio_client
+from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta
@@ -49,12 +49,19 @@ from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, Tool
 from runbrake.shared.registry import TRANSPORTS
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.shared.tracing import TRACEPARENT
+from runbrake.worker.bounded_bodies import bound_bodies
 from runbrake.worker.conversation import ToolInfo
 from runbrake.worker.mcp_progress import ProgressRoutes, ProgressTap
+from runbrake.worker.mcp_stdio import bounded_stdio_client
 
 __all__ = ["McpConnection"]
 
 log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+"""The most bytes of one message an MCP server sends over HTTP (a JSON answer, or one event of a stream),
+counted before it is parsed; past it the call fails and the rest is never read (docs/security.md, "Bounds").
+Far above what a result keeps (``RUNBRAKE_MAX_TOOL_RESULT_CHARS`` per content channel)."""
 
 _MAX_TOOL_PAGES: Final = 100
 """A server whose ``tools/list`` cursor never ends cannot hang discovery."""
@@ -295,7 +302,7 @@ def _target(spec: McpServerSpec, progress: ProgressRoutes) -> Transport:
     (worker/mcp_progress.py); one not implemented here fails the server's connect, never falls back."""
     implementation: Callable[[McpServerSpec], Transport | StdioServerParameters] = TRANSPORTS.implementation(spec)
     target = implementation(spec)
-    transport: Transport = stdio_client(target) if isinstance(target, StdioServerParameters) else target
+    transport: Transport = bounded_stdio_client(target) if isinstance(target, StdioServerParameters) else target
     return ProgressTap(transport, progress)
 
 
@@ -306,11 +313,13 @@ def http_target(spec: HttpServerSpec) -> Transport:
         name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.headers.{name}")
         for name, value in spec.headers.items()
     }
-    return streamable_http_client(spec.url, http_client=_http_client(spec.url, headers))
+    return streamable_http_client(spec.url, http_client=_http_client(spec.url, headers),
+                                  max_sse_event_size=MAX_MESSAGE_BYTES)
 
 
 def stdio_target(spec: StdioServerSpec) -> StdioServerParameters:
-    """The ``stdio`` transport: the server's command as a subprocess."""
+    """The ``stdio`` transport: the server's command as a subprocess, each line it writes within
+    :data:`~worker.mcp_stdio.MAX_LINE_BYTES` (:func:`_target` connects through worker/mcp_stdio.py)."""
     # The server gets mcp's safe defaults (PATH, HOME, ...) and its own env, never the
     # worker's whole environment with its credentials.
     env = {
@@ -332,7 +341,8 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
     shared, a run costs just the connections its streams hold (docs/architecture.md, "Capacity: runs in flight"). No cap
     on connections: each call in flight holds one, and ``--concurrency`` bounds the calls. The SDK's
     default client would also build an SSL context per connection, ~50 ms of CPU on the loop
-    (bench/throughput.py profile): one context per process.
+    (bench/throughput.py profile): one context per process. A JSON answer is read within
+    :data:`MAX_MESSAGE_BYTES` (worker/bounded_bodies.py); an event stream's events are, by the SDK.
     """
     clients = _http_clients.setdefault(asyncio.get_running_loop(), {})
     key = (url, json.dumps(headers, sort_keys=True))
@@ -341,9 +351,13 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
         client = clients[key] = httpx2.AsyncClient(
             verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers,
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=_KEEPALIVE_CONNECTIONS),
-            event_hooks={"request": [_carry_traceparent]} if tracing.current().enabled else None,
+            event_hooks={"request": [_carry_traceparent] if tracing.current().enabled else [],
+                         "response": [_BOUNDED]},
         )
     return client
+
+
+_BOUNDED: Final = bound_bodies(MAX_MESSAGE_BYTES, what="the MCP server's answer", event_streams=False)
 
 
 async def _carry_traceparent(request: httpx2.Request) -> None:

@@ -38,6 +38,7 @@ from runbrake.shared.errors import ProviderError, RetriedAttempt
 from runbrake.shared.registry import PROVIDERS, NotImplementedHere
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import ModelSpec, OpenAIModel, ScriptedModel
+from runbrake.worker.bounded_bodies import ResponseTooLarge, bound_bodies
 from runbrake.worker.conversation import (
     NO_SETTINGS,
     Message,
@@ -49,9 +50,10 @@ from runbrake.worker.conversation import (
     model_tool_call,
 )
 from runbrake.worker.deltas import StreamedText
-from runbrake.worker.model_stream import ChatCompletionAssembly, read_answer
+from runbrake.worker.model_stream import MAX_STREAM_BYTES, ChatCompletionAssembly, MidStream, read_answer
 
 __all__ = [
+    "SDK_FAULTS",
     "Connection",
     "EndpointProvider",
     "ModelProvider",
@@ -61,8 +63,10 @@ __all__ = [
     "ScriptedProvider",
     "api_key",
     "close_client",
+    "http_client",
     "provider_error",
     "provider_for",
+    "timed_out",
     "tls_context",
 ]
 
@@ -177,29 +181,34 @@ class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
                 back as a :class:`ToolCall` with a ``problem``, for the loop to hand back to the model.
         """
         where = f"{self._spec.base_url} ({self._spec.model})"
+        timeout_s = settings.timeout_s or self._timeout_s
         request: dict[str, Any] = {
             "model": self._spec.model,
             "messages": [_message_param(m) for m in messages],
             "tools": [_tool_param(t) for t in tools] if tools else omit,
-            "timeout": settings.timeout_s or self._timeout_s,
+            "timeout": timeout_s,
             **_settings_params(settings, has_tools=bool(tools)),
         }
-        async with self.connection.client() as client:
-            try:
-                if self._spec.stream is False:
-                    completion: object = await client.chat.completions.create(**request)
-                else:
-                    # include_usage: the last chunk carries the usage a whole answer has.
-                    async with client.chat.completions.with_streaming_response.create(
-                        **request, stream=True, stream_options={"include_usage": True},
-                    ) as response:
-                        body = await read_answer(response, ChatCompletionAssembly(text), where=where)
-                    completion = ChatCompletion.construct(**body)
-            except OpenAIError as exc:
-                # Only the SDK's own errors: anyio's cancellation is a BaseException and passes through.
-                # The message may carry the endpoint's error body: a short excerpt only (docs/security.md).
-                raise provider_error(where, exc) from exc
-        return _turn(completion, {t.server for t in tools})
+        assembly = ChatCompletionAssembly(text)
+        with anyio.move_on_after(timeout_s):
+            async with self.connection.client() as client:
+                try:
+                    if self._spec.stream is False:
+                        completion: object = await client.chat.completions.create(**request)
+                    else:
+                        # include_usage: the last chunk carries the usage a whole answer has.
+                        async with client.chat.completions.with_streaming_response.create(
+                            **request, stream=True, stream_options={"include_usage": True},
+                        ) as response:
+                            body = await read_answer(response, assembly, where=where)
+                        completion = ChatCompletion.construct(**body)
+                except (OpenAIError, *SDK_FAULTS) as exc:
+                    # Only the SDK's own errors and what it lets through: anyio's cancellation is a BaseException
+                    # and passes through. The message may carry the endpoint's error body: a short excerpt only
+                    # (docs/security.md).
+                    raise provider_error(where, exc) from exc
+            return _turn(completion, {t.server for t in tools})
+        raise timed_out(where, timeout_s, began=assembly.began)
 
     def _client(self) -> AsyncOpenAI:
         return AsyncOpenAI(
@@ -207,7 +216,7 @@ class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
             api_key=api_key(self._spec.api_key_env),
             # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
             max_retries=0,
-            http_client=DefaultAsyncHttpxClient(verify=tls_context()),
+            http_client=http_client(DefaultAsyncHttpxClient),
         )
 
 
@@ -295,21 +304,65 @@ def tls_context() -> ssl.SSLContext:
     return httpx2.create_ssl_context()
 
 
+def http_client(kind: Callable[..., httpx2.AsyncClient]) -> httpx2.AsyncClient:
+    """The HTTP client of a provider SDK's client (``kind``: the SDK's ``DefaultAsyncHttpxClient``, with its
+    limits and timeouts): this process's TLS context, no redirect followed (a model endpoint's redirect is an
+    error, as an MCP server's and a webhook receiver's are: docs/security.md), every answer's body, an
+    error's too, read within :data:`~worker.model_stream.MAX_STREAM_BYTES` (worker/bounded_bodies.py)."""
+    client: httpx2.AsyncClient = kind(verify=tls_context(), follow_redirects=False,
+                                      event_hooks={"response": [_BOUNDED]})
+    return client
+
+
+_BOUNDED: Final = bound_bodies(MAX_STREAM_BYTES, what="the model's answer")
+
+
+SDK_FAULTS: Final = (ResponseTooLarge, httpx2.HTTPError, ValueError)
+"""What a provider SDK's call lets through besides its own errors when an endpoint answers with hostile bytes
+(tests/test_fuzz_endpoints.py): a body past its bound (worker/bounded_bodies.py), a read of the body that
+broke (the SDKs translate only the request's errors), a whole answer that is not JSON (the openai SDK reads it
+with ``json.loads``). :func:`provider_error` maps them with the SDK's own."""
+
+
+def timed_out(where: str, timeout_s: float, *, began: bool) -> ProviderError:
+    """A call cut off at its deadline (``timeout_s``: the whole request, its answer's last byte included, not
+    each read): retried like any timeout, unless a streamed answer had begun (:class:`MidStream`: its text may
+    have been shown)."""
+    message = f"{where}: the model call timed out after {timeout_s:g} s"
+    if began:
+        return MidStream(f"{message}, its streamed answer unfinished")
+    return ProviderError(message, transient=True)
+
+
 _ERROR_EXCERPT_CHARS = 300
 _MAX_RETRY_AFTER_S = 3600.0
 
 
 def provider_error(where: str, exc: Exception) -> ProviderError:
-    """A provider SDK's error as a :class:`ProviderError`: its HTTP status and ``Retry-After`` when it
-    answered, ``transient`` for a timeout or a connection error, a short excerpt of its message.
+    """A provider SDK's error (or one of :data:`SDK_FAULTS`) as a :class:`ProviderError`: its HTTP status and
+    ``Retry-After`` when it answered, ``transient`` for a timeout or a connection error, a short excerpt of its
+    message; an answer past its bound or not JSON is not transient.
 
     The ``openai`` and ``anthropic`` SDKs share these shapes (``status_code``, ``response.headers``, and
     ``APIConnectionError``/``APITimeoutError`` without a response), so both map through here.
     """
+    # The anthropic SDK wraps whatever a read raised as a connection error: the bound is found as its cause.
+    too_large = exc if isinstance(exc, ResponseTooLarge) else exc.__cause__
+    if isinstance(too_large, ResponseTooLarge):  # not retried: the next answer would be as large
+        return ProviderError(f"{where}: {too_large}")
+    if isinstance(exc, ValueError):
+        return ProviderError(f"{where}: the model's answer is not JSON: {_excerpt(str(exc))}")
+    if isinstance(exc, httpx2.HTTPError):
+        return ProviderError(f"{where}: {type(exc).__name__}: {_excerpt(str(exc))}", transient=True)
     status = getattr(exc, "status_code", None)
     response = getattr(exc, "response", None)
     headers = getattr(response, "headers", None)
     retry_after = retry_after_s(headers.get("retry-after") if headers is not None else None)
+    location = headers.get("location") if headers is not None else None
+    if isinstance(status, int) and 300 <= status < 400:
+        # Not followed (http_client): said as such, never taken for the endpoint's answer.
+        return ProviderError(f"{where}: answered {status}, a redirect to {_excerpt(str(location))}; model calls "
+                             "follow no redirects", status=status)
     return ProviderError(f"{where}: {_excerpt(str(exc))}", status=status if isinstance(status, int) else None,
                          retry_after_s=retry_after, transient=not isinstance(status, int) and response is None)
 

@@ -15,6 +15,11 @@ all those of a namespace, the holder of a lease in Redis delivers (as the relay 
    from ``RUNBRAKE_WEBHOOK_BACKOFF_S`` to ``RUNBRAKE_WEBHOOK_BACKOFF_MAX_S``, each wait jittered) until the
    event is ``RUNBRAKE_WEBHOOK_RETRY_S`` old, when the delivery is given up and recorded (``gave_up``) and
    the line moves on. So: at least once, in order per run and webhook.
+
+``RUNBRAKE_WEBHOOK_TIMEOUT_S`` bounds each request as a whole (connect, send, the answer's last byte read),
+not each read: the requests go out on one event loop of the dispatcher's own (an anyio blocking portal the
+pool's threads call into), under an anyio deadline, so a receiver that drips its answer a byte at a time
+holds a delivery slot no longer than that (docs/webhooks.md, "What a receiver gets").
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any, Final
 
+import anyio
+import anyio.from_thread
 import httpx2
 import standardwebhooks
 import structlog
@@ -110,7 +118,9 @@ class WebhookDispatcher(OutboxReader):
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
         self._next_sweep = 0.0
-        self._client: httpx2.Client | None = None
+        self._client: httpx2.AsyncClient | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._portal_context: AbstractContextManager[anyio.from_thread.BlockingPortal] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     def health(self) -> Health:
@@ -119,7 +129,9 @@ class WebhookDispatcher(OutboxReader):
         return Health(True, "delivering" if self.leading else "standing by")
 
     def _open(self) -> None:
-        self._client = httpx2.Client(
+        self._portal_context = anyio.from_thread.start_blocking_portal(name="runbrake-webhook-http")
+        self._portal = self._portal_context.__enter__()
+        self._client = httpx2.AsyncClient(
             timeout=httpx2.Timeout(self._settings.webhook_timeout_s), follow_redirects=False, trust_env=False,
             limits=httpx2.Limits(max_connections=self._settings.webhook_concurrency))
         self._pool = ThreadPoolExecutor(self._settings.webhook_concurrency, thread_name_prefix="runbrake-webhook")
@@ -127,8 +139,10 @@ class WebhookDispatcher(OutboxReader):
     def _close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._client is not None:
-            self._client.close()
+        if self._portal is not None and self._client is not None:
+            self._portal.call(self._client.aclose)
+        if self._portal_context is not None:
+            self._portal_context.__exit__(None, None, None)
 
     def _totals(self) -> dict[str, Any]:
         return {"delivered": self.delivered}
@@ -136,10 +150,9 @@ class WebhookDispatcher(OutboxReader):
     # -- one round ----------------------------------------------------------------------------------
 
     def _work(self) -> None:
-        assert self._client is not None
         assert self._pool is not None
         catalog = self._current_catalog()
-        sent = self._send_due(self._client, self._pool, catalog)
+        sent = self._send_due(self._pool, catalog)
         queued = self._queue_new(catalog, block=not sent)
         if not catalog.webhooks:
             self._stopping.wait(IDLE_PACE_S)
@@ -188,7 +201,7 @@ class WebhookDispatcher(OutboxReader):
             self._store.webhook_queue(name, entry.run_id, message.event_id, event_type=message.routing_key,
                                       body=message.body.decode(), occurred_at=message.occurred_at, now=now)
 
-    def _send_due(self, client: httpx2.Client, pool: ThreadPoolExecutor, catalog: Catalog) -> int:
+    def _send_due(self, pool: ThreadPoolExecutor, catalog: Catalog) -> int:
         """Start sending the head of each due line not in flight; answers how many were started."""
         with self._lock:
             room = self._settings.webhook_concurrency - len(self._in_flight)
@@ -206,22 +219,22 @@ class WebhookDispatcher(OutboxReader):
                 continue
             with self._lock:
                 self._in_flight.add(member)
-            pool.submit(self._deliver, client, catalog, member, head)
+            pool.submit(self._deliver, catalog, member, head)
             started += 1
         return started
 
     # -- one attempt (in the pool's threads) -----------------------------------------------------------
 
-    def _deliver(self, client: httpx2.Client, catalog: Catalog, member: str, head: Mapping[str, str]) -> None:
+    def _deliver(self, catalog: Catalog, member: str, head: Mapping[str, str]) -> None:
         try:
-            self._attempt(client, catalog, head)
+            self._attempt(catalog, head)
         except Exception:
             log.exception("webhook_attempt_crashed", webhook=head.get("webhook"), event_id=head.get("event_id"))
         finally:
             with self._lock:
                 self._in_flight.discard(member)
 
-    def _attempt(self, client: httpx2.Client, catalog: Catalog, head: Mapping[str, str]) -> None:
+    def _attempt(self, catalog: Catalog, head: Mapping[str, str]) -> None:
         name, run_id, event_id = head["webhook"], head.get("run_id", ""), head["event_id"]
         attempts = int(head.get("attempts", "0") or 0) + 1
         hook = catalog.webhooks.get(name)
@@ -229,7 +242,7 @@ class WebhookDispatcher(OutboxReader):
         if hook is None:
             ok, error = False, f"the webhook {name!r} is no longer in the catalog"
         else:
-            ok, code, error = self._post(client, hook, event_id, head.get("body", ""))
+            ok, code, error = self._post(hook, event_id, head.get("body", ""))
         now = time.time()
         created = float(head.get("created_at", now) or now)
         if ok:
@@ -245,7 +258,7 @@ class WebhookDispatcher(OutboxReader):
         self._store.webhook_result(name, run_id, event_id, outcome=outcome, attempts=attempts, status_code=code,
                                    error=error[:EXCERPT_CHARS], now=now, next_at=next_at)
 
-    def _post(self, client: httpx2.Client, hook: WebhookSpec, event_id: str, body: str) -> tuple[bool, int, str]:
+    def _post(self, hook: WebhookSpec, event_id: str, body: str) -> tuple[bool, int, str]:
         """POST one delivery; answers (2xx?, the status code or 0, what went wrong: a short excerpt)."""
         secret = os.environ.get(hook.secret_env, "")
         if not secret:
@@ -261,19 +274,36 @@ class WebhookDispatcher(OutboxReader):
             "webhook-id": event_id, "webhook-timestamp": str(int(stamp.timestamp())),
             "webhook-signature": signer.sign(event_id, stamp, body),
         }
+        assert self._portal is not None
+        timeout_s = self._settings.webhook_timeout_s
         try:
-            with client.stream("POST", hook.url, content=body.encode(), headers=headers) as answer:
+            status, excerpt = self._portal.call(self._request, hook.url, body.encode(), headers)
+        except TimeoutError:
+            return False, 0, f"no whole answer within {timeout_s:g} s (RUNBRAKE_WEBHOOK_TIMEOUT_S)"
+        except httpx2.HTTPError as exc:
+            return False, 0, scrub(f"{type(exc).__name__}: {exc}")
+        if 200 <= status < 300:
+            return True, status, ""
+        text = excerpt[:EXCERPT_CHARS].decode(errors="replace")
+        return False, status, scrub(f"HTTP {status}: {text}")
+
+    async def _request(self, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """POST on the portal's loop, the whole request within ``RUNBRAKE_WEBHOOK_TIMEOUT_S``; answers the status
+        and the first :data:`MAX_ANSWER_BYTES` of the answer (the rest is never read).
+
+        Raises:
+            TimeoutError: the request, the answer's body included, took longer.
+            httpx2.HTTPError: it could not be sent or the answer not read.
+        """
+        assert self._client is not None
+        with anyio.fail_after(self._settings.webhook_timeout_s):
+            async with self._client.stream("POST", url, content=body, headers=headers) as answer:
                 excerpt = b""
-                for chunk in answer.iter_bytes():
+                async for chunk in answer.aiter_bytes():
                     excerpt += chunk
                     if len(excerpt) >= MAX_ANSWER_BYTES:
                         break
-        except httpx2.HTTPError as exc:
-            return False, 0, scrub(f"{type(exc).__name__}: {exc}")
-        if 200 <= answer.status_code < 300:
-            return True, answer.status_code, ""
-        text = excerpt[:EXCERPT_CHARS].decode(errors="replace")
-        return False, answer.status_code, scrub(f"HTTP {answer.status_code}: {text}")
+        return answer.status_code, excerpt
 
     def _sweep(self) -> None:
         """Delete deliveries last touched longer than the retention ago (0 keeps them)."""
