@@ -12,6 +12,15 @@ from the one place that turns values into script arguments (``shared/_store_core
 :class:`~runbrake.shared._store_core.ScriptCall`). Matching is exact: a secret spelled another way (cut
 in two, encoded, one character changed) is not recognised.
 
+What a run's submitter wrote is theirs (:class:`Submitted`): a remembered value that also occurs in the run's
+own input, instructions, messages or steer is not cut from what that run writes, so a guess echoed back by a
+model or a tool comes back the same whether it is right or not, and redaction is no oracle for guessed values.
+A tool's result spares only what its call's arguments carried (:func:`scrub_result`). Log lines are scrubbed
+in full (docs/security.md, "What redaction promises").
+
+Streamed text (``delta`` events) is scrubbed over what was said so far by :class:`StreamScrub`, which holds
+back a tail that could still become a secret: joining the deltas never rebuilds one.
+
 Text a caller supplies as attribution (a cancel's reason and who asked, an approval's decider and
 reason) is also stripped of Unicode bidirectional controls (:func:`strip_bidi`), which would let it
 reorder the "by …" shown after it (docs/security.md, "Tested attacks").
@@ -19,10 +28,13 @@ reorder the "by …" shown after it (docs/security.md, "Tested attacks").
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Final
 
 REDACTED: Final = "[redacted]"
@@ -33,6 +45,11 @@ _URL_PASSWORD: Final = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^
 _BEARER: Final = re.compile(r"(?P<head>\bbearer\s+)[A-Za-z0-9._~+/=-]{6,}", re.IGNORECASE)
 """An HTTP bearer credential (RFC 6750's b64token) wherever it appears: ``Authorization: Bearer …``,
 ``auth=Bearer …``. Six characters at least, as for remembered values: "bearer of" is prose."""
+
+_URL_PASSWORD_OPEN: Final = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s/]*\Z")
+"""A URL whose password may still be arriving (streamed text ends inside it)."""
+_BEARER_OPEN: Final = re.compile(r"(?P<head>\bbearer\s+)[A-Za-z0-9._~+/=-]*\Z", re.IGNORECASE)
+"""A bearer credential that may still be arriving."""
 
 _BIDI_CONTROLS: Final = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 """Unicode's bidirectional formatting characters (UAX #9): ALM, LRM, RLM, the embeddings and overrides
@@ -52,17 +69,84 @@ def remember(*values: str) -> None:
             _secrets = tuple(sorted(set(_secrets) | fresh, key=len, reverse=True))
 
 
-def scrub(text: str) -> str:
-    """``text`` without known secret values, bearer tokens, and the password of any URL in it."""
+class Submitted:
+    """What a run's submitter wrote (input, instructions, messages, steers): a remembered value found in it is
+    theirs already, so the run's own writes do not cut it (that would tell a guess from a wrong one)."""
+
+    def __init__(self, *texts: str, within: Submitted | None = None) -> None:
+        self._texts = [text for text in texts if text]
+        self._within = within
+        self._wrote: dict[str, bool] = {}
+
+    @classmethod
+    def of_json(cls, request: str) -> Submitted:
+        """The submitter's text of a run request (JSON): every string in it, keys too, as written (unescaped)."""
+        try:
+            value = json.loads(request)
+        except ValueError:
+            return cls(request)
+        strings: list[str] = []
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                strings.append(item)
+            elif isinstance(item, dict):
+                strings.extend(item)
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+        return cls("\0".join(strings))
+
+    def add(self, *texts: str) -> None:
+        """More of the submitter's text (a steer's)."""
+        self._texts.extend(text for text in texts if text)
+        self._wrote.clear()
+
+    def wrote(self, secret: str) -> bool:
+        """Whether ``secret`` occurs in what the submitter wrote (and, when narrowed, in ``within`` too)."""
+        known = self._wrote.get(secret)
+        if known is None:
+            known = any(secret in text for text in self._texts)
+            if known and self._within is not None:
+                known = self._within.wrote(secret)
+            self._wrote[secret] = known
+        return known
+
+
+_submitted: ContextVar[Submitted | None] = ContextVar("runbrake_submitted", default=None)
+"""The submitter's text of the run whose task this is; None outside a run: every value is cut."""
+
+
+@contextmanager
+def submitted(spared: Submitted) -> Iterator[Submitted]:
+    """Within the block (and the tasks it starts), :func:`scrub` spares the values ``spared`` says were written
+    by the run's submitter."""
+    token = _submitted.set(spared)
+    try:
+        yield spared
+    finally:
+        _submitted.reset(token)
+
+
+def current_submitted() -> Submitted | None:
+    """The submitter's text of the run being executed here, if any."""
+    return _submitted.get()
+
+
+def scrub(text: str, *, spare: bool = True) -> str:
+    """``text`` without known secret values, bearer tokens, and the password of any URL in it; with ``spare``,
+    a value the current run's submitter wrote (:class:`Submitted`) is kept."""
+    spared = _submitted.get() if spare else None
     for secret in _secrets:
-        if secret in text:
+        if secret in text and (spared is None or not spared.wrote(secret)):
             text = text.replace(secret, REDACTED)
     if "://" in text:
         text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}@", text)
     return _BEARER.sub(rf"\g<head>{REDACTED}", text)
 
 
-def scrub_value(value: Any) -> Any:
+def scrub_value(value: Any, *, spare: bool = True) -> Any:
     """A JSON value (or a ``str``) safe to write anywhere: :func:`scrub` applied to every string in it,
     mapping keys included, and a non-finite number spelled as the string JSON has no token for (``"NaN"``,
     ``"Infinity"``, ``"-Infinity"``), so that no reader's JSON parser can choke on it.
@@ -70,14 +154,74 @@ def scrub_value(value: Any) -> Any:
     Tuples come back as lists, as JSON would have them; other values are returned as they are.
     """
     if isinstance(value, str):
-        return scrub(value)
+        return scrub(value, spare=spare)
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     if isinstance(value, Mapping):
-        return {scrub(str(key)): scrub_value(item) for key, item in value.items()}
+        return {scrub(str(key), spare=spare): scrub_value(item, spare=spare) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [scrub_value(item) for item in value]
+        return [scrub_value(item, spare=spare) for item in value]
     return value
+
+
+@contextmanager
+def sparing_only(given: str) -> Iterator[None]:
+    """Within the block, :func:`scrub` spares only what the submitter wrote that also occurs in ``given``: what a
+    server sends back is spared what it was sent (an echo), never a value it came by otherwise."""
+    spared = _submitted.get()
+    token = _submitted.set(None if spared is None else Submitted(given, within=spared))
+    try:
+        yield
+    finally:
+        _submitted.reset(token)
+
+
+class StreamScrub:
+    """Text that streams in, scrubbed over all of it so far rather than piece by piece: :meth:`advance` gives
+    what may be published next, holding back a tail that could still become a secret (the start of a
+    remembered value, a bearer token or a URL password still arriving). The pieces joined are always a prefix
+    of the whole text scrubbed; never a secret, nor the start of one."""
+
+    def __init__(self) -> None:
+        self.published = ""
+        """The pieces given so far, joined."""
+
+    def advance(self, text: str) -> str:
+        """The next piece to publish of ``text`` (all the text so far); "" when nothing more is safe yet."""
+        scrubbed = scrub(text[:_settled_end(text)])
+        if len(scrubbed) <= len(self.published) or not scrubbed.startswith(self.published):
+            return ""  # a match reached back into what was published: wait; the step carries the whole
+        piece = scrubbed[len(self.published):]
+        self.published = scrubbed
+        return piece
+
+
+def _settled_end(text: str) -> int:
+    """Where ``text``'s settled part ends: no secret can begin before it and end after it, whatever comes next."""
+    end = len(text)
+    for secret in _secrets:
+        for size in range(min(len(secret) - 1, len(text)), 0, -1):
+            if text.endswith(secret[:size]):
+                end = min(end, len(text) - size)
+                break
+    # A bearer token or a URL password has no whitespace: only the last run of text without any can still be one.
+    run = max(text.rfind(space) for space in " \t\n\r\f\v") + 1
+    if len(text) - run > _MAX_OPEN_RUN:
+        return min(end, run)  # too long to search cheaply: held whole until whitespace ends it
+    openings = [(_BEARER_OPEN, max(0, run - _BEARER_HEAD))]
+    if "://" in text[run:]:
+        openings.append((_URL_PASSWORD_OPEN, run))
+    for pattern, start in openings:
+        found = pattern.search(text, start)
+        if found is not None:
+            end = min(end, found.end("head"))
+    return end
+
+
+_MAX_OPEN_RUN: Final = 1024
+"""The longest unbroken tail searched for an opening bearer token or URL password (each search is linear in it)."""
+_BEARER_HEAD: Final = 64
+"""How far before the last unbroken run ``bearer`` and its whitespace may begin."""
 
 
 def strip_bidi(text: str) -> str:
@@ -86,8 +230,9 @@ def strip_bidi(text: str) -> str:
 
 
 def processor(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """A structlog processor: scrub every string in the event's values (nested ones too)."""
+    """A structlog processor: scrub every string in the event's values (nested ones too), sparing nothing: log
+    lines are the operator's, not the submitter's."""
     for key, value in event.items():
         if isinstance(value, str | Mapping | list | tuple):
-            event[key] = scrub_value(value)
+            event[key] = scrub_value(value, spare=False)
     return event
