@@ -85,16 +85,21 @@ class Submitted:
             value = json.loads(request)
         except ValueError:
             return cls(request)
-        strings: list[str] = []
+        return cls.of(value)
+
+    @classmethod
+    def of(cls, value: Any, *texts: str) -> Submitted:
+        """Every string in a JSON ``value`` (a run's request as read back), keys too, and ``texts``."""
+        strings = list(texts)
         pending = [value]
         while pending:
             item = pending.pop()
             if isinstance(item, str):
                 strings.append(item)
-            elif isinstance(item, dict):
-                strings.extend(item)
+            elif isinstance(item, Mapping):
+                strings.extend(str(key) for key in item)
                 pending.extend(item.values())
-            elif isinstance(item, list):
+            elif isinstance(item, list | tuple):
                 pending.extend(item)
         return cls("\0".join(strings))
 

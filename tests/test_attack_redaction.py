@@ -172,3 +172,25 @@ def test_a_guess_of_a_secret_in_the_input_comes_back_as_a_wrong_guess_does_and_a
     # redacted even in the run whose submitter wrote the right value.
     assert any(isinstance(row[2], str) and f"x-tools-key: {REDACTED}" in row[2] for row in right)
     assert header_key not in worker.log_path.read_text()
+
+
+def test_a_guess_of_a_secret_in_a_cancel_reason_is_kept_as_written_as_a_wrong_guess_is(
+    monkeypatch: pytest.MonkeyPatch, start_api: Callable[..., ApiProcess], store: RunStore,
+) -> None:
+    secret = f"hdr-{uuid.uuid4().hex}"
+    monkeypatch.setenv(HEADER_VARIABLE, secret)  # the API loads the catalog naming it, so it redacts the value
+    add_to_catalog({"tools": {"url": "http://127.0.0.1:9/mcp", "headers": {"X-Tools-Key": f"${{{HEADER_VARIABLE}}}"}}},
+                   models={"mock": {"provider": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "gpt-mock"}})
+    api = start_api()
+    wrong = f"hdr-{uuid.uuid4().hex}"
+
+    def reason_kept(guess: str) -> str:
+        run_id = _post_run(api, {"input": "wait", "model": "mock"})  # no worker: it stays queued
+        cancelled = httpx2.post(f"{api.url}/v1/runs/{run_id}/cancel", json={"reason": f"is it {guess}?"}, timeout=30)
+        assert cancelled.status_code == 202, cancelled.text
+        shown = httpx2.get(f"{api.url}/v1/runs/{run_id}", timeout=30).json()
+        assert shown["status"] == "cancelled"
+        return str(shown["cancel"]["reason"]).replace(guess, "GUESS")
+
+    assert reason_kept(secret) == reason_kept(wrong) == "is it GUESS?"
+    assert secret not in api.log()

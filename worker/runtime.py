@@ -196,7 +196,7 @@ class RunHooks:
             self._applying = False
         spared = redaction.current_submitted()
         if spared is not None:  # the steer's text is the submitter's too, from its own step on
-            spared.add(steer.input, steer.reason)
+            spared.add(steer.input, steer.reason, steer.requested_by)
         token = uuid.uuid4().hex
         appended = await durably(
             lambda: self._store.apply_steer(self._handle.run_id, steer, steer_step(steer, round_number),
