@@ -15,7 +15,7 @@ in two, encoded, one character changed) is not recognised.
 What a run's submitter wrote is theirs (:class:`Submitted`): a remembered value that also occurs in the run's
 own input, instructions, messages or steer is not cut from what that run writes, so a guess echoed back by a
 model or a tool comes back the same whether it is right or not, and redaction is no oracle for guessed values.
-A tool's result spares only what its call's arguments carried (:func:`scrub_result`). Log lines are scrubbed
+A tool's result spares only what its call's arguments carried (:func:`sparing_only`). Log lines are scrubbed
 in full (docs/security.md, "What redaction promises").
 
 Streamed text (``delta`` events) is scrubbed over what was said so far by :class:`StreamScrub`, which holds
