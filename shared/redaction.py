@@ -32,7 +32,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Final
@@ -142,10 +142,20 @@ def current_submitted() -> Submitted | None:
 def scrub(text: str, *, spare: bool = True) -> str:
     """``text`` without known secret values, bearer tokens, and the password of any URL in it; with ``spare``,
     a value the current run's submitter wrote (:class:`Submitted`) is kept."""
+    return _without_patterns(_without_secrets(text, spare=spare))
+
+
+def _without_secrets(text: str, *, spare: bool = True) -> str:
     spared = _submitted.get() if spare else None
     for secret in _secrets:
         if secret in text and (spared is None or not spared.wrote(secret)):
             text = text.replace(secret, REDACTED)
+    return text
+
+
+def _without_patterns(text: str) -> str:
+    """The passwords of URLs and bearer tokens cut (after the secrets are: a ``[redacted]`` before ``bearer``
+    makes a word boundary)."""
     if "://" in text:
         text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}@", text)
     return _BEARER.sub(rf"\g<head>{REDACTED}", text)
@@ -193,7 +203,11 @@ class StreamScrub:
 
     def advance(self, text: str) -> str:
         """The next piece to publish of ``text`` (all the text so far); "" when nothing more is safe yet."""
-        scrubbed = scrub(text[:_settled_end(text)])
+        # As scrub does it, in two passes: the remembered values, then the patterns over what that left (a
+        # value cut out can make a word boundary before "bearer"); each pass holds back its open tail.
+        settled = text[:_settled_end(text, _secret_tail)]
+        cut = _without_secrets(settled)
+        scrubbed = _without_patterns(cut[:_settled_end(cut, _pattern_tail)])
         if len(scrubbed) <= len(self.published) or not scrubbed.startswith(self.published):
             return ""  # a match reached back into what was published: wait; the step carries the whole
         piece = scrubbed[len(self.published):]
@@ -201,21 +215,37 @@ class StreamScrub:
         return piece
 
 
-def _settled_end(text: str) -> int:
-    """Where ``text``'s settled part ends: no secret can begin before it and end after it, whatever comes next."""
+def _settled_end(text: str, open_tail: Callable[[str], int]) -> int:
+    """Where ``text``'s settled part ends: nothing ``open_tail`` looks for can begin before it and end after it,
+    whatever comes next. Found again within what is kept until it stays put: a cut inside a whole secret
+    (another one that overlaps it may be starting) leaves that secret's start open too."""
+    end = len(text)
+    while (kept := open_tail(text[:end])) < end:
+        end = kept
+    return end
+
+
+def _secret_tail(text: str) -> int:
+    """Where the tail of ``text`` that could still become a remembered value begins (``len(text)``: none)."""
     end = len(text)
     for secret in _secrets:
         for size in range(min(len(secret) - 1, len(text)), 0, -1):
             if text.endswith(secret[:size]):
                 end = min(end, len(text) - size)
                 break
-    # A bearer token or a URL password has no whitespace: only the last run of text without any can still be one.
+    return end
+
+
+def _pattern_tail(text: str) -> int:
+    """Where the tail of ``text`` that could still become a bearer token or a URL password begins."""
+    # Neither has whitespace in it: only the last run of text without any can still be one.
     run = max(text.rfind(space) for space in " \t\n\r\f\v") + 1
     if len(text) - run > _MAX_OPEN_RUN:
-        return min(end, run)  # too long to search cheaply: held whole until whitespace ends it
-    openings = [(_BEARER_OPEN, max(0, run - _BEARER_HEAD))]
+        return run  # too long to search cheaply: held whole until whitespace ends it
+    openings = [(_BEARER_OPEN, max(0, len(text[:run].rstrip()) - len("bearer") - 1))]
     if "://" in text[run:]:
         openings.append((_URL_PASSWORD_OPEN, run))
+    end = len(text)
     for pattern, start in openings:
         found = pattern.search(text, start)
         if found is not None:
@@ -225,8 +255,6 @@ def _settled_end(text: str) -> int:
 
 _MAX_OPEN_RUN: Final = 1024
 """The longest unbroken tail searched for an opening bearer token or URL password (each search is linear in it)."""
-_BEARER_HEAD: Final = 64
-"""How far before the last unbroken run ``bearer`` and its whitespace may begin."""
 
 
 def strip_bidi(text: str) -> str:
