@@ -48,6 +48,9 @@ _BEARER: Final = re.compile(r"(?P<head>\bbearer\s+)[A-Za-z0-9._~+/=-]{6,}", re.I
 
 _URL_PASSWORD_OPEN: Final = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s/]*\Z")
 """A URL whose password may still be arriving (streamed text ends inside it)."""
+_WHITESPACE: Final = re.compile(r"\s")
+_BEARER_HEAD_OPEN: Final = re.compile(r"\bbearer\s+\Z", re.IGNORECASE)
+"""Text ending where a bearer token would begin."""
 _BEARER_OPEN: Final = re.compile(r"(?P<head>\bbearer\s+)[A-Za-z0-9._~+/=-]*\Z", re.IGNORECASE)
 """A bearer credential that may still be arriving."""
 
@@ -58,14 +61,17 @@ LRE RLE PDF LRO RLO, and the isolates LRI RLI FSI PDI."""
 _lock = threading.Lock()
 _secrets: tuple[str, ...] = ()
 """The remembered values, longest first: a value that contains another is cut whole."""
+_spaced = False
+"""Whether a remembered value has whitespace in it (streamed text then has no checkpoints: :class:`StreamScrub`)."""
 
 
 def remember(*values: str) -> None:
     """Treat these values as secrets from now on in this process."""
-    global _secrets  # noqa: PLW0603 - one set per process, read without a lock (replaced, never mutated)
+    global _secrets, _spaced  # noqa: PLW0603 - one set per process, read without a lock (replaced, never mutated)
     fresh = {value for value in values if len(value) >= _MIN_SECRET_CHARS} - set(_secrets)
     if fresh:
         with _lock:
+            _spaced = _spaced or any(_WHITESPACE.search(value) for value in fresh)
             _secrets = tuple(sorted(set(_secrets) | fresh, key=len, reverse=True))
 
 
@@ -195,24 +201,46 @@ class StreamScrub:
     """Text that streams in, scrubbed over all of it so far rather than piece by piece: :meth:`advance` gives
     what may be published next, holding back a tail that could still become a secret (the start of a
     remembered value, a bearer token or a URL password still arriving). The pieces joined are always a prefix
-    of the whole text scrubbed; never a secret, nor the start of one."""
+    of the whole text scrubbed; never a secret, nor the start of one.
+
+    Each call scrubs the text since a checkpoint, not all of it: a whitespace no match can reach across, whose
+    text before it is published for good (so a long answer costs linear time, not quadratic)."""
 
     def __init__(self) -> None:
         self.published = ""
         """The pieces given so far, joined."""
+        self._done = 0
+        """The characters of the text before the checkpoint; their scrubbed form is ``published[:_done_out]``."""
+        self._done_out = 0
 
     def advance(self, text: str) -> str:
         """The next piece to publish of ``text`` (all the text so far); "" when nothing more is safe yet."""
+        tail = text[self._done:]
         # As scrub does it, in two passes: the remembered values, then the patterns over what that left (a
         # value cut out can make a word boundary before "bearer"); each pass holds back its open tail.
-        settled = text[:_settled_end(text, _secret_tail)]
+        settled = tail[:_settled_end(tail, _secret_tail)]
         cut = _without_secrets(settled)
         scrubbed = _without_patterns(cut[:_settled_end(cut, _pattern_tail)])
-        if len(scrubbed) <= len(self.published) or not scrubbed.startswith(self.published):
+        known = self.published[self._done_out:]
+        if len(scrubbed) <= len(known) or not scrubbed.startswith(known):
             return ""  # a match reached back into what was published: wait; the step carries the whole
-        piece = scrubbed[len(self.published):]
-        self.published = scrubbed
+        piece = scrubbed[len(known):]
+        self.published += piece
+        self._checkpoint(settled, scrubbed)
         return piece
+
+    def _checkpoint(self, settled: str, scrubbed: str) -> None:
+        """Move the checkpoint to the last whitespace of ``settled`` when nothing scrub cuts can span it: no
+        remembered value has whitespace, a URL password has none, and no ``bearer`` waits for its token there."""
+        if _spaced:
+            return
+        at = max(settled.rfind(space) for space in " \t\n\r\f\v") + 1
+        if at == 0:
+            return
+        out = scrub(settled[:at])
+        if scrubbed.startswith(out) and _BEARER_HEAD_OPEN.search(out) is None:
+            self._done += at
+            self._done_out += len(out)
 
 
 def _settled_end(text: str, open_tail: Callable[[str], int]) -> int:
@@ -229,10 +257,13 @@ def _secret_tail(text: str) -> int:
     """Where the tail of ``text`` that could still become a remembered value begins (``len(text)``: none)."""
     end = len(text)
     for secret in _secrets:
-        for size in range(min(len(secret) - 1, len(text)), 0, -1):
-            if text.endswith(secret[:size]):
-                end = min(end, len(text) - size)
+        window = len(text) - min(len(secret) - 1, len(text))
+        at = text.find(secret[0], window)
+        while at != -1:  # the first place in the window where the rest of the text begins the secret
+            if secret.startswith(text[at:]):
+                end = min(end, at)
                 break
+            at = text.find(secret[0], at + 1)
     return end
 
 
