@@ -181,7 +181,7 @@ async def test_text_that_arrives_while_a_delta_is_on_its_way_goes_out_whole_in_t
         return True
 
     deltas = DeltaPublisher("r1", publish, min_interval_s=0)
-    text = deltas.text(3, max_chars=8)
+    text = deltas.text(3, max_chars=7)  # ends at a space: nothing held back (no value of the process begins there)
     with anyio.fail_after(10):
         text.append("Hel")
         await sending.wait()
@@ -192,8 +192,8 @@ async def test_text_that_arrives_while_a_delta_is_on_its_way_goes_out_whole_in_t
         await sending.wait()
     text.close()
 
-    assert published == [{"run_id": "r1", "round": 3, "text": "Hel"}, {"run_id": "r1", "round": 3, "text": "lo, w"}]
-    assert text.text == "Hello, w"
+    assert published == [{"run_id": "r1", "round": 3, "text": "Hel"}, {"run_id": "r1", "round": 3, "text": "lo, "}]
+    assert text.text == "Hello, "
 
 
 SECRET, OVERLAPPING = "sk-prop-A1b2-xyz9", "xyz9-prop-B3c4"
