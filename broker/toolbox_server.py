@@ -169,6 +169,12 @@ async def echo(text: str) -> str:
         return text
 
 
+async def headers(ctx: Context) -> str:
+    """The HTTP headers of the request that called it, one ``name: value`` a line (nothing over stdio)."""
+    with _recorded("headers"):
+        return "\n".join(f"{name}: {value}" for name, value in (ctx.headers or {}).items())
+
+
 async def _no_discover(_ctx: Any, _params: RequestParams | None) -> Any:
     """What a server from before protocol 2026-07-28 answers to ``server/discover``."""
     raise MCPError(code=METHOD_NOT_FOUND, message="Method not found", data="server/discover")
@@ -188,12 +194,17 @@ def main() -> None:
     parser.add_argument("--legacy", action="store_true",
                         help="answer as a server from before protocol 2026-07-28: no server/discover, so a client "
                              "falls back to the initialize handshake and a session with its GET stream")
+    parser.add_argument("--echo-headers", action="store_true",
+                        help="add a tool 'headers' that answers with the HTTP headers of its request, credentials "
+                             "included: a server that echoes what the worker sent it (docs/security.md)")
     parser.add_argument("--progress-s", type=float, default=1.0,
                         help="how often the slow tool reports progress, in seconds (default: 1)")
     options = parser.parse_args()
     _events_path, _progress_s = options.events, options.progress_s
     if options.bearer_env:
         mcp.bearer = os.environ[options.bearer_env]
+    if options.echo_headers:
+        mcp.add_tool(headers, name="headers", description="Return the HTTP headers of this call's request.")
     if options.legacy:
         mcp._lowlevel_server.add_request_handler("server/discover", RequestParams, _no_discover)
     if options.transport == "stdio":

@@ -23,14 +23,14 @@ from typing import Any
 
 import structlog
 
-from runbrake.shared import threads
+from runbrake.shared import redaction, threads
 from runbrake.shared._store_core import TENANT_LABEL
 from runbrake.shared.errors import PublishError, ResumeUnsent, RunNotFound, TransitionRefused
 from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
 from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.steer import SteerResult, check_steer, steer_run
 from runbrake.shared.records import Transition
-from runbrake.shared.redaction import strip_bidi
+from runbrake.shared.redaction import Submitted, strip_bidi
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
@@ -72,12 +72,14 @@ def approve_run(store: RunStore, producer: Producer, run_id: str, *, decided_by:
         return decision
     if first:
         # Recorded before the resume message is sent, so it precedes every step of the resumed segment.
-        pending = store.get(run_id).pending or {}
-        store.append_step(run_id, RunStep(
-            kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason or "approved",
-            detail={"decision": "approved", "decided_by": decided_by, "reason": reason,
-                    "call": (pending.get("pending_calls") or [None])[0]},
-        ))
+        record = store.get(run_id)
+        pending = record.pending or {}
+        with redaction.submitted(Submitted.of(record.request, reason, decided_by)):  # theirs: shared/redaction.py
+            store.append_step(run_id, RunStep(
+                kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason or "approved",
+                detail={"decision": "approved", "decided_by": decided_by, "reason": reason,
+                        "call": (pending.get("pending_calls") or [None])[0]},
+            ))
         log.info("run_approved", run_id=run_id, decided_by=decided_by, reason=reason)
     producer.send(run_id, resume=True)
     return decision
@@ -91,17 +93,21 @@ def deny_run(store: RunStore, run_id: str, *, decided_by: str, reason: str) -> D
         StoreError: when Redis cannot be reached.
     """
     decided_by, reason = strip_bidi(decided_by), strip_bidi(reason)
-    settled = store.settle(run_id, RunStatus.FAILED, TerminationReason.APPROVAL_DENIED, error=reason,
-                           required_status=RunStatus.WAITING_FOR_APPROVAL)
+    # What the decider and the run's submitter wrote is kept as written (shared/redaction.py, Submitted).
+    with redaction.submitted(Submitted(reason, decided_by)):
+        settled = store.settle(run_id, RunStatus.FAILED, TerminationReason.APPROVAL_DENIED, error=reason,
+                               required_status=RunStatus.WAITING_FOR_APPROVAL)
     decision = Decision.of(run_id, settled)
     if not decision.decided:
         return decision
-    pending = store.get(run_id).pending or {}
-    store.append_step(run_id, RunStep(
-        kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason,
-        detail={"decision": "denied", "decided_by": decided_by, "reason": reason,
-                "call": (pending.get("pending_calls") or [None])[0]},
-    ))
+    record = store.get(run_id)
+    pending = record.pending or {}
+    with redaction.submitted(Submitted.of(record.request, reason, decided_by)):
+        store.append_step(run_id, RunStep(
+            kind=StepKind.APPROVAL, round=int(pending.get("model_calls", 0)), content=reason,
+            detail={"decision": "denied", "decided_by": decided_by, "reason": reason,
+                    "call": (pending.get("pending_calls") or [None])[0]},
+        ))
     log.info("run_denied", run_id=run_id, decided_by=decided_by, reason=reason)
     return decision
 

@@ -130,7 +130,8 @@ def test_a_secret_a_model_and_a_server_copy_into_every_stored_field_is_in_no_key
     # 2. A provider error quoting it (the model step's error and the run's error).
     openai_stub.reply(status=401, error_message=f"invalid key {secret}")
     refused = wait_for_run(store, enqueue())
-    # 3. A gated call carrying it: the pending turn and pending_call; approved with a reason quoting it.
+    # 3. A gated call carrying it: the pending turn and pending_call; approved (a decider's reason is theirs, kept as
+    #    written: tests/test_attack_redaction.py).
     openai_stub.reply(content=f"asking with {secret}",
                       tool_calls=[StubToolCall("toolbox__echo", {"text": f"gated {secret}"})])
     gated_id = enqueue(approval_required=["toolbox.echo"])
@@ -138,10 +139,9 @@ def test_a_secret_a_model_and_a_server_copy_into_every_stored_field_is_in_no_key
     pending_raw = store.redis.hget(store.run_key(gated_id), "pending") or ""
     pending_call = httpx2.get(f"{api.url}/v1/runs/{gated_id}").json()["pending_call"]
     openai_stub.reply(content="approved and done")
-    _post(api, f"/v1/runs/{gated_id}/approve", {"reason": f"fine, {secret}"}, 200)
+    _post(api, f"/v1/runs/{gated_id}/approve", {"reason": "fine"}, 200)
     gated = wait_for_run(store, gated_id)
-    # 4. MCP progress quoting it as a bearer token, then a hand-over (the pending conversation), then a
-    #    cancel whose reason quotes it.
+    # 4. MCP progress quoting it as a bearer token, then a hand-over (the pending conversation), then a cancel.
     openai_stub.reply(content=f"working with {secret}", tool_calls=[
         StubToolCall("toolbox__slow", {"seconds": 60, "note": f"auth=Bearer {secret}"})])
     slow_id = enqueue()
@@ -151,7 +151,7 @@ def test_a_secret_a_model_and_a_server_copy_into_every_stored_field_is_in_no_key
     worker.stop()  # drains 2 s (tests/conftest.py), then hands the run over
     wait_for_run(store, slow_id, lambda r: r.status is RunStatus.QUEUED and has_step("handoff")(r))
     handoff_raw = store.redis.hget(store.run_key(slow_id), "pending") or ""
-    _post(api, f"/v1/runs/{slow_id}/cancel", {"reason": f"enough, {secret}"}, 202)
+    _post(api, f"/v1/runs/{slow_id}/cancel", {"reason": "enough"}, 202)
     cancelled = wait_for_run(store, slow_id)
 
     stored = every_stored_text(store)
@@ -180,7 +180,7 @@ def test_a_secret_a_model_and_a_server_copy_into_every_stored_field_is_in_no_key
     assert REDACTED in pending_raw
     assert pending_call["arguments"] == {"text": f"gated {REDACTED}"}
     approval = next(s for s in gated.steps if s.kind is StepKind.APPROVAL)
-    assert (approval.content, approval.detail["reason"]) == (f"fine, {REDACTED}", f"fine, {REDACTED}")
+    assert (approval.content, approval.detail["reason"]) == ("fine", "fine")
     assert approval.detail["call"]["arguments"] == {"text": f"gated {REDACTED}"}
     # The resumed call runs with the arguments as stored: the key never reaches the tool from the store.
     assert [s.content for s in gated.steps if s.kind is StepKind.TOOL] == [f"gated {REDACTED}"]
@@ -190,7 +190,7 @@ def test_a_secret_a_model_and_a_server_copy_into_every_stored_field_is_in_no_key
     assert REDACTED in handoff_raw
     assert cancelled.status is RunStatus.CANCELLED
     assert cancelled.cancel is not None
-    assert cancelled.cancel.reason == f"enough, {REDACTED}"
+    assert cancelled.cancel.reason == "enough"
 
 
 def test_stored_json_stays_json_where_scrubbing_its_text_would_have_broken_it(store: RunStore) -> None:

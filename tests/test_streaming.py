@@ -15,10 +15,13 @@ import anyio
 import httpx2
 import jsonschema
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from llm_mock_api.types.reply import ReplyOptions
 
 from runbrake.shared import RunStatus, RunStore, StepKind, TerminationReason, step_outcome
 from runbrake.shared.errors import SpecError
+from runbrake.shared.redaction import remember, scrub
 from runbrake.shared.spec import AnthropicModel, OpenAIModel, RunSpec
 from runbrake.worker.anthropic_provider import AnthropicProvider
 from runbrake.worker.conversation import Message, ToolInfo
@@ -178,7 +181,7 @@ async def test_text_that_arrives_while_a_delta_is_on_its_way_goes_out_whole_in_t
         return True
 
     deltas = DeltaPublisher("r1", publish, min_interval_s=0)
-    text = deltas.text(3, max_chars=8)
+    text = deltas.text(3, max_chars=7)  # ends at a space: nothing held back (no value of the process begins there)
     with anyio.fail_after(10):
         text.append("Hel")
         await sending.wait()
@@ -189,8 +192,33 @@ async def test_text_that_arrives_while_a_delta_is_on_its_way_goes_out_whole_in_t
         await sending.wait()
     text.close()
 
-    assert published == [{"run_id": "r1", "round": 3, "text": "Hel"}, {"run_id": "r1", "round": 3, "text": "lo, w"}]
-    assert text.text == "Hello, w"
+    assert published == [{"run_id": "r1", "round": 3, "text": "Hel"}, {"run_id": "r1", "round": 3, "text": "lo, "}]
+    assert text.text == "Hello, "
+
+
+SECRET, OVERLAPPING = "sk-prop-A1b2-xyz9", "xyz9-prop-B3c4"
+"""Two remembered values, the second beginning with the end of the first."""
+FRAGMENTS = (SECRET, OVERLAPPING, SECRET[:6], OVERLAPPING[:7], "Bearer ", "tok3n-value", "https://user:", "pa55word",
+             "@host/", " ", "x", "\n")
+
+
+@given(fragments=st.lists(st.sampled_from(FRAGMENTS), max_size=14), cuts=st.lists(st.integers(1, 9), max_size=40))
+def test_deltas_joined_are_the_scrubbed_text_so_far_and_never_hold_a_secret_or_its_start(
+    fragments: list[str], cuts: list[int]
+) -> None:
+    remember(SECRET, OVERLAPPING)
+    whole = "".join(fragments)
+    text = StreamedText(1, max_chars=100_000)
+    deltas, at = [], 0
+    for size in [*cuts, len(whole)]:  # the text arrives in pieces of these sizes, a delta after each
+        text.append(whole[at:at + size])
+        at += size
+        deltas.append(text.unsent())
+    joined = "".join(deltas)
+
+    assert scrub(whole).startswith(joined)  # a secret cut short would differ from its [redacted] here
+    assert SECRET not in joined
+    assert OVERLAPPING not in joined
 
 
 # -- runs --------------------------------------------------------------------------------------------

@@ -4,8 +4,11 @@
 A provider that streams appends each piece of text to the call's :class:`StreamedText` (synchronously: the
 read loop never waits on Redis). The run's :class:`DeltaPublisher` keeps one asyncio task while a call's
 text is open: woken by an append, it publishes the text since the last delta on ``<ns>:events``
-(``AsyncRunStore.publish_delta``), then waits out the interval before it publishes again. A delta carries
-all the text since the one before, so however fast the model streams, a run makes at most ten a second.
+(``AsyncRunStore.publish_delta``), then waits out the interval before it publishes again. What is published is
+scrubbed over all the text so far, never piece by piece (``shared/redaction.py`` :class:`StreamScrub`): a tail
+that could still become a secret is held back, so a secret the stream splits is never rebuilt by joining deltas.
+A delta carries all the text since the one before, so however fast the model streams, a run makes at most ten a
+second.
 The task lives outside the call's in-flight scope: a cancel cuts off the read, never a PUBLISH halfway.
 When the call ends, its text is closed and the task ends: what was not yet announced is left to the model
 step, which carries the whole answer (or, cut off, the partial one). Deltas are a courtesy, like progress:
@@ -19,6 +22,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import structlog
+
+from runbrake.shared.redaction import StreamScrub
 
 __all__ = ["MIN_INTERVAL_S", "DeltaPublisher", "StreamedText"]
 
@@ -47,8 +52,7 @@ class StreamedText:
         self._parts: list[str] = []
         self._chars = 0
         self._wake = wake
-        self.sent = 0
-        """How many characters of the text were announced already."""
+        self._announced = StreamScrub()
         self.closed = False
 
     def append(self, piece: str) -> None:
@@ -80,10 +84,9 @@ class StreamedText:
                 self._wake()
 
     def unsent(self) -> str:
-        """The text since the last delta, now marked as sent."""
-        text = self.text[self.sent:]
-        self.sent = self._chars
-        return text
+        """The scrubbed text since the last delta, now marked as sent; a tail that could still become a secret
+        is kept for a later one (or for the step)."""
+        return self._announced.advance(self.text)
 
 
 class DeltaPublisher:

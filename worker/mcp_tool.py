@@ -2,17 +2,20 @@
 
 Never raises for what the call came to: a tool's own error, a dead server, a timeout
 and a cancel all become results. Which outcome a transport error maps to is read from
-its class alone (``ToolCallCancelled``). Every result is bounded before it leaves.
+its class alone (``ToolCallCancelled``). Every result is scrubbed of secrets (before the model sees it, not
+only before it is stored: docs/security.md, "Where secrets live"), then bounded, before it leaves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anyio
 from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import CallToolResult, ContentBlock, EmbeddedResource, ResourceLink, TextContent, TextResourceContents
 
+from runbrake.shared import redaction
 from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
@@ -56,7 +59,19 @@ async def execute(
         result = ToolResult.error(str(exc))
     else:
         result = _from_answer(answer)
-    return result.with_bounded_channels(max_chars)
+    return _scrubbed(result, call).with_bounded_channels(max_chars)
+
+
+def _scrubbed(result: ToolResult, call: ToolCall) -> ToolResult:
+    """``result`` without secrets, before the model sees it and before it is cut (a cut secret would no longer be
+    recognised). A value the submitter wrote is spared only where the call's arguments carried it: an echo, not
+    a server's own leak (shared/redaction.py, :func:`~runbrake.shared.redaction.sparing_only`)."""
+    with redaction.sparing_only(json.dumps(call.arguments, ensure_ascii=False)):
+        content = redaction.scrub(result.content)
+        # The structured channel is JSON text: scrubbed value by value, so that no JSON escape hides a secret.
+        structured = None if result.structured is None else json.dumps(
+            redaction.scrub_value(json.loads(result.structured)))
+    return dataclasses.replace(result, content=content, structured=structured)
 
 
 def not_connected(call: ToolCall, *, max_chars: int, reason: str | None = None) -> ToolResult:

@@ -28,7 +28,7 @@ from typing import TypeVar
 import anyio
 import structlog
 
-from runbrake.shared import tracing
+from runbrake.shared import redaction, tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission, AdmittedRun
 from runbrake.shared.errors import (
@@ -194,6 +194,9 @@ class RunHooks:
                 await self.record(answer)
         finally:
             self._applying = False
+        spared = redaction.current_submitted()
+        if spared is not None:  # the steer's text is the submitter's too, from its own step on
+            spared.add(steer.input, steer.reason, steer.requested_by)
         token = uuid.uuid4().hex
         appended = await durably(
             lambda: self._store.apply_steer(self._handle.run_id, steer, steer_step(steer, round_number),
@@ -385,7 +388,10 @@ class Runtime:
             self.subscribers.status(run_id, RunStatus.RUNNING)
             handle = self.registry.register(run_id, owner)
             try:
-                outcome = await self._ladder(run_id, owner, handle, claim, resume=resume)
+                # What the submitter wrote is theirs: the segment's writes do not cut a value found in it, so a
+                # guess echoed back is no oracle (shared/redaction.py, docs/security.md "What redaction promises").
+                with redaction.submitted(redaction.Submitted.of_json(claim.request_json or "")):
+                    outcome = await self._ladder(run_id, owner, handle, claim, resume=resume)
             finally:
                 self.registry.unregister(handle)
             log.info("run_segment_ended", outcome=outcome.value)  # the one line a segment's end costs

@@ -11,7 +11,7 @@ import pika
 import pika.exceptions
 import structlog
 
-from runbrake.shared import tracing
+from runbrake.shared import redaction, tracing
 from runbrake.shared.messaging.wire import (
     Topology,
     cancel_properties,
@@ -137,7 +137,8 @@ def cancel_run(
 def _cancel_run(
     store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str, requested_by: str
 ) -> CancelResult:
-    fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
+    with redaction.submitted(redaction.Submitted(reason, requested_by)):  # the caller's words, kept as written
+        fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
     result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)
     if not fence.won:
         return result
