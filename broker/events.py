@@ -538,7 +538,7 @@ async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool,
             if oldest is None or (_not_after(position, oldest) and position != oldest):
                 yield frame(StreamEvent.RESYNC, {"reason": "older than the oldest event kept", "oldest": oldest})
         for entry in entries:
-            if tenant is not None and _entry_tenant(entry) != tenant:
+            if tenant is not None and entry.tenant != tenant:
                 continue
             event = _feed_event(entry)
             if event is not None:
@@ -549,16 +549,6 @@ async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool,
         yield position
         if len(entries) < FEED_PAGE:
             return
-
-
-def _entry_tenant(entry: OutboxEntry) -> str:
-    """The tenant of an outbox entry's run ("" for none, or labels that cannot be read)."""
-    try:
-        labels = json.loads(entry.labels) if entry.labels else {}
-    except ValueError:
-        return ""
-    tenant = labels.get("tenant", "") if isinstance(labels, dict) else ""
-    return tenant if isinstance(tenant, str) else ""
 
 
 def _feed_event(entry: OutboxEntry) -> bytes | None:

@@ -601,25 +601,26 @@ def _model_name(request: Mapping[str, Any]) -> str:
 def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
     """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner
     and lease (expiring ``lease_s`` after now by Redis's clock); in the same round trip, read what the
-    segment needs (the request, the pending turn)."""
+    segment needs (the request, the pending turn, the run's tenant)."""
     script = _scripts.RESUME_CLAIM if resume else _scripts.CLAIM
     name = "resume_claim" if resume else "claim"
 
     def parse(answers: list[Any]) -> Claim:
         transition = _read_transition(name, run_id, answers[0])
-        request, pending = answers[1]
+        request, pending, tenant = answers[1]
         return Claim(
             won=transition.won, found=transition.found, exists=transition.exists,
             owner_mismatch=transition.owner_mismatch,
             request_json=request if transition.won else None,
             pending=read_json_field(pending) if transition.won else None,
             steer=read_steer_request(answers[2]) if transition.won else None,
+            tenant=_text(tenant) if transition.won and tenant else None,
         )
 
     return Op(f"{name} run {run_id}", (
         ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
                    (Ident(owner), float(lease_s), Ident(run_id), keys.retention_s, Ident(keys.events))),
-        Command(("HMGET", keys.run(run_id), "request", "pending")),
+        Command(("HMGET", keys.run(run_id), "request", "pending", "tenant")),
         Command(("GET", keys.steer(run_id))),
     ), parse)
 

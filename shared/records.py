@@ -104,6 +104,8 @@ class Claim(Transition):
     pending: Mapping[str, Any] | None = None
     steer: SteerRequest | None = None
     """A steer waiting to be applied (a steered approval resumes, or the last worker died or handed over first)."""
+    tenant: str | None = None
+    """The run's tenant (None: of no tenant), whose catalog entries admission allows again at claim."""
 
     @property
     def request(self) -> Mapping[str, Any] | None:
@@ -425,3 +427,13 @@ class OutboxEntry:
     run_id: str
     event: str
     labels: str = ""
+
+    @property
+    def tenant(self) -> str:
+        """The tenant of the entry's run, from its labels ("" for none, or labels that cannot be read)."""
+        try:
+            labels = json.loads(self.labels) if self.labels else {}
+        except ValueError:
+            return ""
+        tenant = labels.get("tenant", "") if isinstance(labels, dict) else ""
+        return tenant if isinstance(tenant, str) else ""

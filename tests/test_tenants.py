@@ -20,12 +20,15 @@ import httpx2
 import pytest
 
 from runbrake.broker.auth import digest
-from runbrake.shared import RunStatus, RunStore, Settings
+from runbrake.shared import RunStatus, RunStep, RunStore, Settings, TerminationReason
+from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, Topology
+from runbrake.shared.tool_result import ToolResult
 from tests.amqp_clients import CLIENTS
 from tests.api_helpers import ApiProcess
 from tests.catalog_helpers import catalog_path, to_toml
 from tests.mcp_helpers import Toolbox
+from tests.test_cli import assert_clean_failure, runbrake, write_spec
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -118,7 +121,6 @@ def test_another_tenants_run_is_answered_exactly_as_a_missing_one(
     assert theirs.text == absent.text.replace(missing, run_id)
     assert beta.get("/v1/runs").json()["runs"] == []
     assert beta.get("/v1/runs", params={"label": "tenant:alpha"}).json()["runs"] == []
-    assert beta.get("/v1/servers").status_code == 403
     assert beta.get("/v1/webhooks").status_code == 403  # deliveries of every tenant's runs: an operator's
     assert store.status(run_id) is RunStatus.QUEUED  # nothing B asked changed it
 
@@ -313,3 +315,132 @@ def test_rabbitmq_refuses_a_user_id_that_is_not_the_connections_user(
         check=False)
     assert sent.returncode == 1
     assert "PRECONDITION_FAILED" in sent.stderr or "406" in sent.stderr, sent.stderr
+
+
+# -- catalog entries for some tenants ------------------------------------------------------------
+
+NOWHERE = "http://127.0.0.1:9"
+"""Where the scoped entries point: nothing listens there, and nothing of these tests may connect."""
+
+
+def scope_catalog(common_tenants: list[str] | None = None) -> None:
+    """Servers ``ours`` (alpha's), ``theirs`` (beta's) and ``common`` (every run's, unless ``common_tenants``),
+    beta's model ``their-model`` and beta's webhook ``their-hook``."""
+    common: dict[str, Any] = {"url": f"{NOWHERE}/common"}
+    if common_tenants is not None:
+        common["tenants"] = common_tenants
+    set_catalog(
+        mcp_servers={"ours": {"url": f"{NOWHERE}/ours", "tenants": ["alpha"]},
+                     "theirs": {"url": f"{NOWHERE}/theirs", "tenants": ["beta"]}, "common": common},
+        models={"their-model": {"provider": "openai", "base_url": f"{NOWHERE}/v1", "model": "m",
+                                "api_key_env": "RUNBRAKE_TEST_THEIR_KEY", "tenants": ["beta"]}},
+        webhooks={"their-hook": {"url": f"{NOWHERE}/hook", "secret_env": "RUNBRAKE_TEST_THEIR_SECRET",
+                                 "events": ["*"], "tenants": ["beta"]}},
+    )
+
+
+THEIRS: dict[str, Any] = {"input": "x", "model": "their-model", "mcp_servers": ["theirs", "common"],
+                          "notify": ["their-hook"]}
+"""A spec naming each of beta's entries, and one every run may use."""
+
+
+def test_a_tenants_run_naming_another_tenants_server_model_or_webhook_is_refused_as_if_it_did_not_exist(
+    clients: dict[str, httpx2.Client], store: RunStore, tmp_path: Path
+) -> None:
+    scope_catalog()
+    alpha, ops = clients["alpha-app"], clients["ops"]
+
+    refused = enqueue(alpha, THEIRS)
+    assert refused.status_code == 422, refused.text
+    errors = {e["field"]: e["msg"] for e in refused.json()["errors"]}
+    assert sorted(errors) == ["mcp_servers[0]", "model", "notify[0]"]
+    # Word for word what a name the catalog lacks gets; the names listed are only those open to alpha.
+    missing = enqueue(alpha, {"input": "x", "model": "nope", "mcp_servers": ["none", "common"], "notify": ["nil"]})
+    absent = {e["field"]: e["msg"] for e in missing.json()["errors"]}
+    assert errors["mcp_servers[0]"] == absent["mcp_servers[0]"].replace("'none'", "'theirs'")
+    assert errors["mcp_servers[0]"].endswith("(it has common, ours)")
+    assert errors["model"] == absent["model"].replace("'nope'", "'their-model'")
+    assert errors["notify[0]"] == absent["notify[0]"].replace("'nil'", "'their-hook'")
+
+    by_ops = enqueue(ops, THEIRS)  # a run of no tenant: only untenanted entries
+    assert by_ops.status_code == 422
+    assert sorted(e["field"] for e in by_ops.json()["errors"]) == ["mcp_servers[0]", "model", "notify[0]"]
+    assert "mcp_servers.theirs.tenants" in by_ops.text
+    cli = runbrake("enqueue", str(write_spec(tmp_path / "theirs.json", THEIRS)))
+    assert_clean_failure(cli, 2, "mcp_servers[0]", "model", "notify[0]", "a run of no tenant may not use it")
+    assert store.recent(limit=10) == []  # nothing written by any of them
+
+    ours = enqueue(alpha, {**SPEC, "mcp_servers": ["ours", "common"]})
+    assert ours.status_code == 201, ours.text
+    assert enqueue(clients["beta-app"], THEIRS).status_code == 201  # beta's own entries
+    # A continuation of alpha's own run is alpha's, and admitted as such.
+    assert alpha.post(f"/v1/runs/{ours.json()['run_id']}/cancel", json={}).status_code == 202
+    went_on = alpha.post(f"/v1/runs/{ours.json()['run_id']}/continue",
+                         json={"input": "more", "mcp_servers": ["theirs"]})
+    assert went_on.status_code == 422, went_on.text
+    assert [e["field"] for e in went_on.json()["errors"]] == ["mcp_servers[0]"]
+    assert len(store.recent(limit=10)) == 2
+
+
+def test_a_tenant_lists_only_the_servers_open_to_it_with_counts_only_of_its_own(
+    clients: dict[str, httpx2.Client], store: RunStore
+) -> None:
+    scope_catalog()
+    run_id = store.create(SPEC).run_id
+    for server in ("ours", "theirs", "common"):
+        store.append_step(run_id, RunStep.tool(round=1, server=server, name="echo", result=ToolResult.ok("x")))
+
+    alpha = clients["alpha-app"].get("/v1/servers")
+    assert alpha.status_code == 200, alpha.text
+    assert [(s["server"], s["ok"], s["failed"]) for s in alpha.json()] == [("common", None, None), ("ours", 1, 0)]
+    beta = clients["beta-app"].get("/v1/servers").json()
+    assert [(s["server"], s["ok"]) for s in beta] == [("common", None), ("theirs", 1)]
+    assert [(s["server"], s["ok"]) for s in clients["ops"].get("/v1/servers").json()] == [
+        ("common", 1), ("ours", 1), ("theirs", 1)]
+
+
+def test_a_run_whose_server_became_another_tenants_after_it_was_queued_is_refused_at_claim(
+    clients: dict[str, httpx2.Client], producer: Producer, worker: WorkerProcess, store: RunStore,
+    rabbitmq: Settings,
+) -> None:
+    scope_catalog(common_tenants=["beta"])
+    # Written as admission allowed it before the operator gave ``common`` to beta, then sent.
+    run_id = store.create({**SPEC, "mcp_servers": ["common"]}, tenant="alpha").run_id
+    producer.send(run_id)
+
+    record = wait_for_run(store, run_id, timeout=60)
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.SPEC_REFUSED)
+    assert "'common' is not in the catalog (it has ours)" in (record.error or "")  # read with the tenants
+    assert record.steps == ()
+
+    # Over RabbitMQ the tenant is the user's: alpha's user naming beta's server is refused, nothing written.
+    user = rabbitmq_user(rabbitmq)
+    set_catalog(rabbitmq_users={user: {"tenant": "alpha"}})
+    answer = request_run(rabbitmq, {**SPEC, "mcp_servers": ["theirs"]}, "--user-id", user)
+    assert [(e["loc"], e["msg"]) for e in answer["errors"]] == [
+        (["mcp_servers", 0], "'theirs' is not in the catalog (it has ours)")], answer
+    assert [r.run_id for r in store.recent(limit=10)] == [run_id]
+
+
+def test_the_catalog_check_refuses_tenants_that_are_not_a_list_of_names_and_shows_them(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.toml"
+    hook = {"url": f"{NOWHERE}/hook", "secret_env": "S", "events": ["*"]}
+    path.write_text(to_toml({"mcp_servers": {"s": {"url": f"{NOWHERE}/s", "tenants": []}},
+                             "webhooks": {"w": {**hook, "tenants": "alpha"}, "v": {**hook, "tenants": ["Alpha!"]}}}))
+    assert_clean_failure(runbrake("catalog", "check", str(path)), 2,
+                         "mcp_servers.s.tenants: names no tenant", "webhooks.w.tenants", "webhooks.v.tenants[0]")
+    model = {"provider": "openai", "base_url": f"{NOWHERE}/v1", "model": "m", "api_key_env": "K"}
+    path.write_text(to_toml({"models": {"m": {**model, "tenants": [""]}}}))
+    assert_clean_failure(runbrake("catalog", "check", str(path)), 2, "models.m.tenants[0]: a tenant is")
+
+    path.write_text(to_toml({"mcp_servers": {"s": {"url": f"{NOWHERE}/s", "tenants": ["alpha", "beta"]}},
+                             "models": {"m": {**model, "tenants": ["alpha"]}},
+                             "webhooks": {"w": {**hook, "tenants": ["beta"]}, "v": hook}}))
+    shown = runbrake("catalog", "check", "--json", str(path))
+    assert shown.returncode == 0, shown.stderr
+    described = json.loads(shown.stdout)
+    assert described["mcp_servers"]["s"]["tenants"] == ["alpha", "beta"]
+    assert described["models"]["m"]["tenants"] == ["alpha"]
+    assert (described["webhooks"]["w"]["tenants"], described["webhooks"]["v"]["tenants"]) == (["beta"], None)
+    human = runbrake("catalog", "check", str(path))
+    assert "tenants: alpha, beta" in human.stdout, human.stdout
