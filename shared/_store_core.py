@@ -49,6 +49,7 @@ from runbrake.shared.errors import NotReplicated, OwnershipLost, RunNotFound, St
 from runbrake.shared.records import (
     ARGUMENT_ERROR,
     CANCELLED_SIDE_EFFECTS_UNKNOWN,
+    MAX_CALL_TOKENS,
     Appended,
     CancelRequest,
     Claim,
@@ -67,7 +68,7 @@ from runbrake.shared.records import (
 )
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.steps import RunStep, StepError, StepKind
 from runbrake.shared.threads import ThreadLink
 from runbrake.shared.tool_result import SideEffects
 
@@ -831,15 +832,26 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
 
 
 def _tokens(usage: object, kind: str) -> int:
-    """A count of a model step's ``detail.usage`` (0 when absent or not a count: the provider said nothing)."""
+    """A count of a model step's ``detail.usage`` (0 when absent or not a count: the provider said nothing).
+
+    Raises:
+        StepError: a count above :data:`MAX_CALL_TOKENS`: summed, it would not be exact (nothing is appended).
+    """
     value = usage.get(kind) if isinstance(usage, Mapping) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return 0
+    if value > MAX_CALL_TOKENS:
+        raise StepError(f"detail.usage.{kind} is {value}; the most one model call counts is {MAX_CALL_TOKENS} "
+                        "(docs/security.md, \"Bounds\")")
+    return value
 
 
 def _cost(usage: object) -> Ident:
     """A model step's ``detail.usage.cost_usd`` as the script adds it ("" when the model has no prices)."""
     value = usage.get("cost_usd") if isinstance(usage, Mapping) else None
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e9:
+    # 1e13: above what a call within MAX_CALL_TOKENS can cost at the highest price a catalog takes (10**6 USD per
+    # million tokens, each way).
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e13:
         return Ident(repr(float(value)))
     return Ident("")
 

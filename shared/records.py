@@ -152,6 +152,12 @@ class Appended:
     cancelled: bool
 
 
+MAX_CALL_TOKENS: Final = 10**12
+"""The most input (or output) tokens one model call may report (docs/security.md, "Bounds"): a count is kept
+exactly up to it and refused beyond, never stored as another number. A run's sums stay below 2**53 (exact
+as a double, in every JSON reader) with up to 4,500 model calls."""
+
+
 @dataclass(frozen=True, slots=True)
 class RunUsage:
     """The tokens a run used, summed over every model call that answered, in every segment (the store sums
