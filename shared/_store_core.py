@@ -54,6 +54,7 @@ from runbrake.shared.records import (
     CancelRequest,
     Claim,
     Created,
+    FeedPage,
     OutboxEntry,
     Quota,
     QuotaHit,
@@ -1375,6 +1376,20 @@ def outbox_after(keys: Keys, after: str | None, *, count: int) -> Op[tuple[list[
 
     return Op("read the outbox", (Command(("XRANGE", keys.outbox(0), start, "+", "COUNT", count)),
                                   Command(("XRANGE", keys.outbox(0), "-", "+", "COUNT", 1))), parse)
+
+
+def feed_page(keys: Keys, after: str, *, tenant: str | None, count: int) -> Op[FeedPage]:
+    """Of the next ``count`` events after the event id ``after``, the status changes (of ``tenant``'s runs only,
+    unless None), filtered in Redis (``_api_scripts.FEED_SCAN``); and the id of the oldest event kept: one shard
+    (a single Redis; ``GET /v1/events``)."""
+    def parse(answers: list[Any]) -> FeedPage:
+        last, read, kept = answers[0]
+        oldest = _entries(0, answers[1])
+        return FeedPage(_entries(0, kept), _text(last) or None, int(read), oldest[0].stream_id if oldest else None)
+
+    return Op("read the outbox's status changes", (
+        ScriptCall(_api_scripts.FEED_SCAN, (keys.outbox(0),), (Ident(after), Ident(tenant or ""), count)),
+        Command(("XRANGE", keys.outbox(0), "-", "+", "COUNT", 1))), parse)
 
 
 # -- webhooks (docs/webhooks.md, "How delivery works") ----------------------------------------------

@@ -423,6 +423,17 @@ def stream_position(stream_id: str) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True, slots=True)
+class FeedPage:
+    """A page of the feed's replay (``GET /v1/events``): the status changes kept of the entries read, the id of
+    the last entry read (None when none was), how many were read, and the id of the oldest event kept."""
+
+    entries: list[OutboxEntry]
+    last_read: str | None
+    read: int
+    oldest: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class OutboxEntry:
     """One event in the outbox (docs/architecture.md, "The outbox"): its shard and stream id, its run, the
     event as the store wrote it (JSON text: ``{"event": "status"|"step", "run_id", …}``), and the run's labels

@@ -20,14 +20,17 @@ import httpx2
 import pytest
 
 from runbrake.broker.auth import digest
-from runbrake.shared import RunStatus, RunStep, RunStore, Settings, TerminationReason
+from runbrake.broker.events import FEED_REPLAY_MAX_SCAN
+from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, Topology
 from runbrake.shared.tool_result import ToolResult
 from tests.amqp_clients import CLIENTS
 from tests.api_helpers import ApiProcess
 from tests.catalog_helpers import catalog_path, to_toml
+from tests.events_helpers import Frame, frames
 from tests.mcp_helpers import Toolbox
+from tests.polling import poll_until
 from tests.test_cli import assert_clean_failure, runbrake, write_spec
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
@@ -444,3 +447,78 @@ def test_the_catalog_check_refuses_tenants_that_are_not_a_list_of_names_and_show
     assert (described["webhooks"]["w"]["tenants"], described["webhooks"]["v"]["tenants"]) == (["beta"], None)
     human = runbrake("catalog", "check", str(path))
     assert "tenants: alpha, beta" in human.stdout, human.stdout
+
+
+# -- the feed's replay reads only what the tenant may see ----------------------------------------
+
+
+def replayed(api: ApiProcess) -> list[dict[str, Any]]:
+    """What ``serve`` logged of each feed replay it finished (``feed_replayed``: scanned, read, sent, bounded)."""
+    lines = (line for line in api.log().splitlines() if line.startswith("{"))
+    return [entry for entry in map(json.loads, lines) if entry.get("event") == "feed_replayed"]
+
+
+def replay_then_live(http: httpx2.Client, after: str, count: int, live: Callable[[], str]) -> list[Frame]:
+    """The first ``count`` frames a replay from ``after`` sends (the last of them read in the replay's last page,
+    so the replay ends there), then what comes until the status of the run ``live()`` makes."""
+    with http.stream("GET", "/v1/events", headers={"Last-Event-ID": after}) as response:
+        assert response.status_code == 200
+        stream = frames(response)
+        seen = [next(stream) for _ in range(count)]
+        run_id = live()
+        for more in stream:
+            seen.append(more)
+            if more.event == "status" and more.data["run_id"] == run_id:
+                return seen
+    raise AssertionError("the feed ended before the live run's status")
+
+
+def test_a_tenants_replay_reads_only_its_tenants_status_changes_whatever_another_tenant_did(
+    tenant_api: ApiProcess, clients: dict[str, httpx2.Client], store: RunStore, settings: Settings
+) -> None:
+    """Issue 27: a tenant's replay read every tenant's outbox (47 MB a request); now Redis hands ``serve`` only
+    the tenant's status changes."""
+    alpha, beta = clients["alpha-app"], clients["beta-app"]
+    beta_run = enqueue(beta).json()["run_id"]
+    [(first_id, _fields)] = store.redis.xrange(f"{settings.namespace}:outbox", count=1)  # beta's queued
+    alpha_run = enqueue(alpha).json()["run_id"]
+    for n in range(150):  # alpha's backlog: 600 KB of steps
+        store.append_step(alpha_run, RunStep(kind=StepKind.MODEL, round=n, content="a" * 4_000))
+    assert alpha.post(f"/v1/runs/{alpha_run}/cancel", json={}).status_code == 202
+    assert beta.post(f"/v1/runs/{beta_run}/cancel", json={}).status_code == 202  # the last entry
+
+    seen = replay_then_live(beta, first_id, 1, lambda: enqueue(beta).json()["run_id"])
+
+    assert [(f.data["run_id"], f.data["status"]) for f in seen[:-1]] == [(beta_run, "cancelled")]
+    poll_until(lambda: replayed(tenant_api), timeout=30, failure=lambda: tenant_api.log()[-2_000:])
+    [logged] = replayed(tenant_api)
+    # Every entry after the id was scanned in Redis (alpha's queued, 150 steps, two cancels); serve read one.
+    assert (logged["tenant"], logged["scanned"], logged["read"], logged["sent"]) == ("beta", 153, 1, 1)
+    assert logged["bounded"] is False
+
+
+def test_a_replay_scans_at_most_its_bound_and_then_asks_the_client_to_read_the_list_again(
+    tenant_api: ApiProcess, clients: dict[str, httpx2.Client], store: RunStore, settings: Settings
+) -> None:
+    alpha, beta = clients["alpha-app"], clients["beta-app"]
+    beta_run = enqueue(beta).json()["run_id"]
+    alpha_run = enqueue(alpha).json()["run_id"]
+    store.append_step(alpha_run, RunStep(kind=StepKind.MODEL, round=1, content="a" * 1_000))
+    outbox = f"{settings.namespace}:outbox"
+    entries = store.redis.xrange(outbox)
+    first_id, (_step_id, step_fields) = entries[0][0], entries[-1]
+    with store.redis.pipeline(transaction=False) as pipe:  # alpha's traffic: its step's entry 10,000 times more
+        for _ in range(FEED_REPLAY_MAX_SCAN):
+            pipe.xadd(outbox, step_fields)
+        pipe.execute()
+    assert beta.post(f"/v1/runs/{beta_run}/cancel", json={}).status_code == 202  # past the bound
+
+    seen = replay_then_live(beta, first_id, 1, lambda: enqueue(beta).json()["run_id"])
+
+    assert [(f.event, f.data) for f in seen[:-1]] == [
+        ("resync", {"reason": f"more than {FEED_REPLAY_MAX_SCAN} events to replay; read the list again"})]
+    poll_until(lambda: replayed(tenant_api), timeout=30, failure=lambda: tenant_api.log()[-2_000:])
+    [logged] = replayed(tenant_api)
+    assert (logged["scanned"], logged["read"], logged["bounded"]) == (FEED_REPLAY_MAX_SCAN, 0, True)
+    # The list the client reads again has beta's run as it is now.
+    assert [(r["run_id"], r["status"]) for r in beta.get("/v1/runs").json()["runs"]][-1] == (beta_run, "cancelled")
