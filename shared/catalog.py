@@ -621,7 +621,9 @@ class Admission:
                 if allowed is not None and allowed.tools is not None and earlier.tool not in allowed.tools:
                     refuse(("messages", i, "tool_calls", j, "tool"),
                            f"{earlier.server} allows only {', '.join(allowed.tools)}")
-        policy = catalog.policies.get(spec.model) if isinstance(spec.model, str) else None
+        # A model the run may not use lends it no defaults, caps or prices: they would tell a tenant it exists.
+        policy = (catalog.policies.get(spec.model) if isinstance(spec.model, str)
+                  and open_to(catalog.tenants_of("models", spec.model), tenant) else None)
         settings = self._settings(spec, policy, refuse)
         budget = _budget(spec, policy, refuse)
         if isinstance(model, ScriptedModel):

@@ -336,7 +336,8 @@ def scope_catalog(common_tenants: list[str] | None = None) -> None:
         mcp_servers={"ours": {"url": f"{NOWHERE}/ours", "tenants": ["alpha"]},
                      "theirs": {"url": f"{NOWHERE}/theirs", "tenants": ["beta"]}, "common": common},
         models={"their-model": {"provider": "openai", "base_url": f"{NOWHERE}/v1", "model": "m",
-                                "api_key_env": "RUNBRAKE_TEST_THEIR_KEY", "tenants": ["beta"]}},
+                                "api_key_env": "RUNBRAKE_TEST_THEIR_KEY", "tenants": ["beta"],
+                                "caps": {"max_output_tokens": 100}}},
         webhooks={"their-hook": {"url": f"{NOWHERE}/hook", "secret_env": "RUNBRAKE_TEST_THEIR_SECRET",
                                  "events": ["*"], "tenants": ["beta"]}},
     )
@@ -364,6 +365,8 @@ def test_a_tenants_run_naming_another_tenants_server_model_or_webhook_is_refused
     assert errors["mcp_servers[0]"].endswith("(it has common, ours)")
     assert errors["model"] == absent["model"].replace("'nope'", "'their-model'")
     assert errors["notify[0]"] == absent["notify[0]"].replace("'nil'", "'their-hook'")
+    above_cap = enqueue(alpha, {"input": "x", "model": "their-model", "model_settings": {"max_output_tokens": 500}})
+    assert [e["field"] for e in above_cap.json()["errors"]] == ["model"]  # its caps do not tell alpha it exists
 
     by_ops = enqueue(ops, THEIRS)  # a run of no tenant: only untenanted entries
     assert by_ops.status_code == 422
