@@ -1,6 +1,8 @@
 """Tenants (docs/http-api.md, "Tenants and quotas"; docs/security.md, "Tenants"): a tenant's token reaches only
 its tenant's runs, another tenant's being answered exactly as a missing one; RabbitMQ requests take their tenant
-from the user_id RabbitMQ checked; quotas refuse an enqueue atomically, with nothing written.
+from the user_id RabbitMQ checked; quotas refuse an enqueue atomically, with nothing written; a catalog entry for
+some tenants is refused to every other run, as if missing; a tenant's feed replay reads only its own status changes,
+and any replay scans a bounded part of the outbox.
 
 Every test runs a real ``runbrake serve`` (and, for RabbitMQ, a real worker) on the shared Redis and RabbitMQ.
 """
