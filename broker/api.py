@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runbrake.broker.auth import Tokens
 from runbrake.broker.connections import Connections
 from runbrake.broker.events import EventHub, EventStreamResponse, StreamSlots, Subscriber, run_events, status_events
-from runbrake.broker.render import run_json, run_summary, server_health, webhook_deliveries
+from runbrake.broker.render import run_json, run_summary, server_health, tenant_server_health, webhook_deliveries
 from runbrake.shared import operations, tracing
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
@@ -709,11 +709,17 @@ def _routes(app: FastAPI) -> None:
 
     @app.get("/v1/servers", tags=["operations"])
     async def servers(request: Request, who: Reader) -> list[dict[str, Any]]:
-        """Per MCP server: ok, failed and cancelled tool calls (``runbrake servers --json``); counted over
-        every tenant's runs, so an operator's alone (403 for a tenant's token)."""
-        if who.tenant is not None:
-            raise ApiError.answer(403, f"token {who.name!r} is a tenant's; the server counts are an operator's")
-        return server_health(await _state(request).store.server_outcomes())
+        """Per MCP server: ok, failed and cancelled tool calls (``runbrake servers --json``), counted over every
+        run. A tenant's token lists only the catalog's servers open to it, with the counts of those it alone may
+        use; those of a server other tenants may use too are null (docs/security.md, "Tenants")."""
+        state = _state(request)
+        counts = await state.store.server_outcomes()
+        if who.tenant is None:
+            return server_health(counts)
+        catalog = state.admission.catalog
+        usable = catalog.usable("mcp_servers", who.tenant)
+        return tenant_server_health(counts, usable, alone=[
+            name for name in usable if catalog.tenants_of("mcp_servers", name) == (who.tenant,)])
 
     @app.get("/v1/webhooks", tags=["operations"])
     async def webhooks(request: Request, who: Reader,

@@ -558,9 +558,11 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
         click.echo(f"  server {name} ({server['transport']}): {target}"
                    + (f"  {'headers' if 'url' in server else 'env'}: {shown}" if shown else "")
                    + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
+                   + (f"  tenants: {', '.join(server['tenants'])}" if server["tenants"] else "")
                    + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
     for name, model in described["models"].items():
         key = model.get("api_key_env")
         state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
         what = " at ".join(str(model[k]) for k in ("model", "base_url") if k in model) or model["provider"]
-        click.echo(f"  model {name}: {what}{state}")
+        tenants = f"  tenants: {', '.join(model['tenants'])}" if model.get("tenants") else ""
+        click.echo(f"  model {name}: {what}{state}{tenants}")

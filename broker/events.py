@@ -466,9 +466,13 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
     yield frame(StreamEvent.END, {"run_id": stream.run_id, "last": stream.last})
 
 
-FEED_PAGE: Final = 32
-"""Outbox entries one replay read of the feed takes (steps among them are read and skipped: the feed sends
-status changes)."""
+FEED_PAGE: Final = 64
+"""Outbox entries one replay read of the feed scans in Redis; only the status changes the client may see
+among them are sent on to ``serve`` (shared/_api_scripts.py, ``FEED_SCAN``)."""
+FEED_REPLAY_MAX_SCAN: Final = 10_000
+"""The most outbox entries (every run's events and steps) one replay scans (docs/http-api.md, "Events:
+resuming"): past it, the client gets ``resync`` and reads the list again. So a tenant's reconnect costs Redis
+at most this much, however much other tenants did meanwhile."""
 
 
 async def status_events(store: AsyncRunStore, subscriber: Subscriber, *,
@@ -524,41 +528,41 @@ def _not_after(event_id: str, last: str) -> bool:
 async def _replay_feed(store: AsyncRunStore, after: str, *, first: bool,
                        tenant: str | None = None) -> AsyncGenerator[bytes | str, None]:
     """The status frames after the event id ``after``, a page at a time; each page's last id (a ``str``) after
-    its frames, for the caller's position. A ``resync`` first when events after ``after`` may be gone. With
-    ``tenant``, only the events of that tenant's runs (the label ``tenant`` the entry carries)."""
+    its frames, for the caller's position. A ``resync`` first when events after ``after`` may be gone, and last
+    when :data:`FEED_REPLAY_MAX_SCAN` entries were scanned before the end. With ``tenant``, only the events of
+    that tenant's runs (the label ``tenant`` the entry carries), chosen in Redis: what ``serve`` reads does not
+    grow with other tenants' events. Logs what it scanned (``feed_replayed``)."""
     if store.cluster:
         # Each shard's outbox numbers its own events: one id cannot say where to resume in all of them.
         yield frame(StreamEvent.RESYNC, {"reason": "a feed on a Redis Cluster does not replay"})
         return
-    position = after
+    position, scanned, read, sent, bounded = after, 0, 0, 0, False
     while True:
-        entries, oldest = await store.outbox_after(position, count=FEED_PAGE)
+        count = min(FEED_PAGE, FEED_REPLAY_MAX_SCAN - scanned)
+        page = await store.feed_page(position, tenant=tenant, count=count)
         if first:
             first = False
+            oldest = page.oldest
             if oldest is None or (_not_after(position, oldest) and position != oldest):
                 yield frame(StreamEvent.RESYNC, {"reason": "older than the oldest event kept", "oldest": oldest})
-        for entry in entries:
-            if tenant is not None and _entry_tenant(entry) != tenant:
-                continue
+        scanned, read = scanned + page.read, read + len(page.entries)
+        for entry in page.entries:
             event = _feed_event(entry)
             if event is not None:
+                sent += 1
                 yield event
-        if not entries:
-            return
-        position = entries[-1].stream_id
+        if page.last_read is None:
+            break
+        position = page.last_read
         yield position
-        if len(entries) < FEED_PAGE:
-            return
-
-
-def _entry_tenant(entry: OutboxEntry) -> str:
-    """The tenant of an outbox entry's run ("" for none, or labels that cannot be read)."""
-    try:
-        labels = json.loads(entry.labels) if entry.labels else {}
-    except ValueError:
-        return ""
-    tenant = labels.get("tenant", "") if isinstance(labels, dict) else ""
-    return tenant if isinstance(tenant, str) else ""
+        if page.read < count:
+            break
+        if scanned >= FEED_REPLAY_MAX_SCAN:
+            bounded = True
+            yield frame(StreamEvent.RESYNC, {"reason": f"more than {FEED_REPLAY_MAX_SCAN} events to replay; read "
+                                                       "the list again"})
+            break
+    log.info("feed_replayed", tenant=tenant, scanned=scanned, read=read, sent=sent, bounded=bounded)
 
 
 def _feed_event(entry: OutboxEntry) -> bytes | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection, Iterable
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -216,6 +217,16 @@ def server_health(counts: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
         health.append({"server": server, **by_outcome, "argument_errors": counts[server].get(ARGUMENT_ERROR, 0),
                        "side_effects_unknown": unknown, "failure_rate": rate})
     return health
+
+
+def tenant_server_health(counts: dict[str, dict[str, int]], usable: Iterable[str],
+                         alone: Collection[str]) -> list[dict[str, Any]]:
+    """A tenant's :func:`server_health`: the catalog servers ``usable`` by it, each with its counts where the tenant
+    ``alone`` may use it; the counts (and rate) of a server other tenants' runs use too are None: they are of
+    those runs too (docs/security.md, "Tenants")."""
+    health = {h["server"]: h for h in server_health({name: counts.get(name, {}) for name in usable})}
+    return [health[name] if name in alone else {**dict.fromkeys(health[name]), "server": name}
+            for name in sorted(health)]
 
 
 def render_servers(health: list[dict[str, Any]]) -> str:

@@ -26,4 +26,33 @@ redis.call('PUBLISH', ARGV[3], '{"event":"delta","run_id":"' .. ARGV[2] .. '","d
 return 1
 """)
 
-ALL: tuple[Script, ...] = (SET_PROGRESS, PUBLISH_DELTA)
+# KEYS: an outbox.  ARGV: after (a stream id: the entries after it), tenant ('' for every run's), entries to read.
+# A page of GET /v1/events' replay (docs/http-api.md, "Events: resuming"): of the next entries, only the status
+# changes of the tenant's runs (the label tenant their entry carries) leave Redis, so what the API reads and
+# parses for a tenant does not grow with other tenants' events and steps. Answers {the id of the last entry
+# read ('' for none), how many were read, {id, fields} of each status change kept}.
+FEED_SCAN = _script("feed_scan", """
+local function tenant_of(labels)
+  if not labels or labels == '' then return '' end
+  local ok, decoded = pcall(cjson.decode, labels)
+  if ok and type(decoded) == 'table' and type(decoded['tenant']) == 'string' then return decoded['tenant'] end
+  return ''
+end
+local entries = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[3])
+local kept = {}
+for _, entry in ipairs(entries) do
+  local event, labels = '', ''
+  local fields = entry[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'event' then event = fields[i + 1] elseif fields[i] == 'labels' then labels = fields[i + 1] end
+  end
+  if string.sub(event, 1, 17) == '{"event":"status"' and (ARGV[2] == '' or tenant_of(labels) == ARGV[2]) then
+    kept[#kept + 1] = entry
+  end
+end
+local last = ''
+if #entries > 0 then last = entries[#entries][1] end
+return {last, #entries, kept}
+""")
+
+ALL: tuple[Script, ...] = (SET_PROGRESS, PUBLISH_DELTA, FEED_SCAN)

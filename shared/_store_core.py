@@ -49,10 +49,12 @@ from runbrake.shared.errors import NotReplicated, OwnershipLost, RunNotFound, St
 from runbrake.shared.records import (
     ARGUMENT_ERROR,
     CANCELLED_SIDE_EFFECTS_UNKNOWN,
+    MAX_CALL_TOKENS,
     Appended,
     CancelRequest,
     Claim,
     Created,
+    FeedPage,
     OutboxEntry,
     Quota,
     QuotaHit,
@@ -67,7 +69,7 @@ from runbrake.shared.records import (
 )
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.steps import RunStep, StepError, StepKind
 from runbrake.shared.threads import ThreadLink
 from runbrake.shared.tool_result import SideEffects
 
@@ -601,25 +603,26 @@ def _model_name(request: Mapping[str, Any]) -> str:
 def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
     """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner
     and lease (expiring ``lease_s`` after now by Redis's clock); in the same round trip, read what the
-    segment needs (the request, the pending turn)."""
+    segment needs (the request, the pending turn, the run's tenant)."""
     script = _scripts.RESUME_CLAIM if resume else _scripts.CLAIM
     name = "resume_claim" if resume else "claim"
 
     def parse(answers: list[Any]) -> Claim:
         transition = _read_transition(name, run_id, answers[0])
-        request, pending = answers[1]
+        request, pending, tenant = answers[1]
         return Claim(
             won=transition.won, found=transition.found, exists=transition.exists,
             owner_mismatch=transition.owner_mismatch,
             request_json=request if transition.won else None,
             pending=read_json_field(pending) if transition.won else None,
             steer=read_steer_request(answers[2]) if transition.won else None,
+            tenant=_text(tenant) if transition.won and tenant else None,
         )
 
     return Op(f"{name} run {run_id}", (
         ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
                    (Ident(owner), float(lease_s), Ident(run_id), keys.retention_s, Ident(keys.events))),
-        Command(("HMGET", keys.run(run_id), "request", "pending")),
+        Command(("HMGET", keys.run(run_id), "request", "pending", "tenant")),
         Command(("GET", keys.steer(run_id))),
     ), parse)
 
@@ -830,15 +833,26 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
 
 
 def _tokens(usage: object, kind: str) -> int:
-    """A count of a model step's ``detail.usage`` (0 when absent or not a count: the provider said nothing)."""
+    """A count of a model step's ``detail.usage`` (0 when absent or not a count: the provider said nothing).
+
+    Raises:
+        StepError: a count above :data:`MAX_CALL_TOKENS`: summed, it would not be exact (nothing is appended).
+    """
     value = usage.get(kind) if isinstance(usage, Mapping) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return 0
+    if value > MAX_CALL_TOKENS:
+        raise StepError(f"detail.usage.{kind} is {value}; the most one model call counts is {MAX_CALL_TOKENS} "
+                        "(docs/security.md, \"Bounds\")")
+    return value
 
 
 def _cost(usage: object) -> Ident:
     """A model step's ``detail.usage.cost_usd`` as the script adds it ("" when the model has no prices)."""
     value = usage.get("cost_usd") if isinstance(usage, Mapping) else None
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e9:
+    # 1e13: above what a call within MAX_CALL_TOKENS can cost at the highest price a catalog takes (10**6 USD per
+    # million tokens, each way).
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e13:
         return Ident(repr(float(value)))
     return Ident("")
 
@@ -1366,6 +1380,20 @@ def outbox_after(keys: Keys, after: str | None, *, count: int) -> Op[tuple[list[
 
     return Op("read the outbox", (Command(("XRANGE", keys.outbox(0), start, "+", "COUNT", count)),
                                   Command(("XRANGE", keys.outbox(0), "-", "+", "COUNT", 1))), parse)
+
+
+def feed_page(keys: Keys, after: str, *, tenant: str | None, count: int) -> Op[FeedPage]:
+    """Of the next ``count`` events after the event id ``after``, the status changes (of ``tenant``'s runs only,
+    unless None), filtered in Redis (``_api_scripts.FEED_SCAN``); and the id of the oldest event kept: one shard
+    (a single Redis; ``GET /v1/events``)."""
+    def parse(answers: list[Any]) -> FeedPage:
+        last, read, kept = answers[0]
+        oldest = _entries(0, answers[1])
+        return FeedPage(_entries(0, kept), _text(last) or None, int(read), oldest[0].stream_id if oldest else None)
+
+    return Op("read the outbox's status changes", (
+        ScriptCall(_api_scripts.FEED_SCAN, (keys.outbox(0),), (Ident(after), Ident(tenant or ""), count)),
+        Command(("XRANGE", keys.outbox(0), "-", "+", "COUNT", 1))), parse)
 
 
 # -- webhooks (docs/webhooks.md, "How delivery works") ----------------------------------------------

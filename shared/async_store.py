@@ -25,6 +25,7 @@ from runbrake.shared.records import (
     Appended,
     CancelRequest,
     Claim,
+    FeedPage,
     OutboxEntry,
     RunRecord,
     RunSearch,
@@ -291,6 +292,11 @@ class AsyncRunStore:
         """The next ``count`` events after the event id ``after`` (None: from the oldest kept), and the oldest
         event id kept (``GET /v1/events`` replays them)."""
         return await self.execute(core.outbox_after(self.keys, after, count=count))
+
+    async def feed_page(self, after: str, *, tenant: str | None, count: int) -> FeedPage:
+        """Of the next ``count`` events after the event id ``after``, the status changes (of ``tenant``'s runs
+        only, unless None), and the oldest event id kept (``GET /v1/events`` replays them)."""
+        return await self.execute(core.feed_page(self.keys, after, tenant=tenant, count=count))
 
     async def webhook_deliveries(self, *, failing: bool = False, count: int = 100) -> list[dict[str, str]]:
         """The latest webhook deliveries (or only those retrying or given up), newest first (docs/webhooks.md)."""

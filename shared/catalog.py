@@ -34,10 +34,10 @@ import os
 import re
 import tomllib
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import structlog
 from pydantic import Field, ValidationError, field_validator
@@ -61,12 +61,13 @@ from runbrake.shared.spec import (
     ScriptedModel,
     ServerSpec,
     SpecModel,
+    TenantNames,
     problems_of,
     variables_in,
 )
 
 __all__ = ["Admission", "AdmittedRun", "Catalog", "CatalogFile", "MissingVariable", "ModelCaps", "ModelDefaults",
-           "ModelPolicy", "RabbitmqUser", "TenantPolicy", "WebhookSpec", "expand", "variables_in"]
+           "ModelPolicy", "RabbitmqUser", "Section", "TenantPolicy", "WebhookSpec", "expand", "open_to", "variables_in"]
 
 log = structlog.get_logger(__name__)
 
@@ -86,6 +87,8 @@ class WebhookSpec(SpecModel):
     """The environment variable on the worker that holds the signing secret (Standard Webhooks' whsec_<base64>)."""
     events: Annotated[tuple[str, ...], Field(strict=False, min_length=1, max_length=64)]
     """The event types it wants: run.completed, step.tool…, a kind's wildcard run.* or step.*, or * for all."""
+    tenants: TenantNames | None = None
+    """The tenants whose runs may name it in ``notify``; left out, every run may (docs/security.md, "Tenants")."""
 
     @field_validator("url")
     @classmethod
@@ -154,6 +157,8 @@ class ModelPolicy(SpecModel):
     the run's (``cost_usd``), and what ``budget.max_cost_usd`` counts."""
     output_usd_per_mtok: _USD_PER_MTOK | None = None
     """US dollars per million output tokens."""
+    tenants: TenantNames | None = None
+    """The tenants whose runs may use the model; left out, every run may (docs/security.md, "Tenants")."""
 
     @property
     def prices(self) -> Prices | None:
@@ -182,7 +187,17 @@ class RabbitmqUser(SpecModel):
     """The tenant whose runs the user's run and cancel requests create and reach."""
 
 
-_POLICY_KEYS: Final = ("defaults", "caps", "input_usd_per_mtok", "output_usd_per_mtok")
+Section: TypeAlias = Literal["mcp_servers", "models", "webhooks"]
+"""The catalog's sections whose entries may name the ``tenants`` that may use them."""
+
+
+def open_to(tenants: tuple[str, ...] | None, tenant: str | None) -> bool:
+    """Whether an entry for ``tenants`` (None: for every run) may be used by a run of ``tenant`` (None: a run of
+    no tenant, which may use only untenanted entries; docs/security.md, "Tenants")."""
+    return tenants is None or (tenant is not None and tenant in tenants)
+
+
+_POLICY_KEYS: Final = ("defaults", "caps", "input_usd_per_mtok", "output_usd_per_mtok", "tenants")
 """The keys of a catalog model entry that are not its provider's: read into :class:`ModelPolicy` (one shape for
 every provider, so a provider's spec need not carry them)."""
 
@@ -198,7 +213,8 @@ class Catalog(SpecModel):
     webhooks: dict[str, WebhookSpec] = Field(default_factory=dict)
     """The webhooks a spec may name in ``notify`` (docs/webhooks.md)."""
     policies: SkipJsonSchema[dict[str, ModelPolicy]] = Field(default_factory=dict)
-    """Per model: the ``defaults`` and ``caps`` of its entry (read apart from its provider's fields)."""
+    """Per model: the ``defaults``, ``caps``, prices and ``tenants`` of its entry (read apart from its provider's
+    fields)."""
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     """Quotas per tenant (a tenant without an entry has none). Here rather than in the tokens file: the
     workers read the catalog and not the tokens, and they admit the runs requested over RabbitMQ."""
@@ -214,6 +230,19 @@ class Catalog(SpecModel):
         """The tenant a RabbitMQ user's requests belong to; None when the catalog maps no such user."""
         entry = self.rabbitmq_users.get(user)
         return None if entry is None else entry.tenant
+
+    def tenants_of(self, section: Section, name: str) -> tuple[str, ...] | None:
+        """The tenants an entry of ``section`` (by name) is for; None when it is every run's (or no such entry)."""
+        if section == "models":
+            policy = self.policies.get(name)
+            return None if policy is None else policy.tenants
+        entry = self.mcp_servers.get(name) if section == "mcp_servers" else self.webhooks.get(name)
+        return None if entry is None else entry.tenants
+
+    def usable(self, section: Section, tenant: str | None) -> list[str]:
+        """The names of the entries of ``section`` a run of ``tenant`` (None: of no tenant) may use."""
+        names = self.mcp_servers if section == "mcp_servers" else self.models if section == "models" else self.webhooks
+        return [name for name in names if open_to(self.tenants_of(section, name), tenant)]
 
     def requester(self, user: str | None, *, allow_untenanted: bool) -> tuple[str | None, str | None]:
         """Whose a RabbitMQ request is, from its ``user_id`` (which RabbitMQ checked against the publishing
@@ -327,13 +356,15 @@ class Catalog(SpecModel):
                    "timeout_s": server.timeout_s, "on_cancel": server.on_cancel.value,
                    "cancel_grace_s": server.cancel_grace_s,
                    "tools_on_cancel": {tool: policy.value for tool, policy in server.tools_on_cancel.items()},
+                   "tenants": None if server.tenants is None else list(server.tenants),
                    **TRANSPORTS.of(server).describe(server, shown)}
             for name, server in self.mcp_servers.items()
         }
         models = {name: {"provider": model.provider, **PROVIDERS.of(model).describe(model, shown),
                          **self._policy(name)} for name, model in self.models.items()}
         webhooks = {name: {"url": shown.url(hook.url), "secret_env": hook.secret_env,
-                           "secret_set": shown.is_set(hook.secret_env), "events": list(hook.events)}
+                           "secret_set": shown.is_set(hook.secret_env), "events": list(hook.events),
+                           "tenants": None if hook.tenants is None else list(hook.tenants)}
                     for name, hook in self.webhooks.items()}
         tenants = {name: policy.model_dump(exclude_none=True) for name, policy in self.tenants.items()}
         users = {user: {"tenant": entry.tenant} for user, entry in self.rabbitmq_users.items()}
@@ -546,8 +577,9 @@ class Admission:
         """The catalog in force now."""
         return self.source if isinstance(self.source, Catalog) else self.source.current()
 
-    def admit(self, spec: RunSpec) -> AdmittedRun:
-        """Resolve what ``spec`` names, or refuse it.
+    def admit(self, spec: RunSpec, *, tenant: str | None = None) -> AdmittedRun:
+        """Resolve what ``spec`` names, or refuse it. A run of ``tenant`` (the credential's; None: of no tenant)
+        may name only the catalog entries open to it (:func:`open_to`); to a tenant, any other is as missing.
 
         Raises:
             SpecError: naming every field that breaks the policy, and the limit where a bound is broken.
@@ -578,18 +610,20 @@ class Admission:
             refuse(("labels", "tenant"), "is set from the credential that enqueues the run, never by a spec "
                                          "(docs/http-api.md, \"Tenants and quotas\")")
         catalog = self.catalog
-        servers = self._servers(spec, catalog, refuse)
-        model = self._model(spec, catalog, refuse)
+        servers = self._servers(spec, catalog, tenant, refuse)
+        model = self._model(spec, catalog, tenant, refuse)
         for i, name in enumerate(spec.notify):
-            if name not in catalog.webhooks:
-                refuse(("notify", i), f"{name!r} is not a webhook of the catalog ({_known(catalog.webhooks)})")
+            if name not in catalog.webhooks or not open_to(catalog.tenants_of("webhooks", name), tenant):
+                refuse(("notify", i), _unusable(catalog, "webhooks", name, tenant, "is not a webhook of the catalog"))
         for i, message in enumerate(spec.messages):
             for j, earlier in enumerate(message.tool_calls):
                 allowed = servers.get(earlier.server)
                 if allowed is not None and allowed.tools is not None and earlier.tool not in allowed.tools:
                     refuse(("messages", i, "tool_calls", j, "tool"),
                            f"{earlier.server} allows only {', '.join(allowed.tools)}")
-        policy = catalog.policies.get(spec.model) if isinstance(spec.model, str) else None
+        # A model the run may not use lends it no defaults, caps or prices: they would tell a tenant it exists.
+        policy = (catalog.policies.get(spec.model) if isinstance(spec.model, str)
+                  and open_to(catalog.tenants_of("models", spec.model), tenant) else None)
         settings = self._settings(spec, policy, refuse)
         budget = _budget(spec, policy, refuse)
         if isinstance(model, ScriptedModel):
@@ -648,7 +682,7 @@ class Admission:
             settings = settings.model_copy(update={"max_output_tokens": caps.max_output_tokens})
         return settings
 
-    def _servers(self, spec: RunSpec, catalog: Catalog, refuse: Any) -> dict[str, ServerSpec]:
+    def _servers(self, spec: RunSpec, catalog: Catalog, tenant: str | None, refuse: Any) -> dict[str, ServerSpec]:
         if isinstance(spec.mcp_servers, dict):
             if not self.allow_inline and not all(_inline(TRANSPORTS, s) for s in spec.mcp_servers.values()):
                 refuse(("mcp_servers",), "inline servers are refused: name servers of the operator's catalog "
@@ -657,17 +691,18 @@ class Admission:
         servers: dict[str, ServerSpec] = {}
         for i, name in enumerate(spec.mcp_servers):
             server = catalog.mcp_servers.get(name)
-            if server is None:
-                refuse(("mcp_servers", i), f"{name!r} is not in the catalog ({_known(catalog.mcp_servers)})")
+            if server is None or not open_to(server.tenants, tenant):
+                refuse(("mcp_servers", i), _unusable(catalog, "mcp_servers", name, tenant, "is not in the catalog"))
             else:
                 servers[name] = server
         return servers
 
-    def _model(self, spec: RunSpec, catalog: Catalog, refuse: Any) -> ModelSpec | None:
+    def _model(self, spec: RunSpec, catalog: Catalog, tenant: str | None, refuse: Any) -> ModelSpec | None:
         if isinstance(spec.model, str):
             model = catalog.models.get(spec.model)
-            if model is None:
-                refuse(("model",), f"{spec.model!r} is not in the catalog ({_known(catalog.models)})")
+            if model is None or not open_to(catalog.tenants_of("models", spec.model), tenant):
+                refuse(("model",), _unusable(catalog, "models", spec.model, tenant, "is not in the catalog"))
+                return None
             return model
         if not self.allow_inline and not _inline(PROVIDERS, spec.model):
             refuse(("model",), f"an inline {spec.model.provider} model is refused: name a model of the operator's "
@@ -719,6 +754,16 @@ def _inline(registry: Registry, spec: object) -> bool:
 
 
 
-def _known(entries: Mapping[str, Any]) -> str:
-    names = sorted(entries)
+def _known(names: Iterable[str]) -> str:
+    names = sorted(names)
     return f"it has {', '.join(names)}" if names else "it names none; see RUNBRAKE_CATALOG"
+
+
+def _unusable(catalog: Catalog, section: Section, name: str, tenant: str | None, missing: str) -> str:
+    """Why a run of ``tenant`` may not name the entry ``name`` of ``section``. To a tenant, an entry of other
+    tenants is answered exactly as a missing one, and only the entries open to it are listed (as another
+    tenant's run is a missing one: docs/http-api.md, "Tenants and quotas"); a run of no tenant is told."""
+    if tenant is None and catalog.tenants_of(section, name) is not None:
+        return (f"{name!r} is for the tenants its catalog entry names ({section}.{name}.tenants); a run of no "
+                "tenant may not use it")
+    return f"{name!r} {missing} ({_known(catalog.usable(section, tenant))})"

@@ -104,6 +104,8 @@ class Claim(Transition):
     pending: Mapping[str, Any] | None = None
     steer: SteerRequest | None = None
     """A steer waiting to be applied (a steered approval resumes, or the last worker died or handed over first)."""
+    tenant: str | None = None
+    """The run's tenant (None: of no tenant), whose catalog entries admission allows again at claim."""
 
     @property
     def request(self) -> Mapping[str, Any] | None:
@@ -148,6 +150,12 @@ class Appended:
 
     step: RunStep
     cancelled: bool
+
+
+MAX_CALL_TOKENS: Final = 10**12
+"""The most input (or output) tokens one model call may report (docs/security.md, "Bounds"): a count is kept
+exactly up to it and refused beyond, never stored as another number. A run's sums stay below 2**53 (exact
+as a double, in every JSON reader) with up to 4,500 model calls."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,6 +456,17 @@ def stream_position(stream_id: str) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True, slots=True)
+class FeedPage:
+    """A page of the feed's replay (``GET /v1/events``): the status changes kept of the entries read, the id of
+    the last entry read (None when none was), how many were read, and the id of the oldest event kept."""
+
+    entries: list[OutboxEntry]
+    last_read: str | None
+    read: int
+    oldest: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class OutboxEntry:
     """One event in the outbox (docs/architecture.md, "The outbox"): its shard and stream id, its run, the
     event as the store wrote it (JSON text: ``{"event": "status"|"step", "run_id", …}``), and the run's labels
@@ -458,3 +477,13 @@ class OutboxEntry:
     run_id: str
     event: str
     labels: str = ""
+
+    @property
+    def tenant(self) -> str:
+        """The tenant of the entry's run, from its labels ("" for none, or labels that cannot be read)."""
+        try:
+            labels = json.loads(self.labels) if self.labels else {}
+        except ValueError:
+            return ""
+        tenant = labels.get("tenant", "") if isinstance(labels, dict) else ""
+        return tenant if isinstance(tenant, str) else ""

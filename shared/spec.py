@@ -67,6 +67,7 @@ __all__ = [
     "ScriptedTurn",
     "ServerSpec",
     "StdioServerSpec",
+    "TenantNames",
     "parse_label_filters",
     "run_spec_json_schema",
     "variables_in",
@@ -153,6 +154,27 @@ def _approval_entry(value: str, info: ValidationInfo) -> str:
     if servers is not None and server not in servers:
         raise _refuse(f"names the server {server!r}, which is not in mcp_servers")
     return value
+
+
+def _tenant_name(value: str) -> str:
+    if not LABEL_KEY.fullmatch(value):
+        raise _refuse("a tenant is 1 to 63 of a-z, 0-9, '_', '.', '-'")
+    return value
+
+
+def _some_tenants(value: tuple[str, ...]) -> tuple[str, ...]:
+    if not value:
+        raise _refuse("names no tenant: name at least one, or leave it out for an entry every run may use")
+    return value
+
+
+TenantNames = Annotated[
+    tuple[Annotated[str, AfterValidator(_tenant_name)], ...],
+    Field(strict=False, max_length=1_000),
+    AfterValidator(_some_tenants),
+]
+"""A catalog entry's ``tenants``: the tenants whose runs may use it, 1 to 1,000 names (docs/security.md,
+"Tenants"). An entry without it is every run's."""
 
 
 _Text = Annotated[str, AfterValidator(_text), WithJsonSchema({"type": "string", "minLength": 1, "pattern": r"\S"})]
@@ -483,6 +505,9 @@ class ServerSpec(SpecModel):
     """Catalog only: how long a ``finish`` call may go on after a cancel before it is interrupted, in seconds."""
     tools_on_cancel: SkipJsonSchema[dict[_NonEmpty, OnCancel]] = Field(default_factory=dict)
     """Catalog only: ``on_cancel`` per tool of this server, over the server's own (``{slow = "finish"}``)."""
+    tenants: SkipJsonSchema[TenantNames | None] = None
+    """Catalog only: the tenants whose runs may use this server; left out, every run may (docs/security.md,
+    "Tenants")."""
 
     @field_validator("name", mode="before")
     @classmethod
@@ -493,7 +518,7 @@ class ServerSpec(SpecModel):
 
     # check_fields=False: 'headers' belongs to the HTTP server only.
     @field_validator("tools", "max_concurrency", "timeout_s", "on_cancel", "cancel_grace_s", "tools_on_cancel",
-                     "headers", mode="before", check_fields=False)
+                     "tenants", "headers", mode="before", check_fields=False)
     @classmethod
     def _catalog_only(cls, value: object, info: ValidationInfo) -> object:
         if _in_a_whole_spec(info):

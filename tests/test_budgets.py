@@ -23,6 +23,7 @@ from runbrake.shared import (
     RunStep,
     RunStore,
     Settings,
+    StepError,
     StepKind,
     TerminationReason,
     ToolOutcome,
@@ -31,7 +32,7 @@ from runbrake.shared.budget import Budget
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.messaging.producer import Producer
-from runbrake.shared.records import read_record
+from runbrake.shared.records import MAX_CALL_TOKENS, read_record
 from runbrake.shared.spec import RunSpec
 from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.registry import ActiveRuns
@@ -338,3 +339,39 @@ async def test_a_cancel_that_won_first_stays_the_operators_when_the_budget_is_re
     assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
     assert record.cancel is not None
     assert (record.cancel.reason, record.cancel.requested_by) == ("operator stop", "ops")
+
+
+# -- usage counts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_usage_count_above_the_bound_is_refused_and_one_at_the_bound_is_kept_exactly(
+    llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore
+) -> None:
+    """Issue 27: a model endpoint answering with 2**53 + 1 input tokens was stored as 0, and the run's token
+    budget never saw them."""
+    llm_mock.server.when("2 + 3").reply(reply("five", usage=(2**53 + 1, 1))).times(1)
+    llm_mock.server.when("2 + 3").reply(reply("five", usage=(MAX_CALL_TOKENS, 7)))
+    huge = producer.enqueue(priced_spec(llm_mock, toolbox_http, budget={"max_total_tokens": 1000}))
+    record = wait_for_run(store, huge.run_id, timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.PROVIDER_FAILED)
+    assert f"reported {2**53 + 1} input tokens" in (record.error or ""), record.error
+    assert (record.usage.input_tokens, record.usage.model_calls) == (0, 0)  # nothing counted as another number
+
+    exact = producer.enqueue(priced_spec(llm_mock, toolbox_http))
+    kept = wait_for_run(store, exact.run_id, timeout=WAIT_S)
+    assert kept.status is RunStatus.COMPLETED, kept.error
+    assert (kept.usage.input_tokens, kept.usage.output_tokens) == (MAX_CALL_TOKENS, 7)
+    assert kept.to_dict()["usage"]["total_tokens"] == MAX_CALL_TOKENS + 7
+    assert kept.steps[0].detail["usage"]["input_tokens"] == MAX_CALL_TOKENS
+
+
+def test_a_step_whose_usage_is_above_the_bound_is_refused_and_nothing_is_appended(store: RunStore) -> None:
+    run_id = store.create({"input": "x", "model": {"provider": "scripted", "turns": [{"content": "hi"}]}}).run_id
+    step = RunStep(kind=StepKind.MODEL, round=1, content="hi",
+                   detail={"usage": {"input_tokens": 2**53, "output_tokens": 1}})
+
+    with pytest.raises(StepError, match=r"detail.usage.input_tokens is 9007199254740992"):
+        store.append_step(run_id, step)
+    assert store.get(run_id).steps == ()

@@ -1,6 +1,8 @@
 """Tenants (docs/http-api.md, "Tenants and quotas"; docs/security.md, "Tenants"): a tenant's token reaches only
 its tenant's runs, another tenant's being answered exactly as a missing one; RabbitMQ requests take their tenant
-from the user_id RabbitMQ checked; quotas refuse an enqueue atomically, with nothing written.
+from the user_id RabbitMQ checked; quotas refuse an enqueue atomically, with nothing written; a catalog entry for
+some tenants is refused to every other run, as if missing; a tenant's feed replay reads only its own status changes,
+and any replay scans a bounded part of the outbox.
 
 Every test runs a real ``runbrake serve`` (and, for RabbitMQ, a real worker) on the shared Redis and RabbitMQ.
 """
@@ -20,12 +22,18 @@ import httpx2
 import pytest
 
 from runbrake.broker.auth import digest
-from runbrake.shared import RunStatus, RunStore, Settings
+from runbrake.broker.events import FEED_REPLAY_MAX_SCAN
+from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason
+from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import DEAD_REASON_HEADER, Topology
+from runbrake.shared.tool_result import ToolResult
 from tests.amqp_clients import CLIENTS
 from tests.api_helpers import ApiProcess
 from tests.catalog_helpers import catalog_path, to_toml
+from tests.events_helpers import Frame, frames
 from tests.mcp_helpers import Toolbox
+from tests.polling import poll_until
+from tests.test_cli import assert_clean_failure, runbrake, write_spec
 from tests.worker_helpers import WorkerProcess, call, spec, take_messages, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -119,7 +127,6 @@ def test_another_tenants_run_is_answered_exactly_as_a_missing_one(
     assert theirs.text == absent.text.replace(missing, run_id)
     assert beta.get("/v1/runs").json()["runs"] == []
     assert beta.get("/v1/runs", params={"label": "tenant:alpha"}).json()["runs"] == []
-    assert beta.get("/v1/servers").status_code == 403
     assert beta.get("/v1/webhooks").status_code == 403  # deliveries of every tenant's runs: an operator's
     assert store.status(run_id) is RunStatus.QUEUED  # nothing B asked changed it
 
@@ -314,3 +321,210 @@ def test_rabbitmq_refuses_a_user_id_that_is_not_the_connections_user(
         check=False)
     assert sent.returncode == 1
     assert "PRECONDITION_FAILED" in sent.stderr or "406" in sent.stderr, sent.stderr
+
+
+# -- catalog entries for some tenants ------------------------------------------------------------
+
+NOWHERE = "http://127.0.0.1:9"
+"""Where the scoped entries point: nothing listens there, and nothing of these tests may connect."""
+
+
+def scope_catalog(common_tenants: list[str] | None = None) -> None:
+    """Servers ``ours`` (alpha's), ``theirs`` (beta's) and ``common`` (every run's, unless ``common_tenants``),
+    beta's model ``their-model`` and beta's webhook ``their-hook``."""
+    common: dict[str, Any] = {"url": f"{NOWHERE}/common"}
+    if common_tenants is not None:
+        common["tenants"] = common_tenants
+    set_catalog(
+        mcp_servers={"ours": {"url": f"{NOWHERE}/ours", "tenants": ["alpha"]},
+                     "theirs": {"url": f"{NOWHERE}/theirs", "tenants": ["beta"]}, "common": common},
+        models={"their-model": {"provider": "openai", "base_url": f"{NOWHERE}/v1", "model": "m",
+                                "api_key_env": "RUNBRAKE_TEST_THEIR_KEY", "tenants": ["beta"],
+                                "caps": {"max_output_tokens": 100}}},
+        webhooks={"their-hook": {"url": f"{NOWHERE}/hook", "secret_env": "RUNBRAKE_TEST_THEIR_SECRET",
+                                 "events": ["*"], "tenants": ["beta"]}},
+    )
+
+
+THEIRS: dict[str, Any] = {"input": "x", "model": "their-model", "mcp_servers": ["theirs", "common"],
+                          "notify": ["their-hook"]}
+"""A spec naming each of beta's entries, and one every run may use."""
+
+
+def test_a_tenants_run_naming_another_tenants_server_model_or_webhook_is_refused_as_if_it_did_not_exist(
+    clients: dict[str, httpx2.Client], store: RunStore, tmp_path: Path
+) -> None:
+    scope_catalog()
+    alpha, ops = clients["alpha-app"], clients["ops"]
+
+    refused = enqueue(alpha, THEIRS)
+    assert refused.status_code == 422, refused.text
+    errors = {e["field"]: e["msg"] for e in refused.json()["errors"]}
+    assert sorted(errors) == ["mcp_servers[0]", "model", "notify[0]"]
+    # Word for word what a name the catalog lacks gets; the names listed are only those open to alpha.
+    missing = enqueue(alpha, {"input": "x", "model": "nope", "mcp_servers": ["none", "common"], "notify": ["nil"]})
+    absent = {e["field"]: e["msg"] for e in missing.json()["errors"]}
+    assert errors["mcp_servers[0]"] == absent["mcp_servers[0]"].replace("'none'", "'theirs'")
+    assert errors["mcp_servers[0]"].endswith("(it has common, ours)")
+    assert errors["model"] == absent["model"].replace("'nope'", "'their-model'")
+    assert errors["notify[0]"] == absent["notify[0]"].replace("'nil'", "'their-hook'")
+    above_cap = enqueue(alpha, {"input": "x", "model": "their-model", "model_settings": {"max_output_tokens": 500}})
+    assert [e["field"] for e in above_cap.json()["errors"]] == ["model"]  # its caps do not tell alpha it exists
+
+    by_ops = enqueue(ops, THEIRS)  # a run of no tenant: only untenanted entries
+    assert by_ops.status_code == 422
+    assert sorted(e["field"] for e in by_ops.json()["errors"]) == ["mcp_servers[0]", "model", "notify[0]"]
+    assert "mcp_servers.theirs.tenants" in by_ops.text
+    cli = runbrake("enqueue", str(write_spec(tmp_path / "theirs.json", THEIRS)))
+    assert_clean_failure(cli, 2, "mcp_servers[0]", "model", "notify[0]", "a run of no tenant may not use it")
+    assert store.recent(limit=10) == []  # nothing written by any of them
+
+    ours = enqueue(alpha, {**SPEC, "mcp_servers": ["ours", "common"]})
+    assert ours.status_code == 201, ours.text
+    assert enqueue(clients["beta-app"], THEIRS).status_code == 201  # beta's own entries
+    # A continuation of alpha's own run is alpha's, and admitted as such.
+    assert alpha.post(f"/v1/runs/{ours.json()['run_id']}/cancel", json={}).status_code == 202
+    went_on = alpha.post(f"/v1/runs/{ours.json()['run_id']}/continue",
+                         json={"input": "more", "mcp_servers": ["theirs"]})
+    assert went_on.status_code == 422, went_on.text
+    assert [e["field"] for e in went_on.json()["errors"]] == ["mcp_servers[0]"]
+    assert len(store.recent(limit=10)) == 2
+
+
+def test_a_tenant_lists_only_the_servers_open_to_it_with_counts_only_of_its_own(
+    clients: dict[str, httpx2.Client], store: RunStore
+) -> None:
+    scope_catalog()
+    run_id = store.create(SPEC).run_id
+    for server in ("ours", "theirs", "common"):
+        store.append_step(run_id, RunStep.tool(round=1, server=server, name="echo", result=ToolResult.ok("x")))
+
+    alpha = clients["alpha-app"].get("/v1/servers")
+    assert alpha.status_code == 200, alpha.text
+    assert [(s["server"], s["ok"], s["failed"]) for s in alpha.json()] == [("common", None, None), ("ours", 1, 0)]
+    beta = clients["beta-app"].get("/v1/servers").json()
+    assert [(s["server"], s["ok"]) for s in beta] == [("common", None), ("theirs", 1)]
+    assert [(s["server"], s["ok"]) for s in clients["ops"].get("/v1/servers").json()] == [
+        ("common", 1), ("ours", 1), ("theirs", 1)]
+
+
+def test_a_run_whose_server_became_another_tenants_after_it_was_queued_is_refused_at_claim(
+    clients: dict[str, httpx2.Client], producer: Producer, worker: WorkerProcess, store: RunStore,
+    rabbitmq: Settings,
+) -> None:
+    scope_catalog(common_tenants=["beta"])
+    # Written as admission allowed it before the operator gave ``common`` to beta, then sent.
+    run_id = store.create({**SPEC, "mcp_servers": ["common"]}, tenant="alpha").run_id
+    producer.send(run_id)
+
+    record = wait_for_run(store, run_id, timeout=60)
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.SPEC_REFUSED)
+    assert "'common' is not in the catalog (it has ours)" in (record.error or "")  # read with the tenants
+    assert record.steps == ()
+
+    # Over RabbitMQ the tenant is the user's: alpha's user naming beta's server is refused, nothing written.
+    user = rabbitmq_user(rabbitmq)
+    set_catalog(rabbitmq_users={user: {"tenant": "alpha"}})
+    answer = request_run(rabbitmq, {**SPEC, "mcp_servers": ["theirs"]}, "--user-id", user)
+    assert [(e["loc"], e["msg"]) for e in answer["errors"]] == [
+        (["mcp_servers", 0], "'theirs' is not in the catalog (it has ours)")], answer
+    assert [r.run_id for r in store.recent(limit=10)] == [run_id]
+
+
+def test_the_catalog_check_refuses_tenants_that_are_not_a_list_of_names_and_shows_them(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.toml"
+    hook = {"url": f"{NOWHERE}/hook", "secret_env": "S", "events": ["*"]}
+    path.write_text(to_toml({"mcp_servers": {"s": {"url": f"{NOWHERE}/s", "tenants": []}},
+                             "webhooks": {"w": {**hook, "tenants": "alpha"}, "v": {**hook, "tenants": ["Alpha!"]}}}))
+    assert_clean_failure(runbrake("catalog", "check", str(path)), 2,
+                         "mcp_servers.s.tenants: names no tenant", "webhooks.w.tenants", "webhooks.v.tenants[0]")
+    model = {"provider": "openai", "base_url": f"{NOWHERE}/v1", "model": "m", "api_key_env": "K"}
+    path.write_text(to_toml({"models": {"m": {**model, "tenants": [""]}}}))
+    assert_clean_failure(runbrake("catalog", "check", str(path)), 2, "models.m.tenants[0]: a tenant is")
+
+    path.write_text(to_toml({"mcp_servers": {"s": {"url": f"{NOWHERE}/s", "tenants": ["alpha", "beta"]}},
+                             "models": {"m": {**model, "tenants": ["alpha"]}},
+                             "webhooks": {"w": {**hook, "tenants": ["beta"]}, "v": hook}}))
+    shown = runbrake("catalog", "check", "--json", str(path))
+    assert shown.returncode == 0, shown.stderr
+    described = json.loads(shown.stdout)
+    assert described["mcp_servers"]["s"]["tenants"] == ["alpha", "beta"]
+    assert described["models"]["m"]["tenants"] == ["alpha"]
+    assert (described["webhooks"]["w"]["tenants"], described["webhooks"]["v"]["tenants"]) == (["beta"], None)
+    human = runbrake("catalog", "check", str(path))
+    assert "tenants: alpha, beta" in human.stdout, human.stdout
+
+
+# -- the feed's replay reads only what the tenant may see ----------------------------------------
+
+
+def replayed(api: ApiProcess) -> list[dict[str, Any]]:
+    """What ``serve`` logged of each feed replay it finished (``feed_replayed``: scanned, read, sent, bounded)."""
+    lines = (line for line in api.log().splitlines() if line.startswith("{"))
+    return [entry for entry in map(json.loads, lines) if entry.get("event") == "feed_replayed"]
+
+
+def replay_then_live(http: httpx2.Client, after: str, count: int, live: Callable[[], str]) -> list[Frame]:
+    """The first ``count`` frames a replay from ``after`` sends (the last of them read in the replay's last page,
+    so the replay ends there), then what comes until the status of the run ``live()`` makes."""
+    with http.stream("GET", "/v1/events", headers={"Last-Event-ID": after}) as response:
+        assert response.status_code == 200
+        stream = frames(response)
+        seen = [next(stream) for _ in range(count)]
+        run_id = live()
+        for more in stream:
+            seen.append(more)
+            if more.event == "status" and more.data["run_id"] == run_id:
+                return seen
+    raise AssertionError("the feed ended before the live run's status")
+
+
+def test_a_tenants_replay_reads_only_its_tenants_status_changes_whatever_another_tenant_did(
+    tenant_api: ApiProcess, clients: dict[str, httpx2.Client], store: RunStore, settings: Settings
+) -> None:
+    """Issue 27: a tenant's replay read every tenant's outbox (47 MB a request); now Redis hands ``serve`` only
+    the tenant's status changes."""
+    alpha, beta = clients["alpha-app"], clients["beta-app"]
+    beta_run = enqueue(beta).json()["run_id"]
+    [(first_id, _fields)] = store.redis.xrange(f"{settings.namespace}:outbox", count=1)  # beta's queued
+    alpha_run = enqueue(alpha).json()["run_id"]
+    for n in range(150):  # alpha's backlog: 600 KB of steps
+        store.append_step(alpha_run, RunStep(kind=StepKind.MODEL, round=n, content="a" * 4_000))
+    assert alpha.post(f"/v1/runs/{alpha_run}/cancel", json={}).status_code == 202
+    assert beta.post(f"/v1/runs/{beta_run}/cancel", json={}).status_code == 202  # the last entry
+
+    seen = replay_then_live(beta, first_id, 1, lambda: enqueue(beta).json()["run_id"])
+
+    assert [(f.data["run_id"], f.data["status"]) for f in seen[:-1]] == [(beta_run, "cancelled")]
+    poll_until(lambda: replayed(tenant_api), timeout=30, failure=lambda: tenant_api.log()[-2_000:])
+    [logged] = replayed(tenant_api)
+    # Every entry after the id was scanned in Redis (alpha's queued, 150 steps, two cancels); serve read one.
+    assert (logged["tenant"], logged["scanned"], logged["read"], logged["sent"]) == ("beta", 153, 1, 1)
+    assert logged["bounded"] is False
+
+
+def test_a_replay_scans_at_most_its_bound_and_then_asks_the_client_to_read_the_list_again(
+    tenant_api: ApiProcess, clients: dict[str, httpx2.Client], store: RunStore, settings: Settings
+) -> None:
+    alpha, beta = clients["alpha-app"], clients["beta-app"]
+    beta_run = enqueue(beta).json()["run_id"]
+    alpha_run = enqueue(alpha).json()["run_id"]
+    store.append_step(alpha_run, RunStep(kind=StepKind.MODEL, round=1, content="a" * 1_000))
+    outbox = f"{settings.namespace}:outbox"
+    entries = store.redis.xrange(outbox)
+    first_id, (_step_id, step_fields) = entries[0][0], entries[-1]
+    with store.redis.pipeline(transaction=False) as pipe:  # alpha's traffic: its step's entry 10,000 times more
+        for _ in range(FEED_REPLAY_MAX_SCAN):
+            pipe.xadd(outbox, step_fields)
+        pipe.execute()
+    assert beta.post(f"/v1/runs/{beta_run}/cancel", json={}).status_code == 202  # past the bound
+
+    seen = replay_then_live(beta, first_id, 1, lambda: enqueue(beta).json()["run_id"])
+
+    assert [(f.event, f.data) for f in seen[:-1]] == [
+        ("resync", {"reason": f"more than {FEED_REPLAY_MAX_SCAN} events to replay; read the list again"})]
+    poll_until(lambda: replayed(tenant_api), timeout=30, failure=lambda: tenant_api.log()[-2_000:])
+    [logged] = replayed(tenant_api)
+    assert (logged["scanned"], logged["read"], logged["bounded"]) == (FEED_REPLAY_MAX_SCAN, 0, True)
+    # The list the client reads again has beta's run as it is now.
+    assert [(r["run_id"], r["status"]) for r in beta.get("/v1/runs").json()["runs"]][-1] == (beta_run, "cancelled")

@@ -10,6 +10,7 @@ through the store as a worker writes them (claim, a step, settle), so many can f
 from __future__ import annotations
 
 import json
+import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -70,9 +71,9 @@ def dispatchers(settings: Settings, receiver: Receiver) -> Iterator[list[Webhook
         store.close()
 
 
-def _finish(store: RunStore, notify: list[str]) -> str:
-    """A run naming these webhooks, taken to completed as a worker would: claim, one step, settle."""
-    run_id = store.create({"input": "notify me", "model": SCRIPTED, "notify": notify}).run_id
+def _finish(store: RunStore, notify: list[str], tenant: str | None = None) -> str:
+    """A run (of ``tenant``) naming these webhooks, taken to completed as a worker would: claim, one step, settle."""
+    run_id = store.create({"input": "notify me", "model": SCRIPTED, "notify": notify}, tenant=tenant).run_id
     owner = f"test-{uuid.uuid4().hex[:8]}"
     assert store.claim(run_id, owner, lease_s=60).won
     store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=1, content="done"))
@@ -184,6 +185,27 @@ def test_a_delivery_past_its_retry_window_is_given_up_recorded_and_the_run_goes_
     assert {d["status"] for d in given_up} == {"gave_up"}
     assert {d["run_id"] for d in given_up} == {run_id}
     assert all(d["status_code"] == 500 and "HTTP 500" in str(d["error"]) for d in given_up)
+
+
+def test_a_webhook_the_catalog_gave_to_some_tenants_gets_no_event_of_another_tenants_run(
+    dispatchers: list[WebhookDispatcher], receiver: Receiver, store: RunStore
+) -> None:
+    """A run admitted before the operator gave the webhook to beta (or written past admission) is not delivered."""
+    catalog = tomllib.loads(catalog_path().read_text())
+    catalog["webhooks"]["orders"]["tenants"] = ["beta"]
+    staged = catalog_path().with_suffix(".staged")
+    staged.write_text(to_toml(catalog))
+    staged.replace(catalog_path())
+
+    alpha_run = _finish(store, ["orders"], tenant="alpha")
+    untenanted = _finish(store, ["orders"])
+    beta_run = _finish(store, ["orders"], tenant="beta")
+    poll_until(lambda: len(receiver.of_run(beta_run)) >= 3, timeout=60,
+               failure=lambda: f"{len(receiver.of_run(beta_run))} of beta's 3 deliveries arrived")
+
+    # The outbox is read in order: the two earlier runs' events were read, and nothing of them was queued.
+    assert {d["run_id"] for d in store.webhook_deliveries(count=100)} == {beta_run}
+    assert receiver.of_run(alpha_run) == receiver.of_run(untenanted) == []
 
 
 def test_a_spec_naming_an_unknown_webhook_is_refused_naming_the_field_and_nothing_is_written(

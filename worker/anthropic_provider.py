@@ -244,4 +244,4 @@ def _usage(usage: object) -> Usage | None:
     fresh, created, read, output = counts
     if fresh is None or output is None:
         return None
-    return Usage(input_tokens=fresh + (created or 0) + (read or 0), output_tokens=output)
+    return Usage.reported(fresh + (created or 0) + (read or 0), output)

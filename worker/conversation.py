@@ -6,7 +6,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runbrake.shared.errors import RetriedAttempt
+from runbrake.shared.errors import ProviderError, RetriedAttempt
+from runbrake.shared.records import MAX_CALL_TOKENS
 
 TOOL_NAME_SEPARATOR = "__"
 """A real model sees a tool as ``<server>__<tool>`` (docs/usage.md, "Using it")."""
@@ -110,6 +111,19 @@ class Usage:
     def to_dict(self) -> dict[str, int]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "total_tokens": self.total_tokens}
+
+    @classmethod
+    def reported(cls, input_tokens: int, output_tokens: int) -> Usage:
+        """The usage a provider reported, refused beyond :data:`MAX_CALL_TOKENS` a count.
+
+        Raises:
+            ProviderError: a count above the bound (the answer cannot be counted as it says; it is not stored).
+        """
+        for name, count in (("input", input_tokens), ("output", output_tokens)):
+            if count > MAX_CALL_TOKENS:
+                raise ProviderError(f"the model endpoint reported {count} {name} tokens for one call; the most "
+                                    f"runbrake counts is {MAX_CALL_TOKENS} (docs/security.md, \"Bounds\")")
+        return cls(input_tokens=input_tokens, output_tokens=output_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -583,7 +583,7 @@ def _usage(usage: object) -> Usage | None:
     prompt, completion = getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None)
     if not isinstance(prompt, int) or not isinstance(completion, int) or prompt < 0 or completion < 0:
         return None
-    return Usage(input_tokens=prompt, output_tokens=completion)
+    return Usage.reported(prompt, completion)
 
 
 def _tool_call(call: object, servers: set[str]) -> ToolCall:

@@ -402,7 +402,7 @@ class Runtime:
         try:
             # Checked again here: a producer can be bypassed by publishing to the queue directly.
             # A refused spec starts no process and opens no connection (docs/security.md).
-            admitted = self._admission.admit(RunSpec.from_json(claim.request_json or ""))
+            admitted = self._admission.admit(RunSpec.from_json(claim.request_json or ""), tenant=claim.tenant)
             self.subscribers.admit(run_id, admitted)
             spec = admitted.spec
             budget = await BudgetGuard.open(self._store, self.registry, run_id, admitted.budget)

@@ -43,7 +43,7 @@ import httpx2
 import standardwebhooks
 import structlog
 
-from runbrake.shared.catalog import Catalog, CatalogFile, WebhookSpec
+from runbrake.shared.catalog import Catalog, CatalogFile, WebhookSpec, open_to
 from runbrake.shared.outcome import DeliveryStatus
 from runbrake.shared.records import OutboxEntry
 from runbrake.shared.redaction import remember, scrub
@@ -189,7 +189,10 @@ class WebhookDispatcher(OutboxReader):
                 self._notify.popitem(last=False)
 
     def _queue_entry(self, entry: OutboxEntry, catalog: Catalog, now: float) -> None:
-        names = [n for n in self._notify.get(entry.run_id, ()) if n in catalog.webhooks]
+        # A webhook for some tenants gets only their runs' events, should the catalog have changed since the run was
+        # admitted (docs/security.md, "Tenants").
+        names = [n for n in self._notify.get(entry.run_id, ()) if n in catalog.webhooks
+                 and open_to(catalog.webhooks[n].tenants, entry.tenant or None)]
         if not names:
             return
         message = event_message(entry, cluster=self._store.cluster)

@@ -73,7 +73,7 @@ class Producer:
             return enqueued
 
     def _enqueue(self, spec: RunSpec, *, scope: str | None, tenant: str | None, link: ThreadLink | None) -> Enqueued:
-        self._admission.admit(spec)
+        self._admission.admit(spec, tenant=tenant)
         key = spec.idempotency_key
         if key is not None and scope is not None:
             key = f"{scope}:{key}"
