@@ -48,6 +48,7 @@ from runbrake.shared.budget import NO_BUDGET, Budget, Prices
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
 from runbrake.shared.records import Quota
 from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Registry
+from runbrake.shared.schema_check import SCHEMA_CHECKS
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import (
     LABEL_KEY,
@@ -518,6 +519,7 @@ class Admission:
     max_messages: int = _DEFAULTS.max_messages
     max_history_chars: int = _DEFAULTS.max_history_chars
     max_output_schema_bytes: int = _DEFAULTS.max_output_schema_bytes
+    schema_check_s: float = _DEFAULTS.schema_check_s
     max_argument_chars: int = _DEFAULTS.max_argument_chars
     max_tool_calls_per_turn: int = _DEFAULTS.max_tool_calls_per_turn
     max_steps_cap: int = _DEFAULTS.max_steps_cap
@@ -536,6 +538,7 @@ class Admission:
             max_messages=settings.max_messages,
             max_history_chars=settings.max_history_chars,
             max_output_schema_bytes=settings.max_output_schema_bytes,
+            schema_check_s=settings.schema_check_s,
             max_argument_chars=settings.max_argument_chars,
             max_tool_calls_per_turn=settings.max_tool_calls_per_turn,
             max_steps_cap=settings.max_steps_cap,
@@ -547,7 +550,8 @@ class Admission:
         return self.source if isinstance(self.source, Catalog) else self.source.current()
 
     def admit(self, spec: RunSpec) -> AdmittedRun:
-        """Resolve what ``spec`` names, or refuse it.
+        """Resolve what ``spec`` names, or refuse it. A spec with an ``output_schema`` waits for its check in a
+        child process, up to ``schema_check_s``: admit it on a thread, never on an event loop.
 
         Raises:
             SpecError: naming every field that breaks the policy, and the limit where a bound is broken.
@@ -574,6 +578,10 @@ class Admission:
             if schema_bytes > self.max_output_schema_bytes:
                 refuse(("output_schema",), f"is {schema_bytes} bytes; the limit is {self.max_output_schema_bytes} "
                                            "(RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES)")
+            # Only after the byte bound, and in a child process within RUNBRAKE_SCHEMA_CHECK_S: checking a schema
+            # costs more than linear time (docs/security.md, "Bounds"). Blocks: never admit on an event loop.
+            elif problem := SCHEMA_CHECKS.schema_problem(spec.output_schema, within_s=self.schema_check_s):
+                refuse(("output_schema",), problem)
         if "tenant" in spec.labels:
             refuse(("labels", "tenant"), "is set from the credential that enqueues the run, never by a spec "
                                          "(docs/http-api.md, \"Tenants and quotas\")")

@@ -186,6 +186,7 @@ class ToolLoop:
         max_parallel_tool_calls: int = 8,
         max_argument_chars: int = 16_000,
         max_model_content_chars: int = 100_000,
+        schema_check_s: float = 5.0,
         settings: ModelSettings = NO_SETTINGS,
         model_name: str = "",
         clock: Callable[[], float] = time.monotonic,
@@ -200,7 +201,8 @@ class ToolLoop:
         self._max_argument_chars = max_argument_chars
         self._max_model_content_chars = max_model_content_chars
         self._settings = settings
-        self._answer = None if settings.output_schema is None else AnswerCheck(settings.output_schema)
+        self._answer = (None if settings.output_schema is None
+                        else AnswerCheck(settings.output_schema, within_s=schema_check_s))
         self._model_name = model_name
         """Which model answers (the catalog name, or an inline provider's tag): each model step's
         ``detail.model``, the label of its tokens in the metrics."""
@@ -251,7 +253,7 @@ class ToolLoop:
                 if self._answer is None:
                     await self._hooks.complete(step)
                     return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
-                checked = self._answer.check(turn.content)
+                checked = await self._answer.check(turn.content)
                 if checked.problem is None:
                     step = replace(step, detail={**step.detail, "output_json": checked.value})
                     await self._hooks.complete(step)
