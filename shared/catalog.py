@@ -573,15 +573,8 @@ class Admission:
         if spec.max_steps > self.max_steps_cap:
             refuse(("max_steps",), f"is {spec.max_steps}; the limit is {self.max_steps_cap} (RUNBRAKE_MAX_STEPS_CAP)")
         self._bound_history(spec, refuse)
-        if spec.output_schema is not None:
-            schema_bytes = len(json.dumps(spec.output_schema, separators=(",", ":")).encode())
-            if schema_bytes > self.max_output_schema_bytes:
-                refuse(("output_schema",), f"is {schema_bytes} bytes; the limit is {self.max_output_schema_bytes} "
-                                           "(RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES)")
-            # Only after the byte bound, and in a child process within RUNBRAKE_SCHEMA_CHECK_S: checking a schema
-            # costs more than linear time (docs/security.md, "Bounds"). Blocks: never admit on an event loop.
-            elif problem := SCHEMA_CHECKS.schema_problem(spec.output_schema, within_s=self.schema_check_s):
-                refuse(("output_schema",), problem)
+        if spec.output_schema is not None and (problem := self.output_schema_problem(spec.output_schema)):
+            refuse(("output_schema",), problem)
         if "tenant" in spec.labels:
             refuse(("labels", "tenant"), "is set from the credential that enqueues the run, never by a spec "
                                          "(docs/http-api.md, \"Tenants and quotas\")")
@@ -617,6 +610,16 @@ class Admission:
         name = spec.model if isinstance(spec.model, str) else model.provider
         return AdmittedRun(spec=spec, servers=servers, model=model, model_settings=settings, model_name=name,
                            budget=budget)
+
+    def output_schema_problem(self, schema: Mapping[str, Any]) -> str | None:
+        """What refuses ``schema`` as a spec's ``output_schema`` (None: nothing): its size past
+        RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES, else its check as a JSON Schema, in a child process within
+        ``schema_check_s`` (shared/schema_check.py). Blocks: never call it on an event loop."""
+        size = len(json.dumps(schema, separators=(",", ":")).encode())
+        if size > self.max_output_schema_bytes:
+            return f"is {size} bytes; the limit is {self.max_output_schema_bytes} (RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES)"
+        # Only after the byte bound: checking a schema costs more than linear time (docs/security.md, "Bounds").
+        return SCHEMA_CHECKS.schema_problem(schema, within_s=self.schema_check_s)
 
     def _bound_history(self, spec: RunSpec, refuse: Any) -> None:
         """``messages`` within RUNBRAKE_MAX_MESSAGES and RUNBRAKE_MAX_HISTORY_CHARS, each call's arguments

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import json
+import math
 import os
 import select
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
 
 __all__ = ["IDLE_CHILDREN", "SCHEMA_CHECKS", "START_S", "SchemaChecks"]
 
@@ -35,9 +39,26 @@ START_S: Final = 30.0
 IDLE_CHILDREN: Final = 2
 """Children kept waiting for the next check."""
 _WAITING_THREADS: Final = 32
-"""Threads :meth:`SchemaChecks.answer_problem_async` waits on (each on a child's pipe)."""
+"""Threads :meth:`SchemaChecks.off_loop` waits on (each on a child's pipe)."""
+_POLL_S: Final = 0.1
+"""How often a wait on a child looks whether its caller gave up (:meth:`SchemaChecks.answer_problem_async`)."""
 _COMMAND: Final = (sys.executable, "-P", "-m", "runbrake.shared._schema_child")
 """``-P``: the working directory is not put on the child's import path."""
+_VERDICTS_KEPT: Final = 256
+"""Schema verdicts remembered, by the schema's SHA-256 and the bound: ``serve`` checks a spec's schema on the
+pool's threads first, and its admission, on a thread that publishes, finds the verdict (broker/api.py)."""
+_LATE_KEPT_S: Final = 60.0
+"""How long a schema's "too costly" verdict is remembered; a verdict on its validity is kept as long as there is
+room (the check is deterministic); a checking process that failed is not remembered at all."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    problem: str | None
+    until: float
+    """The monotonic time it holds until."""
 
 
 class _ChildFailed(Exception):
@@ -56,7 +77,7 @@ class _Child:
         self._process = subprocess.Popen(
             _COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         self._buffer = b""
-        if self._line(time.monotonic() + START_S) != b'"ready"':
+        if self._line(time.monotonic() + START_S, threading.Event()) != b'"ready"':
             self.kill()
             raise _ChildFailed(f"did not start within {START_S:g} s")
 
@@ -64,11 +85,11 @@ class _Child:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def ask(self, request: Mapping[str, Any], within_s: float) -> str | None:
+    def ask(self, request: Mapping[str, Any], within_s: float, abandoned: threading.Event) -> str | None:
         """The child's problem for ``request`` (None: none).
 
         Raises:
-            _Late: no answer within ``within_s``.
+            _Late: no answer within ``within_s``, or ``abandoned`` was set first.
             _ChildFailed: the child died or closed its pipe.
         """
         assert self._process.stdin is not None
@@ -77,22 +98,24 @@ class _Child:
             self._process.stdin.flush()
         except OSError as exc:
             raise _ChildFailed(f"could not be written to ({exc})") from exc
-        line = self._line(time.monotonic() + within_s)
+        line = self._line(time.monotonic() + within_s, abandoned)
         if line is None:
             raise _Late
         problem = json.loads(line)["problem"]
         return None if problem is None else str(problem)
 
-    def _line(self, deadline: float) -> bytes | None:
-        """The child's next line, or None when it has not written one by ``deadline``."""
+    def _line(self, deadline: float, abandoned: threading.Event) -> bytes | None:
+        """The child's next line, or None when it has not written one by ``deadline`` or ``abandoned`` is set."""
         assert self._process.stdout is not None
         fd = self._process.stdout.fileno()
         poller = select.poll()  # not select.select: a worker's descriptors may number past FD_SETSIZE
         poller.register(fd, select.POLLIN)
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000):
+            if left <= 0 or abandoned.is_set():
                 return None
+            if not poller.poll(min(left, _POLL_S) * 1000):
+                continue
             chunk = os.read(fd, 65_536)
             if not chunk:
                 raise _ChildFailed(f"exited ({self._process.poll()})")
@@ -114,53 +137,87 @@ class SchemaChecks:
 
     def __init__(self) -> None:
         self._idle: list[_Child] = []
+        self._live: set[_Child] = set()
+        self._verdicts: OrderedDict[bytes, _Verdict] = OrderedDict()
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
 
     def schema_problem(self, schema: Mapping[str, Any], *, within_s: float) -> str | None:
         """What makes ``schema`` not a Draft 2020-12 JSON Schema, in words after the field's name (None: nothing).
-        Blocks up to ``within_s`` (and a child's start): never call it on an event loop."""
-        return self._ask({"kind": "schema", "schema": json.dumps(schema)}, within_s,
-                         late="could not be checked as a JSON Schema within {within_s:g} s "
-                              "(RUNBRAKE_SCHEMA_CHECK_S): it is too costly to check")
+        Blocks up to ``within_s`` (and a child's start) unless the verdict is remembered: never call it on an
+        event loop."""
+        text = json.dumps(schema, sort_keys=True)
+        key = hashlib.sha256(f"{within_s!r}\n{text}".encode()).digest()
+        with self._lock:
+            known = self._verdicts.get(key)
+            if known is not None and known.until > time.monotonic():
+                self._verdicts.move_to_end(key)
+                return known.problem
+        problem, kept_s = self._ask({"kind": "schema", "schema": text}, within_s,
+                                    late="could not be checked as a JSON Schema within {within_s:g} s "
+                                         "(RUNBRAKE_SCHEMA_CHECK_S): it is too costly to check")
+        if kept_s > 0:
+            with self._lock:
+                self._verdicts[key] = _Verdict(problem, time.monotonic() + kept_s)
+                self._verdicts.move_to_end(key)
+                while len(self._verdicts) > _VERDICTS_KEPT:
+                    self._verdicts.popitem(last=False)
+        return problem
 
-    def answer_problem(self, schema: Mapping[str, Any], answer: str, *, within_s: float) -> str | None:
+    def answer_problem(self, schema: Mapping[str, Any], answer: str, *, within_s: float,
+                       abandoned: threading.Event | None = None) -> str | None:
         """What makes the JSON text ``answer`` not match ``schema``, in words for the model (None: it matches).
-        Blocks up to ``within_s`` (and a child's start): never call it on an event loop."""
-        return self._ask({"kind": "answer", "schema": json.dumps(schema, sort_keys=True), "answer": answer},
-                         within_s, late="the answer could not be validated against the output schema within "
-                                        "{within_s:g} s (RUNBRAKE_SCHEMA_CHECK_S)")
+        Blocks up to ``within_s`` (and a child's start), or until ``abandoned`` is set (the check's child is then
+        killed): never call it on an event loop."""
+        problem, _ = self._ask({"kind": "answer", "schema": json.dumps(schema, sort_keys=True), "answer": answer},
+                               within_s, late="the answer could not be validated against the output schema within "
+                                              "{within_s:g} s (RUNBRAKE_SCHEMA_CHECK_S)",
+                               abandoned=abandoned or threading.Event())
+        return problem
 
     async def answer_problem_async(self, schema: Mapping[str, Any], answer: str, *, within_s: float) -> str | None:
-        """:meth:`answer_problem`, waited for on a thread of the pool's own: the event loop goes on meanwhile."""
+        """:meth:`answer_problem`, waited for on a thread of the pool's own: the event loop goes on meanwhile. A
+        cancelled wait (a run stopped, a worker draining) kills the check's child within ``_POLL_S``."""
+        abandoned = threading.Event()
+        try:
+            return await self.off_loop(
+                lambda: self.answer_problem(schema, answer, within_s=within_s, abandoned=abandoned))
+        finally:
+            abandoned.set()
+
+    async def off_loop(self, call: Callable[[], T]) -> T:
+        """``call()`` (a check, or what waits for one), on a thread of the pool's own, awaited: neither the event
+        loop nor the caller's other threads (those that publish, in ``serve``) wait for it."""
         with self._lock:
             if self._threads is None:
                 self._threads = ThreadPoolExecutor(_WAITING_THREADS, thread_name_prefix="schema-check")
             threads = self._threads
-        return await asyncio.wrap_future(threads.submit(self.answer_problem, schema, answer, within_s=within_s))
+        return await asyncio.wrap_future(threads.submit(call))
 
     def close(self) -> None:
-        """End the idle children (a busy one ends when its check does)."""
+        """End every child, a busy one too (its check answers that the checking process exited)."""
         with self._lock:
-            idle, self._idle = self._idle, []
-        for child in idle:
+            live, self._live, self._idle = list(self._live), set(), []
+        for child in live:
             child.kill()
 
-    def _ask(self, request: Mapping[str, Any], within_s: float, *, late: str) -> str | None:
+    def _ask(self, request: Mapping[str, Any], within_s: float, *, late: str,
+             abandoned: threading.Event | None = None) -> tuple[str | None, float]:
+        """The child's problem for ``request``, and how many seconds the verdict may be remembered."""
         try:
             child = self._take()
         except (_ChildFailed, OSError) as exc:
-            return f"could not be checked: the checking process {exc}"
+            return f"could not be checked: the checking process {exc}", 0.0
         try:
-            answer = child.ask(request, within_s)
+            answer = child.ask(request, within_s, abandoned or threading.Event())
         except _Late:
-            child.kill()  # it may be in a match that takes hours: only its end frees the CPU
-            return late.format(within_s=within_s)
+            self._end(child)  # it may be in a match that takes hours: only its end frees the CPU
+            return late.format(within_s=within_s), _LATE_KEPT_S
         except _ChildFailed as exc:
-            child.kill()
-            return f"could not be checked: the checking process {exc}"
+            self._end(child)
+            return f"could not be checked: the checking process {exc}", 0.0
         self._give_back(child)
-        return answer
+        return answer, math.inf
 
     def _take(self) -> _Child:
         with self._lock:
@@ -168,18 +225,30 @@ class SchemaChecks:
                 child = self._idle.pop()
                 if child.alive and child.pid == os.getpid():
                     return child
-        return _Child()
+                self._live.discard(child)
+                child.kill()  # reaps one that died idle
+        child = _Child()
+        with self._lock:
+            self._live.add(child)
+        return child
 
     def _give_back(self, child: _Child) -> None:
         with self._lock:
             if len(self._idle) < IDLE_CHILDREN:
                 self._idle.append(child)
                 return
+        self._end(child)
+
+    def _end(self, child: _Child) -> None:
+        with self._lock:
+            self._live.discard(child)
         child.kill()
 
     def _forget(self) -> None:
         """In a forked process: the children are the parent's (their pipes too), never this one's."""
         self._idle = []
+        self._live = set()
+        self._verdicts = OrderedDict()
         self._lock = threading.Lock()
         self._threads = None
 

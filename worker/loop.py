@@ -38,7 +38,7 @@ from runbrake.worker.deltas import StreamedText
 from runbrake.worker.models import ModelProvider
 from runbrake.worker.registry import cut_off_after
 from runbrake.worker.steer import STEERED, answer_unanswered, steered_step
-from runbrake.worker.structured import AnswerCheck, hand_back
+from runbrake.worker.structured import INTERRUPTED_CHECK, AnswerCheck, Checked, hand_back
 
 
 class LoopHooks(Protocol):
@@ -253,7 +253,7 @@ class ToolLoop:
                 if self._answer is None:
                     await self._hooks.complete(step)
                     return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
-                checked = await self._answer.check(turn.content)
+                checked = await self._checked(turn.content)
                 if checked.problem is None:
                     step = replace(step, detail={**step.detail, "output_json": checked.value})
                     await self._hooks.complete(step)
@@ -272,6 +272,16 @@ class ToolLoop:
             suspended = await self._run_calls(state, list(turn.tool_calls))
             if suspended is not None:
                 return suspended
+
+    async def _checked(self, content: str | None) -> Checked:
+        """The final answer checked against the output schema, in flight like a call: a cancel, a steer or a
+        hand-over cuts a long check off (its child process killed) and the answer counts as not validated,
+        handed back at the step's boundary, where the cancel or steer takes effect (issue 27)."""
+        assert self._answer is not None
+        checked: Checked | None = None
+        with self._hooks.in_flight() as interrupt, interrupt:
+            checked = await self._answer.check(content)
+        return checked or Checked(problem=INTERRUPTED_CHECK)
 
     async def _model_call(self, state: LoopState) -> tuple[ModelTurn, RunStep]:
         """The next turn and its step, not yet recorded; an interrupted or failed call is recorded here."""

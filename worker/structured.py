@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from runbrake.shared._schema_child import bounded
 from runbrake.shared.schema_check import SCHEMA_CHECKS
 from runbrake.shared.threads import hand_back
 
-__all__ = ["AnswerCheck", "Checked", "hand_back"]
+__all__ = ["INTERRUPTED_CHECK", "AnswerCheck", "Checked", "hand_back"]
+
+INTERRUPTED_CHECK: Final = "the answer was not validated: the run was interrupted (cancelled, steered or handed over)"
+"""The problem of an answer whose check a cancel, a steer or a hand-over cut off (worker/loop.py)."""
 
 
 @dataclass(frozen=True, slots=True)
