@@ -3,7 +3,7 @@
 jsonschema is pure Python and ``re`` holds the GIL for a whole match: ``{"pattern": "^(a+)+$"}`` against a
 31-character answer held a worker's whole process 116 s, ``uniqueItems`` over 4,000 objects 33 s, and
 ``check_schema`` of a 450 KB ``allOf`` held ``serve`` 50 s (issue 27). So no such check runs in a process that
-serves others: each goes over a pipe to a child (``python -m runbrake.shared._schema_child``), one check at a
+serves others: each goes over a pipe to a child (``python shared/_schema_child.py``), one check at a
 time per child, and a child that has not answered within ``RUNBRAKE_SCHEMA_CHECK_S`` is killed and its check
 answered with a problem that says so (docs/security.md, "Bounds"). The caller waits on a pipe, never on the
 GIL; :meth:`SchemaChecks.answer_problem_async` waits on a thread of its own, off the event loop.
@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 __all__ = ["IDLE_CHILDREN", "SCHEMA_CHECKS", "START_S", "SchemaChecks"]
@@ -42,8 +43,10 @@ _WAITING_THREADS: Final = 32
 """Threads :meth:`SchemaChecks.off_loop` waits on (each on a child's pipe)."""
 _POLL_S: Final = 0.1
 """How often a wait on a child looks whether its caller gave up (:meth:`SchemaChecks.answer_problem_async`)."""
-_COMMAND: Final = (sys.executable, "-P", "-m", "runbrake.shared._schema_child")
-"""``-P``: the working directory is not put on the child's import path."""
+_COMMAND: Final = (sys.executable, "-P", str(Path(__file__).with_name("_schema_child.py")))
+"""The child's file run as a script, not as ``-m runbrake.shared._schema_child``: that would import the package
+(pydantic, redis…; 57 MB and seconds of start where jsonschema alone takes a fraction). ``-P``: neither the
+working directory nor the script's is put on the child's import path."""
 _VERDICTS_KEPT: Final = 256
 """Schema verdicts remembered, by the schema's SHA-256 and the bound: ``serve`` checks a spec's schema on the
 pool's threads first, and its admission, on a thread that publishes, finds the verdict (broker/api.py)."""

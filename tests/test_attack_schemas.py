@@ -106,7 +106,7 @@ def schema_children_of(pid: int) -> set[int]:
     for entry in Path("/proc").iterdir():
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid and b"runbrake.shared._schema_child" in (entry / "cmdline").read_bytes():
+            if ppid == pid and b"_schema_child.py" in (entry / "cmdline").read_bytes():
                 found.add(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue
