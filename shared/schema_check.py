@@ -80,7 +80,11 @@ class _Child:
         self._process = subprocess.Popen(
             _COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         self._buffer = b""
-        if self._line(time.monotonic() + START_S, threading.Event()) != b'"ready"':
+        try:
+            ready = self._line(time.monotonic() + START_S, threading.Event())
+        except _ChildFailed:
+            ready = None  # it exited at once (an interpreter that cannot import jsonschema)
+        if ready != b'"ready"':
             self.kill()
             raise _ChildFailed(f"did not start within {START_S:g} s")
 
