@@ -65,6 +65,7 @@ from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.rabbitmq import RunbrakeBroker, build_broker
 from runbrake.shared.messaging.wire import connection_parameters, declare_events
 from runbrake.shared.records import MAX_SEARCH_CHARS, RunSearch
+from runbrake.shared.schema_check import SCHEMA_CHECKS
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec, parse_label_filters, run_spec_json_schema
 from runbrake.shared.status import RunStatus
@@ -515,6 +516,7 @@ def _routes(app: FastAPI) -> None:
         state = _state(request)
         body = await _json_body(request, state.settings.max_spec_bytes, "the spec", "RUNBRAKE_MAX_SPEC_BYTES")
         spec = _spec(body, idempotency_key)
+        await _schema_checked(state, spec.output_schema)
         # Each token has its own idempotency keys (docs/http-api.md, "Idempotency keys"): a key says
         # nothing about another submitter's runs. Without tokens, one scope, shared with the CLI.
         scope = None if state.tokens is None else who.name
@@ -537,6 +539,7 @@ def _routes(app: FastAPI) -> None:
         state = _state(request)
         body = _continue_body(await _json_body(request, state.settings.max_spec_bytes, "the body",
                                                "RUNBRAKE_MAX_SPEC_BYTES"), idempotency_key)
+        await _schema_checked(state, body.get("output_schema"))
         await _visible(state, who, run_id)
         scope = None if state.tokens is None else who.name
         enqueued = await state.amqp.run(lambda: operations.continue_run(
@@ -961,6 +964,14 @@ def _spec(body: bytes, idempotency_key: str | None) -> RunSpec:
     except SpecError as exc:
         errors = [{"loc": list(p.loc), "msg": p.msg, "field": p.field} for p in exc.problems]
         raise ApiError.answer(422, "invalid run spec", errors=errors) from exc
+
+
+async def _schema_checked(state: ApiState, schema: object) -> None:
+    """Check an ``output_schema`` on the schema pool's own threads (shared/schema_check.py), so that a schema that
+    takes RUNBRAKE_SCHEMA_CHECK_S holds none of the AMQP_THREADS that cancels and enqueues publish from; the
+    admission on one of those then finds the verdict remembered and refuses the spec naming the field."""
+    if isinstance(schema, dict):
+        await SCHEMA_CHECKS.off_loop(lambda: state.admission.output_schema_problem(schema))
 
 
 async def _enqueued(state: ApiState, enqueued: Enqueued, request: Mapping[str, Any],

@@ -48,6 +48,7 @@ from runbrake.shared.budget import NO_BUDGET, Budget, Prices
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
 from runbrake.shared.records import Quota
 from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Registry
+from runbrake.shared.schema_check import SCHEMA_CHECKS
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import (
     LABEL_KEY,
@@ -549,6 +550,7 @@ class Admission:
     max_messages: int = _DEFAULTS.max_messages
     max_history_chars: int = _DEFAULTS.max_history_chars
     max_output_schema_bytes: int = _DEFAULTS.max_output_schema_bytes
+    schema_check_s: float = _DEFAULTS.schema_check_s
     max_argument_chars: int = _DEFAULTS.max_argument_chars
     max_tool_calls_per_turn: int = _DEFAULTS.max_tool_calls_per_turn
     max_steps_cap: int = _DEFAULTS.max_steps_cap
@@ -567,6 +569,7 @@ class Admission:
             max_messages=settings.max_messages,
             max_history_chars=settings.max_history_chars,
             max_output_schema_bytes=settings.max_output_schema_bytes,
+            schema_check_s=settings.schema_check_s,
             max_argument_chars=settings.max_argument_chars,
             max_tool_calls_per_turn=settings.max_tool_calls_per_turn,
             max_steps_cap=settings.max_steps_cap,
@@ -579,7 +582,9 @@ class Admission:
 
     def admit(self, spec: RunSpec, *, tenant: str | None = None) -> AdmittedRun:
         """Resolve what ``spec`` names, or refuse it. A run of ``tenant`` (the credential's; None: of no tenant)
-        may name only the catalog entries open to it (:func:`open_to`); to a tenant, any other is as missing.
+        may name only the catalog entries open to it (:func:`open_to`); to a tenant, any other is as missing. A
+        spec with an ``output_schema`` waits for its check in a child process, up to ``schema_check_s``: admit
+        it on a thread, never on an event loop.
 
         Raises:
             SpecError: naming every field that breaks the policy, and the limit where a bound is broken.
@@ -601,11 +606,8 @@ class Admission:
         if spec.max_steps > self.max_steps_cap:
             refuse(("max_steps",), f"is {spec.max_steps}; the limit is {self.max_steps_cap} (RUNBRAKE_MAX_STEPS_CAP)")
         self._bound_history(spec, refuse)
-        if spec.output_schema is not None:
-            schema_bytes = len(json.dumps(spec.output_schema, separators=(",", ":")).encode())
-            if schema_bytes > self.max_output_schema_bytes:
-                refuse(("output_schema",), f"is {schema_bytes} bytes; the limit is {self.max_output_schema_bytes} "
-                                           "(RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES)")
+        if spec.output_schema is not None and (problem := self.output_schema_problem(spec.output_schema)):
+            refuse(("output_schema",), problem)
         if "tenant" in spec.labels:
             refuse(("labels", "tenant"), "is set from the credential that enqueues the run, never by a spec "
                                          "(docs/http-api.md, \"Tenants and quotas\")")
@@ -643,6 +645,16 @@ class Admission:
         name = spec.model if isinstance(spec.model, str) else model.provider
         return AdmittedRun(spec=spec, servers=servers, model=model, model_settings=settings, model_name=name,
                            budget=budget)
+
+    def output_schema_problem(self, schema: Mapping[str, Any]) -> str | None:
+        """What refuses ``schema`` as a spec's ``output_schema`` (None: nothing): its size past
+        RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES, else its check as a JSON Schema, in a child process within
+        ``schema_check_s`` (shared/schema_check.py). Blocks: never call it on an event loop."""
+        size = len(json.dumps(schema, separators=(",", ":")).encode())
+        if size > self.max_output_schema_bytes:
+            return f"is {size} bytes; the limit is {self.max_output_schema_bytes} (RUNBRAKE_MAX_OUTPUT_SCHEMA_BYTES)"
+        # Only after the byte bound: checking a schema costs more than linear time (docs/security.md, "Bounds").
+        return SCHEMA_CHECKS.schema_problem(schema, within_s=self.schema_check_s)
 
     def _bound_history(self, spec: RunSpec, refuse: Any) -> None:
         """``messages`` within RUNBRAKE_MAX_MESSAGES and RUNBRAKE_MAX_HISTORY_CHARS, each call's arguments

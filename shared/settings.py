@@ -302,6 +302,10 @@ class Settings(BaseSettings):
     characters."""
     max_output_schema_bytes: Annotated[int, _integer(2, 10_485_760)] = 65_536
     """Largest `output_schema` a spec may carry, in bytes of compact JSON (64 KiB)."""
+    schema_check_s: Annotated[float, _SECONDS] = 5.0
+    """Seconds of wall clock one check of an `output_schema` (at enqueue, at claim) or of a final answer against
+    it may take, in a child process of its own; a schema past it is refused naming `output_schema`, an answer
+    past it is handed back to the model as a mismatch (docs/security.md, "Bounds")."""
     max_argument_chars: Annotated[int, _integer(100, 10_000_000)] = 16_000
     """Bound on a tool call's arguments as stored (JSON characters)."""
     max_model_content_chars: Annotated[int, _integer(1000, 10_000_000)] = 100_000

@@ -125,16 +125,18 @@ def test_model_settings_labels_and_the_output_schema_are_bounded() -> None:
                         "seed": "7", "tool_choice": "always", "parallel_tool_calls": 1, "top_k": 3},
         labels={"Tenant": "acme", "user": "u" * 257, **{f"k{i}": "v" for i in range(15)}},
         output_schema={"type": "objekt"},
-    ))
+    ), Admission(Catalog.empty(), allow_inline=True))
 
     assert set(found) == {
         "model_settings.temperature", "model_settings.top_p", "model_settings.max_output_tokens",
         "model_settings.stop", "model_settings.seed", "model_settings.tool_choice",
         "model_settings.parallel_tool_calls", "model_settings.top_k", "labels.Tenant", "labels.user",
-        "output_schema",
     }
     assert found["model_settings.top_k"] == "unknown field"
-    assert found["output_schema"].startswith("is not a valid JSON Schema (Draft 2020-12)")
+    # Whether it is a JSON Schema at all is checked at admission, after the byte bound (shared/catalog.py).
+    invalid = problems(spec_with(output_schema={"type": "objekt"}), Admission(Catalog.empty(), allow_inline=True))
+    assert list(invalid) == ["output_schema"]
+    assert invalid["output_schema"].startswith("is not a valid JSON Schema (Draft 2020-12) at type:")
     assert problems(spec_with(labels={f"k{i}": "v" for i in range(17)})) == {"labels": "has 17 labels; at most 16"}
     assert problems(spec_with(output_schema={"properties": {"a": {"$ref": "https://example.com/s.json"}}})) == {
         "output_schema": "refers outside itself ('https://example.com/s.json'): only local references ('#/...') "
@@ -224,15 +226,17 @@ def test_malformed_label_filters_are_refused_each_by_position() -> None:
     assert [p.field for p in raised.value.problems] == ["label[0]", "label[1]", "label[3]", "label[4]"]
 
 
-def test_an_answer_is_checked_as_json_against_the_schema() -> None:
-    check = AnswerCheck({"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}})
+@pytest.mark.anyio
+async def test_an_answer_is_checked_as_json_against_the_schema() -> None:
+    check = AnswerCheck({"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+                        within_s=30)
 
-    assert check.check('{"city": "Oslo"}').value == {"city": "Oslo"}
-    assert check.check('```json\n{"city": "Oslo"}\n```').value == {"city": "Oslo"}
-    assert check.check('{"city": 7}').problem == "at /city: 7 is not of type 'string'"
-    assert check.check("Oslo").problem is not None
-    assert check.check(None).problem is not None
-    dangling = AnswerCheck({"$ref": "#/$defs/missing"}).check("{}").problem
+    assert (await check.check('{"city": "Oslo"}')).value == {"city": "Oslo"}
+    assert (await check.check('```json\n{"city": "Oslo"}\n```')).value == {"city": "Oslo"}
+    assert (await check.check('{"city": 7}')).problem == "at /city: 7 is not of type 'string'"
+    assert (await check.check("Oslo")).problem is not None
+    assert (await check.check(None)).problem is not None
+    dangling = (await AnswerCheck({"$ref": "#/$defs/missing"}, within_s=30).check("{}")).problem
     assert dangling is not None
     assert dangling.startswith("the output schema has a reference to nothing")
 

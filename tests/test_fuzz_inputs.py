@@ -28,6 +28,7 @@ from runbrake.shared.messaging.wire import (
     decode_cancel,
     decode_cancel_request,
 )
+from runbrake.shared.schema_check import SCHEMA_CHECKS
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 
@@ -136,6 +137,64 @@ def test_admission_of_any_parsed_spec_admits_it_or_names_what_it_refuses(value: 
     outcome = _value_or(SpecError, Admission.from_settings(Settings(), Catalog.empty()).admit, spec)
     if isinstance(outcome, SpecError):
         assert all(problem.field for problem in outcome.problems)
+
+
+# -- pathological schemas and answers (issue 27) ------------------------------------------------------
+
+_BACKTRACKING = st.sampled_from(("^(a+)+$", "^(a|aa)+$", "^(a*)*b$", "(x+x+)+y", "^(\\w+\\s?)*$", "^([a-z]+)*[0-9]$"))
+_LETTERS = st.sampled_from(("a", "x", "ab", "w "))
+PATHOLOGICAL_SCHEMAS = st.one_of(
+    _BACKTRACKING.map(lambda pattern: {"type": "string", "pattern": pattern}),
+    _BACKTRACKING.map(lambda pattern: {"type": "object", "patternProperties": {pattern: {}}}),
+    _BACKTRACKING.map(lambda pattern: {"type": "string", "format": "regex", "pattern": pattern}),
+    st.just({"type": "array", "uniqueItems": True}),
+    st.integers(1, 12_000).map(lambda n: {"allOf": [{}] * n}),
+    st.integers(1, 300).map(lambda depth: _nested({"$ref": "#"}, depth)),
+    st.just({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+    st.builds(lambda n, schema: {"anyOf": [schema] * n}, st.integers(1, 2_000), st.sampled_from(({}, {"not": {}}))),
+)
+"""Schemas that are costly to check, or to validate an answer against (issue 27): backtracking patterns, a
+uniqueItems, thousands of subschemas, references in a loop, nesting past the parser's depth."""
+PATHOLOGICAL_ANSWERS = st.one_of(
+    st.builds(lambda text, n, end: json.dumps(text * n + end), _LETTERS, st.integers(0, 60), st.sampled_from("!1 ")),
+    st.integers(0, 6_000).map(lambda n: json.dumps([{"k": i} for i in range(n)])),
+    st.integers(0, 6_000).map(lambda n: json.dumps({"a" * 40 + str(i): i for i in range(n)})),
+    st.integers(1, 1_500).map(lambda depth: "[" * depth + "]" * depth),
+    JSON.map(json.dumps),
+)
+SCHEMA_CHECK_S = 0.5
+"""The bound the property tests hold each check to: most examples are past it."""
+
+
+def _nested(inner: dict[str, Any], depth: int) -> dict[str, Any]:
+    schema = inner
+    for _ in range(depth):
+        schema = {"items": schema}
+    return schema
+
+
+@settings(max_examples=examples(ci=12, fuzz=600))
+@given(PATHOLOGICAL_SCHEMAS, PATHOLOGICAL_ANSWERS)
+def test_a_costly_schema_or_answer_gets_its_verdict_or_a_refusal_at_the_bound(schema: dict[str, Any],
+                                                                              answer: str) -> None:
+    """Checked in a child process (shared/schema_check.py): a verdict, or the bound's refusal, never a hang nor
+    another exception; the pool checks again afterwards."""
+    problem = SCHEMA_CHECKS.schema_problem(schema, within_s=SCHEMA_CHECK_S)
+    assert problem is None or problem.startswith(("is not a valid JSON Schema", "could not be checked as a JSON "
+                                                                                  "Schema within 0.5 s")), problem
+    verdict = SCHEMA_CHECKS.answer_problem(schema, answer, within_s=SCHEMA_CHECK_S)
+    assert verdict is None or (verdict and len(verdict) <= 501), verdict
+    assert SCHEMA_CHECKS.answer_problem({"type": "integer"}, "5", within_s=30) is None
+
+
+@settings(max_examples=examples(ci=6, fuzz=300))
+@given(PATHOLOGICAL_SCHEMAS)
+def test_a_spec_with_a_costly_schema_is_admitted_or_refused_naming_output_schema(schema: dict[str, Any]) -> None:
+    admission = Admission(Catalog.empty(), schema_check_s=SCHEMA_CHECK_S)
+    given = {"input": "x", "model": {"provider": "scripted", "turns": [{"content": "{}"}]}, "output_schema": schema}
+    outcome = _value_or(SpecError, lambda: admission.admit(RunSpec.parse(given)))
+    if isinstance(outcome, SpecError):
+        assert {problem.field for problem in outcome.problems} <= {"output_schema", "spec"}, outcome.problems
 
 
 # -- messages on the queues ------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from runbrake.worker.deltas import StreamedText
 from runbrake.worker.models import ModelProvider
 from runbrake.worker.registry import cut_off_after
 from runbrake.worker.steer import STEERED, answer_unanswered, steered_step
-from runbrake.worker.structured import AnswerCheck, hand_back
+from runbrake.worker.structured import INTERRUPTED_CHECK, AnswerCheck, Checked, hand_back
 
 
 class LoopHooks(Protocol):
@@ -186,6 +186,7 @@ class ToolLoop:
         max_parallel_tool_calls: int = 8,
         max_argument_chars: int = 16_000,
         max_model_content_chars: int = 100_000,
+        schema_check_s: float = 5.0,
         settings: ModelSettings = NO_SETTINGS,
         model_name: str = "",
         clock: Callable[[], float] = time.monotonic,
@@ -200,7 +201,8 @@ class ToolLoop:
         self._max_argument_chars = max_argument_chars
         self._max_model_content_chars = max_model_content_chars
         self._settings = settings
-        self._answer = None if settings.output_schema is None else AnswerCheck(settings.output_schema)
+        self._answer = (None if settings.output_schema is None
+                        else AnswerCheck(settings.output_schema, within_s=schema_check_s))
         self._model_name = model_name
         """Which model answers (the catalog name, or an inline provider's tag): each model step's
         ``detail.model``, the label of its tokens in the metrics."""
@@ -251,7 +253,7 @@ class ToolLoop:
                 if self._answer is None:
                     await self._hooks.complete(step)
                     return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
-                checked = self._answer.check(turn.content)
+                checked = await self._checked(turn.content)
                 if checked.problem is None:
                     step = replace(step, detail={**step.detail, "output_json": checked.value})
                     await self._hooks.complete(step)
@@ -270,6 +272,16 @@ class ToolLoop:
             suspended = await self._run_calls(state, list(turn.tool_calls))
             if suspended is not None:
                 return suspended
+
+    async def _checked(self, content: str | None) -> Checked:
+        """The final answer checked against the output schema, in flight like a call: a cancel, a steer or a
+        hand-over cuts a long check off (its child process killed) and the answer counts as not validated,
+        handed back at the step's boundary, where the cancel or steer takes effect (issue 27)."""
+        assert self._answer is not None
+        checked: Checked | None = None
+        with self._hooks.in_flight() as interrupt, interrupt:
+            checked = await self._answer.check(content)
+        return checked or Checked(problem=INTERRUPTED_CHECK)
 
     async def _model_call(self, state: LoopState) -> tuple[ModelTurn, RunStep]:
         """The next turn and its step, not yet recorded; an interrupted or failed call is recorded here."""

@@ -402,7 +402,11 @@ class Runtime:
         try:
             # Checked again here: a producer can be bypassed by publishing to the queue directly.
             # A refused spec starts no process and opens no connection (docs/security.md).
-            admitted = self._admission.admit(RunSpec.from_json(claim.request_json or ""), tenant=claim.tenant)
+            spec = RunSpec.from_json(claim.request_json or "")
+            # An output_schema is checked in a child process (shared/schema_check.py): waited for on a thread,
+            # so that the loop serves the other runs meanwhile (issue 27).
+            admitted = (self._admission.admit(spec, tenant=claim.tenant) if spec.output_schema is None
+                        else await asyncio.to_thread(self._admission.admit, spec, tenant=claim.tenant))
             self.subscribers.admit(run_id, admitted)
             spec = admitted.spec
             budget = await BudgetGuard.open(self._store, self.registry, run_id, admitted.budget)
@@ -490,6 +494,7 @@ class Runtime:
                 max_parallel_tool_calls=self._settings.max_parallel_tool_calls,
                 max_argument_chars=self._settings.max_argument_chars,
                 max_model_content_chars=self._settings.max_model_content_chars,
+                schema_check_s=self._settings.schema_check_s,
                 settings=model_settings(admitted), model_name=admitted.model_name,
             )
             # An exception (CancelRequested too) leaves the toolbox unwrapped: each MCP client lives in

@@ -3,7 +3,10 @@
 The provider is asked for it where it has the notion (worker/models.py, ``response_format``); whatever it
 answers is checked here, because a compatible server may ignore the request and a model may still get it
 wrong. A mismatch goes back to the model as a message saying what is wrong (docs/usage.md, "Structured
-output"), like a tool's error; the loop's ``max_rounds`` bounds how often.
+output"), like a tool's error; the loop's ``max_rounds`` bounds how often. The answer is validated in a child
+process within ``RUNBRAKE_SCHEMA_CHECK_S`` (shared/schema_check.py), never on the worker's event loop: a
+pattern that backtracks or a ``uniqueItems`` over thousands of objects stalls no other run (issue 27). An
+answer not validated within the bound is handed back like a mismatch.
 """
 
 from __future__ import annotations
@@ -13,16 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
-from referencing.exceptions import Unresolvable
-
+from runbrake.shared._schema_child import bounded
+from runbrake.shared.schema_check import SCHEMA_CHECKS
 from runbrake.shared.threads import hand_back
 
-__all__ = ["AnswerCheck", "Checked", "hand_back"]
+__all__ = ["INTERRUPTED_CHECK", "AnswerCheck", "Checked", "hand_back"]
 
-_PROBLEM_CHARS: Final = 500
-"""How much of a validation error goes back to the model (and into the step)."""
+INTERRUPTED_CHECK: Final = "the answer was not validated: the run was interrupted (cancelled, steered or handed over)"
+"""The problem of an answer whose check a cancel, a steer or a hand-over cut off (worker/loop.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,27 +36,20 @@ class Checked:
 
 class AnswerCheck:
     """Parses a final answer as JSON and validates it against the run's output schema (Draft 2020-12, as
-    the spec checked it: shared/spec.py)."""
+    the spec's admission checked it: shared/catalog.py), within ``within_s`` of wall clock."""
 
-    def __init__(self, schema: Mapping[str, Any]) -> None:
-        self._validator = Draft202012Validator(dict(schema))
+    def __init__(self, schema: Mapping[str, Any], *, within_s: float) -> None:
+        self._schema = dict(schema)
+        self._within_s = within_s
 
-    def check(self, content: str | None) -> Checked:
+    async def check(self, content: str | None) -> Checked:
         text = _unfenced(content or "")
         try:
-            value = json.loads(text)
+            value = json.loads(text)  # linear: parsed here, validated in the child
         except (ValueError, RecursionError) as exc:
-            return Checked(problem=_bounded(f"the answer is not JSON ({exc})"))
-        try:
-            error = best_match(self._validator.iter_errors(value))
-        except RecursionError:  # a self-referencing schema meeting a deep answer
-            return Checked(problem="the answer could not be validated: it nests too deeply for the schema")
-        except Unresolvable as exc:  # a local reference to nothing (the spec allows no others: shared/spec.py)
-            return Checked(problem=_bounded(f"the output schema has a reference to nothing ({exc})"))
-        if error is None:
-            return Checked(value=value)
-        where = "/" + "/".join(str(part) for part in error.absolute_path)
-        return Checked(problem=_bounded(f"at {where}: {error.message}"))
+            return Checked(problem=bounded(f"the answer is not JSON ({exc})"))
+        problem = await SCHEMA_CHECKS.answer_problem_async(self._schema, text, within_s=self._within_s)
+        return Checked(value=value) if problem is None else Checked(problem=problem)
 
 
 def _unfenced(text: str) -> str:
@@ -64,7 +58,3 @@ def _unfenced(text: str) -> str:
     if stripped.startswith("```") and stripped.endswith("```") and "\n" in stripped:
         return stripped[stripped.index("\n") + 1:-3]
     return stripped
-
-
-def _bounded(text: str) -> str:
-    return text if len(text) <= _PROBLEM_CHARS else text[:_PROBLEM_CHARS] + "…"
