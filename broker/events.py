@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -41,6 +42,7 @@ from runbrake.broker.render import current_progress, step_json
 from runbrake.shared.async_store import AsyncRunStore, plain_client
 from runbrake.shared.errors import RunbrakeError
 from runbrake.shared.records import OutboxEntry, RunRecord, stream_position
+from runbrake.shared.run_end import read_run_end, run_end
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
@@ -52,9 +54,6 @@ QUEUE_SIZE: Final = 256
 """Events a client may fall behind before it is dropped."""
 KEEPALIVE_S: Final = 15.0
 """A comment line this often keeps proxies from closing an idle stream and finds clients that left."""
-TERMINAL_GRACE_S: Final = 3.0
-"""How long a stream goes on after its run's terminal status: the worker records the call a cancel cut
-off just after the cancel itself (docs/architecture.md, "Cancellation: the interrupt")."""
 RETRY_MS: Final = 1000
 PAGE_BYTES: Final = 256 * 1024
 """About how many bytes of frames one page of replayed steps comes to: the next page asks for as many
@@ -120,7 +119,7 @@ def _finite(data: Any) -> Any:
     return data
 
 
-def status_data(run_id: str, status: str, reason: str) -> dict[str, str]:
+def status_data(run_id: str, status: str, reason: str) -> dict[str, Any]:
     return {"run_id": run_id, "status": status, "termination_reason": reason}
 
 
@@ -324,7 +323,7 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "
         parsed = RunStatus(status)  # ValueError for a status that is none
         if parsed is RunStatus.UNKNOWN:
             raise Unreadable("unknown is no status a run is ever in")
-        data = status_data(run_id, parsed.value, reason)
+        data = {**status_data(run_id, parsed.value, reason), **read_run_end(message)}  # ValueError: unreadable
         event_id = message.get("id", event_id)
         if not isinstance(event_id, str) or (event_id and stream_position(event_id) is None):
             raise Unreadable("id must be a stream id")
@@ -365,13 +364,12 @@ def _delta(delta: object) -> dict[str, Any]:
 
 
 class _RunStream:
-    """The position of one client's stream of one run: the last step sent and when the stream may end."""
+    """The position of one client's stream of one run: the last step sent and the status last sent."""
 
     def __init__(self, store: AsyncRunStore, run_id: str, last: int) -> None:
         self.store = store
         self.run_id = run_id
         self.last = last
-        self.deadline: float | None = None
         self.status: RunStatus | None = None
         """The status last sent: a live status event that repeats it, or comes after a terminal one, is
         stale (its PUBLISH reached this process after the replay read the run) and is not sent."""
@@ -383,6 +381,11 @@ class _RunStream:
             return False  # terminal is terminal: nothing after it is news
         self.status = found
         return True
+
+    @property
+    def ended(self) -> bool:
+        """The run's terminal status was sent: the stream ends right after it (docs/http-api.md, "Events")."""
+        return self.status is not None and self.status.is_terminal
 
     async def replay(self, head: tuple[RunRecord, int] | None = None) -> AsyncIterator[bytes]:
         """The steps after :attr:`last`, one page at a time, then the run's status and its call in flight.
@@ -409,6 +412,8 @@ class _RunStream:
                     yield chunk
             size = max(1, min(PAGE_STEPS, PAGE_BYTES * len(page) // max(sent, 1)))
         status = status_data(record.run_id, record.status.value, record.termination_reason.value)
+        if record.status.is_terminal:
+            status.update(run_end(await self._answered(record, count)))
         self.status = record.status
         yield frame(StreamEvent.STATUS, status)
         progress = current_progress(record)  # a record without steps: its status and report only
@@ -419,9 +424,14 @@ class _RunStream:
                          if s.kind is StepKind.TOOL and s.tool_call_id)
         if progress is not None and progress.get("tool_call_id") not in calls:
             yield frame(StreamEvent.PROGRESS, progress)
-        if record.status.is_terminal and self.deadline is None:
-            finished = record.finished_at or time.time()
-            self.deadline = asyncio.get_running_loop().time() + max(0.0, finished + TERMINAL_GRACE_S - time.time())
+
+    async def _answered(self, record: RunRecord, count: int) -> RunRecord:
+        """``record`` (read without its steps) with its last steps, among which a completed run's final one
+        (the completion appends it last: shared/_store_core.py, ``complete``)."""
+        if record.status is not RunStatus.COMPLETED or not count:
+            return record
+        start = max(0, count - FIRST_PAGE)
+        return dataclasses.replace(record, steps=await self.store.steps(self.run_id, start, count - start))
 
 
 async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[RunRecord, int],
@@ -430,18 +440,13 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
     steps, and its number of steps: :meth:`AsyncRunStore.head`) was read; whoever subscribed it
     unsubscribes it when the stream is over (:class:`EventStreamResponse`)."""
     stream = _RunStream(store, head[0].run_id, last_event_id)
-    loop = asyncio.get_running_loop()
     yield f"retry: {RETRY_MS}\n\n".encode()
     async for chunk in stream.replay(head):
         yield chunk
-    while True:
-        deadline = stream.deadline
-        timeout = KEEPALIVE_S if deadline is None else min(KEEPALIVE_S, max(0.0, deadline - loop.time()))
+    while not stream.ended:
         try:
-            event = await asyncio.wait_for(subscriber.queue.get(), timeout)
+            event = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_S)
         except TimeoutError:
-            if deadline is not None and loop.time() >= deadline:
-                break
             yield b": keepalive\n\n"
             continue
         if event is RESYNC:
@@ -455,8 +460,6 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
         elif event.kind is StreamEvent.STATUS:
             if stream.fresh(event.status):
                 yield event.frame
-                if stream.status is not None and stream.status.is_terminal and stream.deadline is None:
-                    stream.deadline = loop.time() + TERMINAL_GRACE_S
         else:
             yield event.frame
         if subscriber.dropped and subscriber.queue.empty():
