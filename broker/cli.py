@@ -549,18 +549,46 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
         emit_json(described)
         return
     click.echo(f"{where}: ok")
-    for name, server in described["mcp_servers"].items():
-        # What each transport shows comes from its registry entry (shared/registry.py): read what is there.
-        target = server.get("url") or " ".join([server.get("command", ""), *server.get("args", [])]).strip()
-        secrets = {**server.get("headers", {}), **server.get("env", {})}
-        unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
-        shown = "; ".join(f"{k}: {s['template']}" for k, s in secrets.items())
-        click.echo(f"  server {name} ({server['transport']}): {target}"
-                   + (f"  {'headers' if 'url' in server else 'env'}: {shown}" if shown else "")
-                   + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
-                   + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
-    for name, model in described["models"].items():
-        key = model.get("api_key_env")
-        state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
-        what = " at ".join(str(model[k]) for k in ("model", "base_url") if k in model) or model["provider"]
-        click.echo(f"  model {name}: {what}{state}")
+    for section, line in CATALOG_LINES.items():
+        for name, entry in described[section].items():
+            click.echo(f"  {line(name, entry)}")
+
+
+def _server_line(name: str, server: dict[str, Any]) -> str:
+    # What each transport shows comes from its registry entry (shared/registry.py): read what is there.
+    target = server.get("url") or " ".join([server.get("command", ""), *server.get("args", [])]).strip()
+    secrets = {**server.get("headers", {}), **server.get("env", {})}
+    unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
+    shown = "; ".join(f"{k}: {s['template']}" for k, s in secrets.items())
+    return (f"server {name} ({server['transport']}): {target}"
+            + (f"  {'headers' if 'url' in server else 'env'}: {shown}" if shown else "")
+            + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
+            + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
+
+
+def _model_line(name: str, model: dict[str, Any]) -> str:
+    key = model.get("api_key_env")
+    state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
+    what = " at ".join(str(model[k]) for k in ("model", "base_url") if k in model) or model["provider"]
+    return f"model {name}: {what}{state}"
+
+
+def _webhook_line(name: str, hook: dict[str, Any]) -> str:
+    secret = f"${{{hook['secret_env']}}} ({'set' if hook['secret_set'] else 'UNSET here'})"
+    return f"webhook {name}: {hook['url']}  events: {', '.join(hook['events'])}  secret: {secret}"
+
+
+def _tenant_line(name: str, quotas: dict[str, Any]) -> str:
+    return f"tenant {name}: " + (", ".join(f"{k} {v}" for k, v in quotas.items()) or "no quotas")
+
+
+def _user_line(name: str, user: dict[str, Any]) -> str:
+    return f"rabbitmq user {name}: tenant {user['tenant']}"
+
+
+CATALOG_LINES: Final[dict[str, Callable[[str, dict[str, Any]], str]]] = {
+    "mcp_servers": _server_line, "models": _model_line, "webhooks": _webhook_line, "tenants": _tenant_line,
+    "rabbitmq_users": _user_line,
+}
+"""How ``catalog check`` shows one entry of each section of :meth:`Catalog.describe`, in this order: every
+section it describes (tests/test_cli.py checks that none is left out)."""
