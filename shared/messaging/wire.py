@@ -38,7 +38,7 @@ import json
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pika
 import pika.exceptions
@@ -50,8 +50,10 @@ from pika.adapters.blocking_connection import BlockingChannel, BlockingConnectio
 from runbrake.shared.errors import FieldProblem, MalformedMessage, SpecError
 from runbrake.shared.run_end import read_run_end
 from runbrake.shared.settings import Settings
-from runbrake.shared.spec import RunSpec
 from runbrake.shared.tracing import TRACEPARENT, is_traceparent
+
+if TYPE_CHECKING:
+    from runbrake.shared.spec import RunSpec
 
 RUN_ACTOR: Final = "execute_run"
 """The Dramatiq actor that executes run messages."""
@@ -625,6 +627,8 @@ def decode_run_request(body: bytes, *, max_bytes: int) -> RunSpec:
     """
     if len(body) > max_bytes:
         raise SpecError("spec", f"is {len(body)} bytes; the limit is {max_bytes} (RUNBRAKE_MAX_SPEC_BYTES)")
+    from runbrake.shared.spec import RunSpec  # noqa: PLC0415 - a cancel's publisher needs none of the spec's models
+
     return RunSpec.from_json(body)
 
 
