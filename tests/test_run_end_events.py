@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx2
+import jsonschema
 import pytest
 
 from runbrake.broker import Client
@@ -30,6 +32,7 @@ from tests.worker_helpers import WorkerProcess, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
 
+REPO = Path(__file__).resolve().parent.parent
 SECRET_ENV = "RUNBRAKE_TEST_WEBHOOK_SECRET"
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "sources": {"type": "array"}},
           "required": ["answer", "sources"]}
@@ -47,6 +50,12 @@ def receiver(namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiv
     hook.start()
     yield hook
     hook.stop()
+
+
+def _status_schema() -> Any:
+    """The JSON Schema of a status event's data, as docs/http-api.md states it."""
+    blocks = (REPO / "docs" / "http-api.md").read_text(encoding="utf-8").split("```json\n")[1:]
+    return next(json.loads(b.split("```")[0]) for b in blocks if "urn:runbrake:http:status" in b)
 
 
 def _end(record_json: dict[str, Any]) -> dict[str, Any]:
@@ -98,6 +107,7 @@ def test_a_completed_runs_answer_and_usage_reach_rabbitmq_webhooks_the_run_strea
     assert _subset(expected, completed[answered]) == expected
     assert _subset(expected, delivered[answered]) == expected
     assert streamed[answered].event == "status"
+    jsonschema.Draft202012Validator(_status_schema()).validate(streamed[long].data)
     assert _subset(expected, streamed[answered].data) == expected
     assert _subset(expected, _feed_status(api, queued[answered], answered, "completed")) == expected
 
@@ -157,6 +167,9 @@ def test_a_runs_stream_ends_right_after_its_terminal_status_which_carries_its_en
         status = events[-2].data
         assert status["status"] == shown[run_id]["status"]
         assert _subset(_end(shown[run_id]), status) == _end(shown[run_id])
+    validator = jsonschema.Draft202012Validator(_status_schema())
+    for events in rest.values():
+        validator.validate(events[-2].data)  # docs/http-api.md, the status event's JSON Schema
     assert rest[completed][-2].data["output"] == "It is 5."
     assert rest[completed][-2].data["usage"] == {"input_tokens": 15, "output_tokens": 7, "total_tokens": 22,
                                                  "model_calls": 2}
