@@ -54,6 +54,10 @@ QUEUE_SIZE: Final = 256
 """Events a client may fall behind before it is dropped."""
 KEEPALIVE_S: Final = 15.0
 """A comment line this often keeps proxies from closing an idle stream and finds clients that left."""
+CUT_OFF_WAIT_S: Final = 3.0
+"""How long a stream holds back the terminal status of a run cancelled while running, for the steps its worker
+records just after the cancel (the calls it cut off: docs/architecture.md, "Cancellation: the interrupt"),
+which are sent before the status; the status and ``end`` then close the stream."""
 RETRY_MS: Final = 1000
 PAGE_BYTES: Final = 256 * 1024
 """About how many bytes of frames one page of replayed steps comes to: the next page asks for as many
@@ -89,6 +93,18 @@ class Event:
     stream's frames do not carry (their ids are step sequences)."""
     tenant: str = ""
     """The run's tenant ("" for none): a tenant's ``GET /v1/events`` hears only its own."""
+    calls: tuple[tuple[str, ...], str] = ((), "")
+    """A step's tool calls: the ids a model step asks for, and the id a tool step answers (:func:`step_calls`)."""
+
+
+def step_calls(step: RunStep) -> tuple[tuple[str, ...], str]:
+    """The tool call ids ``step`` opens (a model step's ``detail.tool_calls``) and the one it closes (a tool
+    step's ``tool_call_id``): the calls in flight are those opened and not yet closed."""
+    if step.kind is StepKind.TOOL:
+        return (), step.tool_call_id or ""
+    asked = step.detail.get("tool_calls") if step.kind is StepKind.MODEL else None
+    ids = [c.get("id") for c in asked if isinstance(c, dict)] if isinstance(asked, list) else []
+    return tuple(i for i in ids if isinstance(i, str) and i), ""
 
 
 RESYNC: Final = Event(StreamEvent.RESYNC, "", 0, b"")
@@ -340,7 +356,7 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "
         if step.sequence < 1:
             raise Unreadable("a step's sequence is a positive integer")
         step_data = frame(StreamEvent.STEP, step_json(step), event_id=step.sequence)
-        return Event(StreamEvent.STEP, run_id, step.sequence, step_data)
+        return Event(StreamEvent.STEP, run_id, step.sequence, step_data, calls=step_calls(step))
     if kind == StreamEvent.PROGRESS:
         progress = message.get("progress")
         if not isinstance(progress, dict):
@@ -370,6 +386,8 @@ class _RunStream:
         self.store = store
         self.run_id = run_id
         self.last = last
+        self.in_flight: set[str] = set()
+        """The tool calls of the steps sent that no step sent answers yet."""
         self.status: RunStatus | None = None
         """The status last sent: a live status event that repeats it, or comes after a terminal one, is
         stale (its PUBLISH reached this process after the replay read the run) and is not sent."""
@@ -381,6 +399,34 @@ class _RunStream:
             return False  # terminal is terminal: nothing after it is news
         self.status = found
         return True
+
+    def sent(self, sequence: int, calls: tuple[tuple[str, ...], str]) -> None:
+        """A step went out: it is the last one, and it opens or closes tool calls."""
+        self.last = sequence
+        self.track(calls)
+
+    def track(self, calls: tuple[tuple[str, ...], str]) -> None:
+        opened, closed = calls
+        self.in_flight.update(opened)
+        self.in_flight.discard(closed)
+
+    async def cut_off(self, queue: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
+        """The steps the worker of a run cancelled while running records just after the cancel: each call in
+        flight, or else the one model call, cut off. Sent as they come, until none is in flight any more after
+        at least one, or :data:`CUT_OFF_WAIT_S` passed (nothing was in flight, or a ``finish`` tool goes on
+        within its grace: the step is then in ``GET /v1/runs/{id}`` only)."""
+        deadline = asyncio.get_running_loop().time() + CUT_OFF_WAIT_S
+        came = False
+        while not (came and not self.in_flight):
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await queue.get()
+            except TimeoutError:
+                return
+            if event.kind is StreamEvent.STEP and event.sequence > self.last:
+                self.sent(event.sequence, event.calls)
+                came = True
+                yield event.frame
 
     @property
     def ended(self) -> bool:
@@ -408,8 +454,10 @@ class _RunStream:
                 if step.sequence > self.last:
                     chunk = step_frame(self.run_id, step)
                     sent += len(chunk)
-                    self.last = step.sequence
+                    self.sent(step.sequence, step_calls(step))
                     yield chunk
+                else:
+                    self.track(step_calls(step))  # sent on an earlier connection: its calls count all the same
             size = max(1, min(PAGE_STEPS, PAGE_BYTES * len(page) // max(sent, 1)))
         status = status_data(record.run_id, record.status.value, record.termination_reason.value)
         if record.status.is_terminal:
@@ -455,10 +503,15 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
                 yield chunk
         elif event.kind is StreamEvent.STEP:
             if event.sequence > stream.last:
-                stream.last = event.sequence
+                stream.sent(event.sequence, event.calls)
                 yield event.frame
         elif event.kind is StreamEvent.STATUS:
+            before = stream.status
             if stream.fresh(event.status):
+                if before is RunStatus.RUNNING and stream.status is RunStatus.CANCELLED:
+                    # The steps of what the cancel cut off come before the status that ends the stream.
+                    async for chunk in stream.cut_off(subscriber.queue):
+                        yield chunk
                 yield event.frame
         else:
             yield event.frame

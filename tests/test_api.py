@@ -244,7 +244,7 @@ def test_events_replay_the_steps_then_follow_live_and_end_right_after_the_termin
         store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="two"))
         live = next_event(stream, "2", replayed_status=first[1].data)
         store.cancel(run_id, reason="stop", requested_by="t")
-        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="late: after the stream's end"))
+        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="cut off by the cancel"))
         rest = list(stream)
         resumed = list(client.events(run_id, last_event_id=2))
 
@@ -252,9 +252,10 @@ def test_events_replay_the_steps_then_follow_live_and_end_right_after_the_termin
     assert first[1].data == {"run_id": run_id, "status": "running", "termination_reason": ""}
     assert live.data["content"] == "two"
     assert live.data == {**store.get(run_id).steps[1].to_dict(), "outcome": ""}
+    # What the cancel cut off (recorded after it) comes before the status, which ends the stream.
     assert [(e.event, e.data.get("status") or e.data.get("sequence")) for e in rest] == [
-        ("status", "cancelled"), ("end", None)]
-    # Resuming after step 2: only step 3 (recorded after the cancel), then the status, then the end.
+        ("step", 3), ("status", "cancelled"), ("end", None)]
+    # Resuming after step 2: only step 3, then the status, then the end.
     assert [(e.event, e.id) for e in resumed] == [("step", "3"), ("status", None), ("end", None)]
 
 

@@ -2,7 +2,8 @@
 ``run.completed``, ``run.failed`` and ``run.cancelled`` on RabbitMQ, to webhooks, as the SSE ``status`` event
 and on ``GET /v1/events`` carry ``output``, ``output_json``, ``usage`` and ``error`` as ``GET /v1/runs/{id}``
 names them, a long answer cut to ``EVENT_OUTPUT_CHARS`` with ``output_truncated``; and a run's event stream
-ends right after its terminal status (item 4; docs/http-api.md, "Events").
+ends right after its terminal status, the steps of what a cancel cut off sent before it (item 4;
+docs/http-api.md, "Events").
 """
 
 from __future__ import annotations
@@ -121,13 +122,23 @@ def test_a_completed_runs_answer_and_usage_reach_rabbitmq_webhooks_the_run_strea
     assert receiver.refused == []
 
 
+CALL = {"id": "c1", "server": "calc", "tool": "slow", "arguments": {}}
+
+
 def _running(store: RunStore) -> tuple[str, str]:
+    """A running run whose first model step asked for a tool call (in flight from then on)."""
     run_id = store.create({"input": "end me"}).run_id
     owner = f"test-{uuid.uuid4().hex[:8]}"
     assert store.claim(run_id, owner, lease_s=60).won
-    usage = {"input_tokens": 12, "output_tokens": 7}
-    store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=1, content="thinking", detail={"usage": usage}))
+    detail = {"usage": {"input_tokens": 12, "output_tokens": 7}, "tool_calls": [CALL]}
+    store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=1, content="thinking", detail=detail))
     return run_id, owner
+
+
+def _cut_off(store: RunStore, run_id: str) -> None:
+    """Record the call in flight cancelled, as the worker does just after a cancel."""
+    store.append_step(run_id, RunStep.tool(round=1, server="calc", name="slow", call_id="c1",
+                                           result=ToolResult.cancelled("call to calc.slow was cancelled")))
 
 
 def _live(client: Client, run_id: str) -> Iterator[Any]:
@@ -154,16 +165,13 @@ def test_a_runs_stream_ends_right_after_its_terminal_status_which_carries_its_en
         assert store.settle(failed, RunStatus.FAILED, TerminationReason.PROVIDER_FAILED, owner=failed_owner,
                             error="the provider answered 503").won
         assert store.cancel(cancelled, reason="enough", requested_by="t").won
-        # Recorded after the cancel (as a worker records the call a cancel cut off): not on the stream, which
-        # ended; a stream resumed after the last step it sent has it (docs/http-api.md, "Events").
-        store.append_step(cancelled, RunStep.tool(round=2, server="calc", name="slow",
-                                                  result=ToolResult.cancelled("call to calc.slow was cancelled")))
+        _cut_off(store, cancelled)  # after the cancel: the stream sends it before the status (docs/http-api.md)
         rest = {run_id: list(stream) for run_id, stream in streams.items()}
         shown = {run_id: client.get(run_id) for run_id in streams}
         resumed = list(client.events(cancelled, last_event_id=1))
 
     for run_id, events in rest.items():
-        assert [e.event for e in events] == (["step", "status", "end"] if run_id == completed else ["status", "end"])
+        assert [e.event for e in events] == (["status", "end"] if run_id == failed else ["step", "status", "end"])
         status = events[-2].data
         assert status["status"] == shown[run_id]["status"]
         assert _subset(_end(shown[run_id]), status) == _end(shown[run_id])
@@ -176,10 +184,11 @@ def test_a_runs_stream_ends_right_after_its_terminal_status_which_carries_its_en
     assert rest[failed][-2].data["error"] == "the provider answered 503"
     assert rest[failed][-2].data["output"] is None
     assert rest[cancelled][-2].data["usage"]["model_calls"] == 1
+    assert rest[cancelled][0].data["tool_outcome"] == "cancelled"
     assert [(e.event, e.id) for e in resumed] == [("step", "2"), ("status", None), ("end", None)]
 
 
-def test_the_stream_sends_nothing_between_the_terminal_status_and_its_end_and_then_closes(
+def test_the_terminal_status_is_the_streams_last_event_before_end_and_the_server_closes_it_at_once(
     api: ApiProcess, store: RunStore,
 ) -> None:
     run_id, _ = _running(store)
@@ -190,13 +199,16 @@ def test_the_stream_sends_nothing_between_the_terminal_status_and_its_end_and_th
             if line == "event: status":
                 break
         store.cancel(run_id, reason="enough", requested_by="t")
-        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="late"))
+        _cut_off(store, run_id)
+        store.append_step(run_id, RunStep(kind=StepKind.APPROVAL, round=2, content="after the worker let go"))
         after = list(lines)  # to the end of the body: the server closed it
 
-    # The replayed status (running), then the live one (cancelled), the end, and the end of the body.
-    blocks = "\n".join(after).split("\n\n")
-    assert [b.splitlines()[0] for b in blocks if b.strip()][1:] == ["event: status", "event: end"]
-    assert not any(line.startswith(":") for line in after)  # no keepalive either
+    # The replayed status (running); then the cut-off call, the live status (cancelled), the end, and the end of
+    # the body: the step recorded after them is not sent, nor is a keepalive.
+    blocks = [block.splitlines() for block in "\n".join(after).split("\n\n") if block.strip()]
+    assert [block[0] for block in blocks][1:] == ["id: 2", "event: status", "event: end"]
+    assert '"status":"cancelled"' in blocks[2][1]
+    assert not any(line.startswith(":") for line in after)
 
 
 def test_the_end_fields_of_an_outbox_entry_are_checked_and_passed_on_by_the_relay_and_webhooks() -> None:
