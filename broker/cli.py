@@ -3,6 +3,11 @@
 Exit codes: 0 success, 1 refused by the run's state (unknown run, already finished,
 not waiting), 2 bad input (nothing written or sent), 3 a service (Redis, RabbitMQ)
 could not be reached.
+
+Each command imports what it needs when it runs: ``runbrake --help`` loads click and the error classes,
+``show`` the store and the renderer, ``cancel`` the store and the cancel publisher, and none loads the run
+spec's models or redis.asyncio (docs/benchmarks.md, "CLI start-up (`bench/cli_startup.py`)";
+tests/test_cli_startup.py). Every ops script pays a command's start-up on every call.
 """
 
 from __future__ import annotations
@@ -18,22 +23,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Final, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NoReturn, TypeVar, cast
 
 import click
 
-from runbrake.broker.render import (
-    render_run,
-    render_runs,
-    render_servers,
-    render_webhooks,
-    run_json,
-    run_summary,
-    server_health,
-    webhook_deliveries,
-)
-from runbrake.shared import operations, tracing
-from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import (
     ConfigError,
     IdempotencyConflict,
@@ -46,15 +39,12 @@ from runbrake.shared.errors import (
     StoreError,
     TransitionRefused,
 )
-from runbrake.shared.logging import configure_logging
-from runbrake.shared.messaging.cancel import CancelPublisher
-from runbrake.shared.messaging.producer import Enqueued, Producer
-from runbrake.shared.messaging.rabbitmq import build_broker
-from runbrake.shared.records import check_run_id
-from runbrake.shared.settings import Settings
-from runbrake.shared.spec import RunSpec, parse_label_filters, run_spec_json_schema
 from runbrake.shared.status import RunStatus
-from runbrake.shared.store import RunStore
+
+if TYPE_CHECKING:
+    from runbrake.shared.messaging.producer import Enqueued
+    from runbrake.shared.settings import Settings
+    from runbrake.shared.store import RunStore
 
 EXIT_REFUSED = 1
 EXIT_BAD_INPUT = 2
@@ -122,6 +112,9 @@ def user_errors(command: F) -> F:
 
 def settings_from_env() -> Settings:
     """The settings of this command, read once; tracing turned on when they say so (docs/operating.md, "Traces")."""
+    from runbrake.shared import tracing
+    from runbrake.shared.settings import Settings
+
     settings = Settings.from_env()
     tracing.configure(settings, service="runbrake")
     return settings
@@ -129,6 +122,8 @@ def settings_from_env() -> Settings:
 
 @contextmanager
 def open_store(settings: Settings) -> Iterator[RunStore]:
+    from runbrake.shared.store import RunStore
+
     store = RunStore.connect(settings)
     try:
         yield store
@@ -158,6 +153,8 @@ def main(ctx: click.Context) -> None:
     RUNBRAKE_NAMESPACE. Exit codes: 0 success, 1 refused by the run's state,
     2 bad input (nothing written or sent), 3 a service could not be reached.
     """
+    from runbrake.shared.logging import configure_logging
+
     # A worker reports what it does; the one-shot commands speak only up when something is wrong.
     configure_logging("INFO" if ctx.invoked_subcommand in ("worker", "serve") else "WARNING")
 
@@ -168,6 +165,8 @@ class _RunId(click.ParamType[str]):
     name = "RUN_ID"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from runbrake.shared.records import check_run_id
+
         try:
             return check_run_id(str(value))
         except InvalidRunId as exc:
@@ -183,6 +182,12 @@ RUN_ID = _RunId()
 @user_errors
 def enqueue(spec_file: str, as_json: bool) -> None:
     """Validate SPEC_FILE (JSON, or - for stdin), persist the run and send it to the workers."""
+    from runbrake.shared import operations
+    from runbrake.shared.catalog import Admission
+    from runbrake.shared.messaging.producer import Producer
+    from runbrake.shared.messaging.rabbitmq import build_broker
+    from runbrake.shared.spec import RunSpec
+
     settings = settings_from_env()
     limit = settings.max_spec_bytes
     try:
@@ -213,6 +218,11 @@ def enqueue(spec_file: str, as_json: bool) -> None:
 def continue_(run_id: str, text: str, as_json: bool) -> None:
     """Enqueue a new run that carries on the finished run RUN_ID's conversation with TEXT as its input (its
     spec, labels and thread are RUN_ID's); prints the new run's id."""
+    from runbrake.shared import operations
+    from runbrake.shared.catalog import Admission
+    from runbrake.shared.messaging.producer import Producer
+    from runbrake.shared.messaging.rabbitmq import build_broker
+
     settings = settings_from_env()
     admission = Admission.from_settings(settings)
     broker = build_broker(settings)
@@ -241,6 +251,9 @@ def _print_enqueued(enqueued: Enqueued, as_json: bool) -> None:
 @user_errors
 def cancel(run_id: str, reason: str, requested_by: str | None, as_json: bool) -> None:
     """Cancel RUN_ID: win the fence in Redis, then wake the worker that runs it."""
+    from runbrake.shared import operations
+    from runbrake.shared.messaging.cancel import CancelPublisher
+
     settings = settings_from_env()
     publisher = CancelPublisher(settings)
     try:
@@ -290,6 +303,11 @@ def steer(run_id: str, text: str, reason: str, requested_by: str | None, as_json
     Only a running run or one waiting for approval can be steered (exit 1 otherwise, naming its status);
     one steer at a time (docs/usage.md, "Steer a run").
     """
+    from runbrake.shared import operations
+    from runbrake.shared.messaging.cancel import CancelPublisher
+    from runbrake.shared.messaging.producer import Producer
+    from runbrake.shared.messaging.rabbitmq import build_broker
+
     settings = settings_from_env()
     publisher, broker = CancelPublisher(settings), build_broker(settings)
     try:
@@ -328,6 +346,8 @@ def steer(run_id: str, text: str, reason: str, requested_by: str | None, as_json
 @user_errors
 def show(run_id: str, as_json: bool, lang: str) -> None:
     """Show a run and its timeline, with an Outcome column."""
+    from runbrake.broker.render import render_run, run_json
+
     with open_store(settings_from_env()) as store:
         record = store.get(run_id)
     if as_json:
@@ -348,6 +368,9 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
 @user_errors
 def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None, limit: int, as_json: bool) -> None:
     """List recent runs, newest first (filters look at the last 1000 runs), or one thread."""
+    from runbrake.broker.render import render_runs, run_summary
+    from runbrake.shared.spec import parse_label_filters
+
     try:
         labels = parse_label_filters(label_filters, separator="=")
     except SpecError as exc:
@@ -386,6 +409,8 @@ def servers(since: float | None, as_json: bool) -> None:
     """Per MCP server (by catalog name): ok, failed, argument errors and cancelled tool calls, and a
     failure rate that counts neither cancellations nor argument errors (a server is flaky because of its
     own failures, not because operators cancelled runs or callers sent bad arguments)."""
+    from runbrake.broker.render import render_servers, server_health
+
     with open_store(settings_from_env()) as store:
         health = server_health(store.server_outcomes(since=None if since is None else time.time() - since))
     if as_json:
@@ -402,6 +427,8 @@ def servers(since: float | None, as_json: bool) -> None:
 def webhooks(failing: bool, limit: int, as_json: bool) -> None:
     """Webhook deliveries, newest first: each event sent to each webhook a run names (docs/webhooks.md),
     delivered, retrying (with the last error) or given up."""
+    from runbrake.broker.render import render_webhooks, webhook_deliveries
+
     with open_store(settings_from_env()) as store:
         deliveries = webhook_deliveries(store.webhook_deliveries(failing=failing, count=limit))
     if as_json:
@@ -417,6 +444,10 @@ def webhooks(failing: bool, limit: int, as_json: bool) -> None:
 @user_errors
 def approve(run_id: str, reason: str, decided_by: str | None) -> None:
     """Approve the tool call RUN_ID waits for; a worker resumes the run."""
+    from runbrake.shared import operations
+    from runbrake.shared.messaging.producer import Producer
+    from runbrake.shared.messaging.rabbitmq import build_broker
+
     settings = settings_from_env()
     broker = build_broker(settings)
     with open_store(settings) as store:
@@ -435,6 +466,8 @@ def approve(run_id: str, reason: str, decided_by: str | None) -> None:
 @user_errors
 def deny(run_id: str, reason: str, decided_by: str | None) -> None:
     """Deny the tool call RUN_ID waits for; the run ends failed (approval_denied)."""
+    from runbrake.shared import operations
+
     with open_store(settings_from_env()) as store:
         operations.deny(store, run_id, decided_by=decided_by or whoami(), reason=reason)
     click.echo(f"denied {run_id}; the run failed (approval_denied)")
@@ -456,7 +489,7 @@ def worker(processes: int | None, concurrency: int) -> None:
     Each process takes runs on a few consumer threads and runs up to --concurrency of them at once on its
     event loop; a full process leaves further messages in the queue for other workers.
     """
-    from runbrake.worker.supervisor import run_workers  # noqa: PLC0415 - the producer side never loads the worker
+    from runbrake.worker.supervisor import run_workers  # the producer side never loads the worker
 
     settings = settings_from_env()
     with open_store(settings) as store:
@@ -471,11 +504,11 @@ def worker(processes: int | None, concurrency: int) -> None:
 @user_errors
 def serve(host: str, port: int) -> None:
     """Serve the HTTP API and the runs page (docs/http-api.md). Stateless: run as many as you like."""
-    import uvicorn  # noqa: PLC0415 - only serve needs the server
+    import uvicorn  # only serve needs the server
 
-    from runbrake.broker.api import create_app  # noqa: PLC0415
-    from runbrake.broker.auth import Tokens, TokensFileError  # noqa: PLC0415
-    from runbrake.broker.header_deadline import header_deadline_protocol  # noqa: PLC0415
+    from runbrake.broker.api import create_app
+    from runbrake.broker.auth import Tokens, TokensFileError
+    from runbrake.broker.header_deadline import header_deadline_protocol
 
     settings = settings_from_env()
     tokens = None
@@ -514,7 +547,7 @@ def _is_loopback(host: str) -> bool:
 @user_errors
 def demo() -> None:
     """The whole story on the local services, in under a minute."""
-    from runbrake.broker.demo import run_demo  # noqa: PLC0415 - only the demo needs it
+    from runbrake.broker.demo import run_demo
 
     sys.exit(run_demo(settings_from_env()))
 
@@ -522,6 +555,8 @@ def demo() -> None:
 @main.command()
 def schema() -> None:
     """Print the run spec's JSON Schema (Draft 2020-12); docs/run-spec.schema.json is a copy of it."""
+    from runbrake.shared.spec import run_spec_json_schema
+
     click.echo(json.dumps(run_spec_json_schema(), indent=2))
 
 
@@ -541,6 +576,8 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
     """Load the catalog (PATH, or RUNBRAKE_CATALOG), report every problem at once (exit 2), and list what
     it defines. Secrets show as ${VAR} with whether VAR is set here, never their values; secrets written
     into the file (a URL's password, a literal header value) show as *** unless --show-secrets."""
+    from runbrake.shared.catalog import Catalog
+
     where = path or settings_from_env().catalog
     if not where:
         fail("no catalog: give a PATH or set RUNBRAKE_CATALOG", EXIT_BAD_INPUT)
@@ -549,20 +586,52 @@ def catalog_check(path: str | None, as_json: bool, show_secrets: bool) -> None:
         emit_json(described)
         return
     click.echo(f"{where}: ok")
-    for name, server in described["mcp_servers"].items():
-        # What each transport shows comes from its registry entry (shared/registry.py): read what is there.
-        target = server.get("url") or " ".join([server.get("command", ""), *server.get("args", [])]).strip()
-        secrets = {**server.get("headers", {}), **server.get("env", {})}
-        unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
-        shown = "; ".join(f"{k}: {s['template']}" for k, s in secrets.items())
-        click.echo(f"  server {name} ({server['transport']}): {target}"
-                   + (f"  {'headers' if 'url' in server else 'env'}: {shown}" if shown else "")
-                   + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
-                   + (f"  tenants: {', '.join(server['tenants'])}" if server["tenants"] else "")
-                   + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
-    for name, model in described["models"].items():
-        key = model.get("api_key_env")
-        state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
-        what = " at ".join(str(model[k]) for k in ("model", "base_url") if k in model) or model["provider"]
-        tenants = f"  tenants: {', '.join(model['tenants'])}" if model.get("tenants") else ""
-        click.echo(f"  model {name}: {what}{state}{tenants}")
+    for section, line in CATALOG_LINES.items():
+        for name, entry in described[section].items():
+            click.echo(f"  {line(name, entry)}")
+
+
+def _server_line(name: str, server: dict[str, Any]) -> str:
+    # What each transport shows comes from its registry entry (shared/registry.py): read what is there.
+    target = server.get("url") or " ".join([server.get("command", ""), *server.get("args", [])]).strip()
+    secrets = {**server.get("headers", {}), **server.get("env", {})}
+    unset = sorted(v for s in secrets.values() for v, is_set in s["variables"].items() if not is_set)
+    shown = "; ".join(f"{k}: {s['template']}" for k, s in secrets.items())
+    return (f"server {name} ({server['transport']}): {target}"
+            + (f"  {'headers' if 'url' in server else 'env'}: {shown}" if shown else "")
+            + (f"  tools: {', '.join(server['tools'])}" if server["tools"] else "")
+            + _tenants(server)
+            + (f"  UNSET here: {', '.join(unset)}" if unset else ""))
+
+
+def _model_line(name: str, model: dict[str, Any]) -> str:
+    key = model.get("api_key_env")
+    state = "" if key is None else f"  key: ${{{key}}} ({'set' if model['api_key_set'] else 'UNSET here'})"
+    what = " at ".join(str(model[k]) for k in ("model", "base_url") if k in model) or model["provider"]
+    return f"model {name}: {what}{state}{_tenants(model)}"
+
+
+def _webhook_line(name: str, hook: dict[str, Any]) -> str:
+    secret = f"${{{hook['secret_env']}}} ({'set' if hook['secret_set'] else 'UNSET here'})"
+    return f"webhook {name}: {hook['url']}  events: {', '.join(hook['events'])}  secret: {secret}{_tenants(hook)}"
+
+
+def _tenants(entry: dict[str, Any]) -> str:
+    """The tenants a catalog entry is open to, where it names some (docs/security.md, "Tenants")."""
+    return f"  tenants: {', '.join(entry['tenants'])}" if entry.get("tenants") else ""
+
+
+def _tenant_line(name: str, quotas: dict[str, Any]) -> str:
+    return f"tenant {name}: " + (", ".join(f"{k} {v}" for k, v in quotas.items()) or "no quotas")
+
+
+def _user_line(name: str, user: dict[str, Any]) -> str:
+    return f"rabbitmq user {name}: tenant {user['tenant']}"
+
+
+CATALOG_LINES: Final[dict[str, Callable[[str, dict[str, Any]], str]]] = {
+    "mcp_servers": _server_line, "models": _model_line, "webhooks": _webhook_line, "tenants": _tenant_line,
+    "rabbitmq_users": _user_line,
+}
+"""How ``catalog check`` shows one entry of each section of :meth:`Catalog.describe`, in this order: every
+section it describes (tests/test_cli.py checks that none is left out)."""

@@ -131,8 +131,9 @@ class Client:
 
     def events(self, run_id: str, *, last_event_id: int | None = None,
                read_timeout_s: float = 60.0) -> Iterator[Event]:
-        """The run's events as they happen (steps replayed first), until the stream ends after the run's
-        terminal status (the last event is ``end``). ``last_event_id`` resumes after that step."""
+        """The run's events as they happen (steps replayed first), until the run ends: the stream's last
+        events are the terminal ``status`` (with the run's ``output``, ``usage`` and ``error``) and ``end``,
+        and the iterator returns right after them. ``last_event_id`` resumes after that step."""
         headers = {"Accept": "text/event-stream"}
         if last_event_id is not None:
             headers["Last-Event-ID"] = str(last_event_id)
@@ -141,7 +142,10 @@ class Client:
             if response.status_code >= 400:
                 response.read()
                 self._answer(response)
-            yield from parse_events(response.iter_lines())
+            for event in parse_events(response.iter_lines()):
+                yield event
+                if event.event == "end":
+                    return
 
     def servers(self) -> list[dict[str, Any]]:
         return self._answer(self._http.get("/v1/servers"))  # type: ignore[no-any-return]

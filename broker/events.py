@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -41,6 +42,7 @@ from runbrake.broker.render import current_progress, step_json
 from runbrake.shared.async_store import AsyncRunStore, plain_client
 from runbrake.shared.errors import RunbrakeError
 from runbrake.shared.records import OutboxEntry, RunRecord, stream_position
+from runbrake.shared.run_end import read_run_end, run_end
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
@@ -52,9 +54,10 @@ QUEUE_SIZE: Final = 256
 """Events a client may fall behind before it is dropped."""
 KEEPALIVE_S: Final = 15.0
 """A comment line this often keeps proxies from closing an idle stream and finds clients that left."""
-TERMINAL_GRACE_S: Final = 3.0
-"""How long a stream goes on after its run's terminal status: the worker records the call a cancel cut
-off just after the cancel itself (docs/architecture.md, "Cancellation: the interrupt")."""
+CUT_OFF_WAIT_S: Final = 3.0
+"""How long a stream holds back the terminal status of a run cancelled while running, for the steps its worker
+records just after the cancel (the calls it cut off: docs/architecture.md, "Cancellation: the interrupt"),
+which are sent before the status; the status and ``end`` then close the stream."""
 RETRY_MS: Final = 1000
 PAGE_BYTES: Final = 256 * 1024
 """About how many bytes of frames one page of replayed steps comes to: the next page asks for as many
@@ -90,6 +93,18 @@ class Event:
     stream's frames do not carry (their ids are step sequences)."""
     tenant: str = ""
     """The run's tenant ("" for none): a tenant's ``GET /v1/events`` hears only its own."""
+    calls: tuple[tuple[str, ...], str] = ((), "")
+    """A step's tool calls: the ids a model step asks for, and the id a tool step answers (:func:`step_calls`)."""
+
+
+def step_calls(step: RunStep) -> tuple[tuple[str, ...], str]:
+    """The tool call ids ``step`` opens (a model step's ``detail.tool_calls``) and the one it closes (a tool
+    step's ``tool_call_id``): the calls in flight are those opened and not yet closed."""
+    if step.kind is StepKind.TOOL:
+        return (), step.tool_call_id or ""
+    asked = step.detail.get("tool_calls") if step.kind is StepKind.MODEL else None
+    ids = [c.get("id") for c in asked if isinstance(c, dict)] if isinstance(asked, list) else []
+    return tuple(i for i in ids if isinstance(i, str) and i), ""
 
 
 RESYNC: Final = Event(StreamEvent.RESYNC, "", 0, b"")
@@ -120,7 +135,7 @@ def _finite(data: Any) -> Any:
     return data
 
 
-def status_data(run_id: str, status: str, reason: str) -> dict[str, str]:
+def status_data(run_id: str, status: str, reason: str) -> dict[str, Any]:
     return {"run_id": run_id, "status": status, "termination_reason": reason}
 
 
@@ -324,7 +339,7 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "
         parsed = RunStatus(status)  # ValueError for a status that is none
         if parsed is RunStatus.UNKNOWN:
             raise Unreadable("unknown is no status a run is ever in")
-        data = status_data(run_id, parsed.value, reason)
+        data = {**status_data(run_id, parsed.value, reason), **read_run_end(message)}  # ValueError: unreadable
         event_id = message.get("id", event_id)
         if not isinstance(event_id, str) or (event_id and stream_position(event_id) is None):
             raise Unreadable("id must be a stream id")
@@ -341,7 +356,7 @@ def _event(raw: bytes | str, *, wanted: Callable[[str], bool], event_id: str = "
         if step.sequence < 1:
             raise Unreadable("a step's sequence is a positive integer")
         step_data = frame(StreamEvent.STEP, step_json(step), event_id=step.sequence)
-        return Event(StreamEvent.STEP, run_id, step.sequence, step_data)
+        return Event(StreamEvent.STEP, run_id, step.sequence, step_data, calls=step_calls(step))
     if kind == StreamEvent.PROGRESS:
         progress = message.get("progress")
         if not isinstance(progress, dict):
@@ -365,13 +380,14 @@ def _delta(delta: object) -> dict[str, Any]:
 
 
 class _RunStream:
-    """The position of one client's stream of one run: the last step sent and when the stream may end."""
+    """The position of one client's stream of one run: the last step sent and the status last sent."""
 
     def __init__(self, store: AsyncRunStore, run_id: str, last: int) -> None:
         self.store = store
         self.run_id = run_id
         self.last = last
-        self.deadline: float | None = None
+        self.in_flight: set[str] = set()
+        """The tool calls of the steps sent that no step sent answers yet."""
         self.status: RunStatus | None = None
         """The status last sent: a live status event that repeats it, or comes after a terminal one, is
         stale (its PUBLISH reached this process after the replay read the run) and is not sent."""
@@ -383,6 +399,39 @@ class _RunStream:
             return False  # terminal is terminal: nothing after it is news
         self.status = found
         return True
+
+    def sent(self, sequence: int, calls: tuple[tuple[str, ...], str]) -> None:
+        """A step went out: it is the last one, and it opens or closes tool calls."""
+        self.last = sequence
+        self.track(calls)
+
+    def track(self, calls: tuple[tuple[str, ...], str]) -> None:
+        opened, closed = calls
+        self.in_flight.update(opened)
+        self.in_flight.discard(closed)
+
+    async def cut_off(self, queue: asyncio.Queue[Event]) -> AsyncIterator[bytes]:
+        """The steps the worker of a run cancelled while running records just after the cancel: each call in
+        flight, or else the one model call, cut off. Sent as they come, until none is in flight any more after
+        at least one, or :data:`CUT_OFF_WAIT_S` passed (nothing was in flight, or a ``finish`` tool goes on
+        within its grace: the step is then in ``GET /v1/runs/{id}`` only)."""
+        deadline = asyncio.get_running_loop().time() + CUT_OFF_WAIT_S
+        came = False
+        while not (came and not self.in_flight):
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await queue.get()
+            except TimeoutError:
+                return
+            if event.kind is StreamEvent.STEP and event.sequence > self.last:
+                self.sent(event.sequence, event.calls)
+                came = True
+                yield event.frame
+
+    @property
+    def ended(self) -> bool:
+        """The run's terminal status was sent: the stream ends right after it (docs/http-api.md, "Events")."""
+        return self.status is not None and self.status.is_terminal
 
     async def replay(self, head: tuple[RunRecord, int] | None = None) -> AsyncIterator[bytes]:
         """The steps after :attr:`last`, one page at a time, then the run's status and its call in flight.
@@ -405,10 +454,14 @@ class _RunStream:
                 if step.sequence > self.last:
                     chunk = step_frame(self.run_id, step)
                     sent += len(chunk)
-                    self.last = step.sequence
+                    self.sent(step.sequence, step_calls(step))
                     yield chunk
+                else:
+                    self.track(step_calls(step))  # sent on an earlier connection: its calls count all the same
             size = max(1, min(PAGE_STEPS, PAGE_BYTES * len(page) // max(sent, 1)))
         status = status_data(record.run_id, record.status.value, record.termination_reason.value)
+        if record.status.is_terminal:
+            status.update(run_end(await self._answered(record, count)))
         self.status = record.status
         yield frame(StreamEvent.STATUS, status)
         progress = current_progress(record)  # a record without steps: its status and report only
@@ -419,9 +472,14 @@ class _RunStream:
                          if s.kind is StepKind.TOOL and s.tool_call_id)
         if progress is not None and progress.get("tool_call_id") not in calls:
             yield frame(StreamEvent.PROGRESS, progress)
-        if record.status.is_terminal and self.deadline is None:
-            finished = record.finished_at or time.time()
-            self.deadline = asyncio.get_running_loop().time() + max(0.0, finished + TERMINAL_GRACE_S - time.time())
+
+    async def _answered(self, record: RunRecord, count: int) -> RunRecord:
+        """``record`` (read without its steps) with its last steps, among which a completed run's final one
+        (the completion appends it last: shared/_store_core.py, ``complete``)."""
+        if record.status is not RunStatus.COMPLETED or not count:
+            return record
+        start = max(0, count - FIRST_PAGE)
+        return dataclasses.replace(record, steps=await self.store.steps(self.run_id, start, count - start))
 
 
 async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[RunRecord, int],
@@ -430,18 +488,13 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
     steps, and its number of steps: :meth:`AsyncRunStore.head`) was read; whoever subscribed it
     unsubscribes it when the stream is over (:class:`EventStreamResponse`)."""
     stream = _RunStream(store, head[0].run_id, last_event_id)
-    loop = asyncio.get_running_loop()
     yield f"retry: {RETRY_MS}\n\n".encode()
     async for chunk in stream.replay(head):
         yield chunk
-    while True:
-        deadline = stream.deadline
-        timeout = KEEPALIVE_S if deadline is None else min(KEEPALIVE_S, max(0.0, deadline - loop.time()))
+    while not stream.ended:
         try:
-            event = await asyncio.wait_for(subscriber.queue.get(), timeout)
+            event = await asyncio.wait_for(subscriber.queue.get(), KEEPALIVE_S)
         except TimeoutError:
-            if deadline is not None and loop.time() >= deadline:
-                break
             yield b": keepalive\n\n"
             continue
         if event is RESYNC:
@@ -450,13 +503,16 @@ async def run_events(store: AsyncRunStore, subscriber: Subscriber, head: tuple[R
                 yield chunk
         elif event.kind is StreamEvent.STEP:
             if event.sequence > stream.last:
-                stream.last = event.sequence
+                stream.sent(event.sequence, event.calls)
                 yield event.frame
         elif event.kind is StreamEvent.STATUS:
+            before = stream.status
             if stream.fresh(event.status):
+                if before is RunStatus.RUNNING and stream.status is RunStatus.CANCELLED:
+                    # The steps of what the cancel cut off come before the status that ends the stream.
+                    async for chunk in stream.cut_off(subscriber.queue):
+                        yield chunk
                 yield event.frame
-                if stream.status is not None and stream.status.is_terminal and stream.deadline is None:
-                    stream.deadline = loop.time() + TERMINAL_GRACE_S
         else:
             yield event.frame
         if subscriber.dropped and subscriber.queue.empty():

@@ -92,6 +92,24 @@ end
 """A status change's event. Written only for a run that exists, whose id the store generated (hex), so the
 id needs no escaping."""
 
+_ANNOUNCE_END = _ANNOUNCE + """
+local function announce_end(run_id, status, reason, answer)
+  local u = redis.call('HMGET', KEYS[1], 'input_tokens', 'output_tokens', 'model_calls', 'cost_usd', 'error')
+  local i, o, m = tonumber(u[1]) or 0, tonumber(u[2]) or 0, tonumber(u[3]) or 0
+  local usage = string.format('"usage":{"input_tokens":%d,"output_tokens":%d,"total_tokens":%d,"model_calls":%d',
+    i, o, i + o, m)
+  local cost = tonumber(u[4] or '')
+  if cost and cost >= 0 and cost < 1e15 then usage = usage .. string.format(',"cost_usd":%.9f', cost) end
+  if answer == '' then answer = '"output":null,"output_json":null,"output_truncated":false' end
+  return outbox(run_id, '{"event":"status","run_id":"' .. run_id .. '","status":"' .. status ..
+    '","termination_reason":"' .. reason .. '",' .. answer .. ',' .. usage .. '},"error":' ..
+    cjson.encode(u[5] or '') .. '}')
+end
+"""
+"""A terminal status's event (shared/run_end.py): the answer as the caller made it (JSON members, spliced as
+text: cjson would turn [] into {}; "" for none), the usage and the error as the run's hash holds them once
+the status changed (the counts as integers, the cost rounded to nine decimals as shared/records.py reads it)."""
+
 _RELEASE = """
 local function release(tenants_key)
   local tenant = redis.call('HGET', KEYS[1], 'tenant')
@@ -295,10 +313,11 @@ return {1, st, 1}
 
 # KEYS: run, leases, unclaimed, tenants, steer, run, steps, cancel, finished, outbox.
 # ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
-#   unless steered ('' = regardless), retention_s, events channel
+#   unless steered ('' = regardless), answer (JSON members: shared/run_end.py; '' = none), retention_s,
+#   events channel
 # A run does not complete while a steer waits for it (docs/architecture.md, "Steer: the final answer"): the
 # completing settle (unless steered) answers {0, status, 'steer'} and the worker goes on with the steer.
-SETTLE = _script("settle", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
+SETTLE = _script("settle", _ANNOUNCE_END + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -311,14 +330,14 @@ redis.call('ZREM', KEYS[2], ARGV[7])
 redis.call('ZREM', KEYS[3], ARGV[7])
 release(KEYS[4])
 retain(ARGV[7], ARGV[4])
-announce(ARGV[7], ARGV[1], ARGV[2])
+announce_end(ARGV[7], ARGV[1], ARGV[2], ARGV[9])
 return {1, st}
 """)
 
 # KEYS: run, cancel, leases, unclaimed, tenants, run, steps, cancel, finished, outbox.
 # ARGV: cancel_json, now, run_id, termination reason (cancelled, or a budget's: shared/_store_core.py cancel),
 #   retention_s, events channel
-CANCEL = _script("cancel", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
+CANCEL = _script("cancel", _ANNOUNCE_END + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
@@ -329,7 +348,7 @@ redis.call('ZREM', KEYS[3], ARGV[3])
 redis.call('ZREM', KEYS[4], ARGV[3])
 release(KEYS[5])
 retain(ARGV[3], ARGV[2])
-announce(ARGV[3], '$status_cancelled', ARGV[4])
+announce_end(ARGV[3], '$status_cancelled', ARGV[4], '')
 return {1, st}
 """)
 
@@ -456,7 +475,7 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', redis_now(), 'LIMIT', 0, ARG
 # KEYS: run, leases, tenants, run, steps, cancel, finished, outbox.  ARGV: run_id, retention_s, events channel
 # running with an expired lease (by Redis's clock) → failed (lease_lost). A run no longer running leaves
 # the lease set; one whose lease was renewed meanwhile is put back at its new expiry.
-REAP = _script("reap", _ANNOUNCE + _RETAIN + _RELEASE + _REDIS_NOW + """
+REAP = _script("reap", _ANNOUNCE_END + _RETAIN + _RELEASE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st ~= '$status_running' then
   redis.call('ZREM', KEYS[2], ARGV[1])
@@ -475,7 +494,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_failed', 'termination_reason', '$
 redis.call('ZREM', KEYS[2], ARGV[1])
 release(KEYS[3])
 retain(ARGV[1], now)
-announce(ARGV[1], '$status_failed', '$reason_lease_lost')
+announce_end(ARGV[1], '$status_failed', '$reason_lease_lost', '')
 return {1, st}
 """)
 

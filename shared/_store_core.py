@@ -68,6 +68,7 @@ from runbrake.shared.records import (
     read_step,
 )
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
+from runbrake.shared.run_end import answer_members
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepError, StepKind
 from runbrake.shared.threads import ThreadLink
@@ -258,8 +259,9 @@ class Ident(str):
 
 class Verbatim(str):
     """A script argument kept exactly as the caller gave it, unscrubbed: only the run's request (it is what
-    runs: cutting a URL's password out of an inline server would change the run) and its idempotency key
-    (part of a key's name). Build one with :func:`verbatim_json` or for the key directly."""
+    runs: cutting a URL's password out of an inline server would change the run), its idempotency key
+    (part of a key's name) and the answer its terminal event carries (JSON scrubbed value by value before it
+    was cut: shared/run_end.py). Build one with :func:`verbatim_json` or for the key directly."""
 
     __slots__ = ()
 
@@ -658,12 +660,17 @@ def approve(keys: Keys, run_id: str) -> Op[Transition]:
 
 
 def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
-           error: str = "", required_status: RunStatus | None = None, unless_steered: bool = False) -> Op[Transition]:
+           error: str = "", required_status: RunStatus | None = None, unless_steered: bool = False,
+           final: RunStep | None = None) -> Op[Transition]:
     """non-terminal → completed or failed. Owner-guarded when ``owner`` is given; limited to
     ``required_status`` when given (``deny`` settles only a run that waits for approval); refused while a steer
-    waits with ``unless_steered`` (the completion: docs/architecture.md, "Steer: the final answer")."""
+    waits with ``unless_steered`` (the completion: docs/architecture.md, "Steer: the final answer").
+    ``final``: the model step that answered a completing run, whose answer ``run.completed`` carries
+    (shared/run_end.py)."""
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
         raise ValueError(f"settle goes to completed or failed, not {status.value} (cancel has its own fence)")
+    if final is not None and status is not RunStatus.COMPLETED:
+        raise ValueError("only a completed run has an answer (final)")
     return durable(_script(
         _scripts.SETTLE,
         (keys.run(run_id), *keys.waiting_lists(run_id), keys.tenants(keys.shard(run_id)), keys.steer(run_id),
@@ -671,7 +678,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
         # Scrubbed before it is cut, so that a cut cannot leave the start of a secret behind.
         (Ident(status.value), Ident(reason.value), Ident(owner or ""), time.time(), scrub(error)[:MAX_ERROR_CHARS],
          Ident("" if required_status is None else required_status.value), Ident(run_id),
-         Ident("1" if unless_steered else ""), keys.retention_s, Ident(keys.events)),
+         Ident("1" if unless_steered else ""), Verbatim(answer_members(final)), keys.retention_s, Ident(keys.events)),
         f"settle run {run_id}", _transition(f"settle_{status.value}", run_id),
     ))
 
@@ -887,7 +894,8 @@ def complete(keys: Keys, run_id: str, step: RunStep, *, owner: str,
     guard finds it cancelled too and refuses.
     """
     append = append_step(keys, run_id, step, token=token, owner=owner)
-    settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner, unless_steered=True)
+    settle_op = settle(keys, run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED, owner=owner, unless_steered=True,
+                       final=step)
 
     def parse(answers: list[Any]) -> tuple[Appended, Transition, SteerRequest | None]:
         transition = settle_op.parse(answers[1:2])

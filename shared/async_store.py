@@ -229,8 +229,9 @@ class AsyncRunStore:
         return await self.execute(core.budget_use(self.keys, run_id))
 
     async def settle(self, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str,
-                     error: str = "") -> Transition:
-        return await self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error))
+                     error: str = "", final: RunStep | None = None) -> Transition:
+        return await self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error,
+                                              final=final))
 
     async def complete(
         self, run_id: str, step: RunStep, *, owner: str, token: str = ""

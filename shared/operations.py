@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -27,14 +27,18 @@ from runbrake.shared import redaction, threads
 from runbrake.shared._store_core import TENANT_LABEL
 from runbrake.shared.errors import PublishError, ResumeUnsent, RunNotFound, TransitionRefused
 from runbrake.shared.messaging.cancel import CancelPublisher, CancelResult, cancel_run
-from runbrake.shared.messaging.producer import Enqueued, Producer
 from runbrake.shared.messaging.steer import SteerResult, check_steer, steer_run
 from runbrake.shared.records import Transition
 from runbrake.shared.redaction import Submitted, strip_bidi
-from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.store import RunStore
+
+if TYPE_CHECKING:
+    # A producer and a spec are handed in: a cancel or a show does not load the spec's and catalog's models
+    # (docs/benchmarks.md, "CLI start-up (`bench/cli_startup.py`)").
+    from runbrake.shared.messaging.producer import Enqueued, Producer
+    from runbrake.shared.spec import RunSpec
 
 log = structlog.get_logger(__name__)
 

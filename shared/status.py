@@ -5,10 +5,6 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TypeVar
 
-import structlog
-
-log = structlog.get_logger(__name__)
-
 
 class RunStatus(StrEnum):
     """Where a run is in its lifecycle. ``UNKNOWN`` stands for a stored value this version cannot read."""
@@ -74,5 +70,7 @@ def _parse_stored(enum: type[_E], value: str | None, unknown: _E, run_id: str, e
     try:
         return enum(value or "")
     except ValueError:
-        log.warning(event, run_id=run_id, stored=value)
+        import structlog  # noqa: PLC0415 - rare; the CLI's --help imports this module (docs/benchmarks.md)
+
+        structlog.get_logger(__name__).warning(event, run_id=run_id, stored=value)
         return unknown

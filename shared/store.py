@@ -264,9 +264,11 @@ class RunStore:
         return self.execute(core.approve_once(self.keys, run_id))
 
     def settle(self, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str | None = None,
-               error: str = "", required_status: RunStatus | None = None) -> Transition:
+               error: str = "", required_status: RunStatus | None = None, final: RunStep | None = None) -> Transition:
+        """Settle the run (``_store_core.settle``); ``final``: the model step whose answer a completing run's
+        ``run.completed`` event carries."""
         return self.execute(core.settle(self.keys, run_id, status, reason, owner=owner, error=error,
-                                        required_status=required_status))
+                                        required_status=required_status, final=final))
 
     def cancel(self, run_id: str, *, reason: str, requested_by: str,
                termination: TerminationReason = TerminationReason.CANCELLED) -> Transition:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from runbrake.shared.errors import SpecError
 from runbrake.shared.records import RunRecord
-from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind
+
+if TYPE_CHECKING:
+    from runbrake.shared.spec import RunSpec
 
 NOT_INHERITED: Final = frozenset({"input", "messages", "idempotency_key"})
 """The parent's spec fields a continuation does not take over: its own ``input`` and ``idempotency_key``
@@ -62,6 +64,10 @@ def continuation(parent: RunRecord, body: Mapping[str, Any]) -> RunSpec:
     raw = {key: value for key, value in parent.request.items() if key not in NOT_INHERITED}
     raw.update(body)
     raw["messages"] = conversation(parent, _servers(raw.get("mcp_servers")))
+    # Imported here: the run store imports this module, and the spec's models cost more to import than a
+    # command that only reads runs takes in all (docs/benchmarks.md, "CLI start-up (`bench/cli_startup.py`)").
+    from runbrake.shared.spec import RunSpec  # noqa: PLC0415
+
     return RunSpec.parse(raw)
 
 

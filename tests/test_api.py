@@ -232,7 +232,7 @@ def _ok() -> Any:
 
 
 @pytest.mark.parametrize("settings", ["single", "cluster"], indirect=True)  # tests/cluster_helpers.py
-def test_events_replay_the_steps_then_follow_live_and_end_after_the_terminal_status(
+def test_events_replay_the_steps_then_follow_live_and_end_right_after_the_terminal_status(
     api: ApiProcess, store: RunStore
 ) -> None:
     run_id = store.create(valid_spec()).run_id
@@ -244,7 +244,7 @@ def test_events_replay_the_steps_then_follow_live_and_end_after_the_terminal_sta
         store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="two"))
         live = next_event(stream, "2", replayed_status=first[1].data)
         store.cancel(run_id, reason="stop", requested_by="t")
-        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="late, still delivered"))
+        store.append_step(run_id, RunStep(kind=StepKind.MODEL, round=2, content="cut off by the cancel"))
         rest = list(stream)
         resumed = list(client.events(run_id, last_event_id=2))
 
@@ -252,8 +252,9 @@ def test_events_replay_the_steps_then_follow_live_and_end_after_the_terminal_sta
     assert first[1].data == {"run_id": run_id, "status": "running", "termination_reason": ""}
     assert live.data["content"] == "two"
     assert live.data == {**store.get(run_id).steps[1].to_dict(), "outcome": ""}
+    # What the cancel cut off (recorded after it) comes before the status, which ends the stream.
     assert [(e.event, e.data.get("status") or e.data.get("sequence")) for e in rest] == [
-        ("status", "cancelled"), ("step", 3), ("end", None)]
+        ("step", 3), ("status", "cancelled"), ("end", None)]
     # Resuming after step 2: only step 3, then the status, then the end.
     assert [(e.event, e.id) for e in resumed] == [("step", "3"), ("status", None), ("end", None)]
 
@@ -348,6 +349,8 @@ def test_cancel_through_the_api_interrupts_the_call_and_the_stream_shows_it(
         wait_for_event(toolbox_http.events, "started", tool="slow", timeout=20)
         seen = events_until(client, run_id, lambda got: any(e.event == "progress" for e in got))
         cancelled = client.cancel(run_id, reason="from the test")
+        # The cut-off call is recorded just after the cancel: a stream opened once it is shows it.
+        record = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
         rest = list(client.events(run_id, last_event_id=1))
         with pytest.raises(ApiError) as again:
             client.cancel(run_id)
@@ -360,7 +363,6 @@ def test_cancel_through_the_api_interrupts_the_call_and_the_stream_shows_it(
     assert progress["progress"] >= 1
     assert "of 30 s" in progress["message"]
     assert cancelled == {"run_id": run_id, "cancelled": True, "message_confirmed": True}
-    record = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.TOOL for s in r.steps))
     assert record.status is RunStatus.CANCELLED
     assert record.cancel is not None
     assert (record.cancel.reason, record.cancel.requested_by) == (

@@ -379,3 +379,34 @@ def test_a_bad_namespace_exits_2_naming_the_variable(monkeypatch: pytest.MonkeyP
     result = runbrake("show", UNKNOWN_ID)
 
     assert_clean_failure(result, 2, "RUNBRAKE_NAMESPACE")
+
+
+def test_catalog_check_lists_every_section_it_describes_webhooks_tenants_and_rabbitmq_users_too(
+    tmp_path: Path,
+) -> None:
+    from runbrake.broker.cli import CATALOG_LINES
+    from runbrake.shared.catalog import Catalog
+
+    path = tmp_path / "catalog.toml"
+    path.write_text("\n".join([
+        '[mcp_servers.calc]', 'url = "http://127.0.0.1:9/mcp"',
+        '[models.gpt]', 'provider = "openai"', 'base_url = "https://api.example/v1"', 'model = "gpt-x"',
+        '[webhooks.orders]', 'url = "https://hooks.example/x"', 'secret_env = "ORDERS_SECRET"',
+        'events = ["run.completed", "run.failed"]',
+        '[tenants.acme]', 'max_runs_in_flight = 5', '[tenants.free]',
+        '[rabbitmq_users]', 'billing = { tenant = "acme" }', '']))
+
+    result = runbrake("catalog", "check", str(path), env={"ORDERS_SECRET": "whsec_x"})
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{path}: ok",
+        "  server calc (http): http://127.0.0.1:9/mcp",
+        "  model gpt: gpt-x at https://api.example/v1",
+        "  webhook orders: https://hooks.example/x  events: run.completed, run.failed  secret: ${ORDERS_SECRET} (set)",
+        "  tenant acme: max_runs_in_flight 5",
+        "  tenant free: no quotas",
+        "  rabbitmq user billing: tenant acme",
+    ]
+    # Every section --json shows has its lines in the text: a section added to the catalog cannot be left out.
+    assert set(CATALOG_LINES) == set(Catalog.load(str(path)).describe())

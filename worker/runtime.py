@@ -145,7 +145,8 @@ class RunHooks:
             # answer stands and the run completes, rather than waiting, running, for the reaper.
             transition = await durably(
                 lambda: self._store.settle(self._handle.run_id, RunStatus.COMPLETED, TerminationReason.COMPLETED,
-                                           owner=self._handle.owner), within_s=self._lease_s, what="complete")
+                                           owner=self._handle.owner, final=final),
+                within_s=self._lease_s, what="complete")
         if not transition.won:
             log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
         self.completion = transition

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import pika.exceptions
 import structlog
@@ -19,11 +19,13 @@ import structlog
 from runbrake.shared import redaction
 from runbrake.shared.errors import FieldProblem, PublishError, RunNotFound, SpecError, TransitionRefused
 from runbrake.shared.messaging.cancel import CancelPublisher
-from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.records import SteerRequest
 from runbrake.shared.redaction import strip_bidi
 from runbrake.shared.status import RunStatus
 from runbrake.shared.store import RunStore
+
+if TYPE_CHECKING:  # a producer is handed in: a cancel's caller does not load the spec's and catalog's models
+    from runbrake.shared.messaging.producer import Producer
 
 log = structlog.get_logger(__name__)
 

@@ -42,7 +42,7 @@ import re
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pika
 import pika.exceptions
@@ -52,9 +52,12 @@ from dramatiq.common import q_name
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from runbrake.shared.errors import FieldProblem, MalformedMessage, SpecError
+from runbrake.shared.run_end import read_run_end
 from runbrake.shared.settings import Settings
-from runbrake.shared.spec import RunSpec
 from runbrake.shared.tracing import TRACEPARENT, is_traceparent
+
+if TYPE_CHECKING:
+    from runbrake.shared.spec import RunSpec
 
 RUN_ACTOR: Final = "execute_run"
 """The Dramatiq actor that executes run messages."""
@@ -593,7 +596,9 @@ def encode_run_event(event_id: str, run_id: str, event: str, labels: str, *,
     JSON, or ""), or None when the entry is not an event the store writes (someone else wrote to the stream).
 
     The body is ``{"event_id", "type", "run_id", "occurred_at", "labels", …}`` with ``status`` and
-    ``termination_reason`` for ``run.*`` and ``step`` for ``step.*`` (docs/messages.md, "Run events: the body").
+    ``termination_reason`` for ``run.*`` (and, for a terminal one, ``output``, ``output_json``,
+    ``output_truncated``, ``usage`` and ``error``: shared/run_end.py) and ``step`` for ``step.*``
+    (docs/messages.md, "Run events: the body").
     Headers: the run's labels (string names and values, each at most :data:`MAX_LABEL_CHARS`, at most
     :data:`MAX_EVENT_LABELS`; none may take a ``x-runbrake-`` name), then ``x-runbrake-event-id`` and
     ``x-runbrake-run-id``.
@@ -611,7 +616,11 @@ def encode_run_event(event_id: str, run_id: str, event: str, labels: str, *,
         status, reason = stored.get("status"), stored.get("termination_reason", "")
         if not isinstance(status, str) or not _EVENT_WORD.fullmatch(status) or not isinstance(reason, str):
             return None
-        body.update(type=f"run.{status}", status=status, termination_reason=reason)
+        try:
+            end = read_run_end(stored)
+        except ValueError:
+            return None
+        body.update(type=f"run.{status}", status=status, termination_reason=reason, **end)
     elif kind == "step":
         step = stored.get("step")
         step_kind = step.get("kind") if isinstance(step, dict) else None
@@ -676,6 +685,8 @@ def decode_run_request(body: bytes, *, max_bytes: int) -> RunSpec:
     """
     if len(body) > max_bytes:
         raise SpecError("spec", f"is {len(body)} bytes; the limit is {max_bytes} (RUNBRAKE_MAX_SPEC_BYTES)")
+    from runbrake.shared.spec import RunSpec  # noqa: PLC0415 - a cancel's publisher needs none of the spec's models
+
     return RunSpec.from_json(body)
 
 
