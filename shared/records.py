@@ -27,6 +27,12 @@ CANCELLED_SIDE_EFFECTS_UNKNOWN: Final = "cancelled_side_effects_unknown"
 """The per-server counter (``RunStore.server_outcomes``) of failed calls whose arguments were at fault, beside
 the counters named by the outcomes; public because the CLI and the API show it (broker/render.py)."""
 
+SENT_PREFIX: Final = "sent:"
+"""A run hash field ``sent:<call id>``: the tool call's request was about to go out, after the step of this
+sequence (docs/architecture.md, "Lost workers")."""
+SENT_MODEL: Final = "sent:model"
+"""A run hash field ``"<round> <sequence>"``: the model call of that round was about to go out."""
+
 log = structlog.get_logger(__name__)
 
 RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
@@ -203,6 +209,8 @@ class RunRecord:
     """The run this one continues (docs/usage.md, "Continue a finished run"); None for a thread's first run."""
     thread_root: str | None = None
     """The first run of the thread this one continues, as stored (None for a first run: see :attr:`thread`)."""
+    worker_losses: int = 0
+    """How many worker processes were lost while they executed the run (docs/architecture.md, "Lost workers")."""
 
     @property
     def thread(self) -> str:
@@ -268,6 +276,7 @@ class RunRecord:
             "budget_use": budget_use(self.request, self.created_at, self.usage.total_tokens, self.usage.cost_usd),
             "parent_run_id": self.parent_run_id,
             "thread": self.thread,
+            "worker_losses": self.worker_losses,
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -367,6 +376,7 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
                        output_tokens=_count(fields.get("output_tokens")),
                        model_calls=_count(fields.get("model_calls")), cost_usd=_cost(fields.get("cost_usd"))),
         parent_run_id=fields.get("parent_run_id") or None,
+        worker_losses=_count(fields.get("worker_losses")),
         thread_root=fields.get("thread") or None,
     )
 

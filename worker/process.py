@@ -37,6 +37,7 @@ from runbrake.worker.cancel_requests import CancelRequestConsumer
 from runbrake.worker.health import health_parts
 from runbrake.worker.intake import Collector, Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
+from runbrake.worker.liveness import Liveness, WorkerIdentity
 from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
@@ -89,7 +90,9 @@ def run_worker_process(
     producer = Producer(store, broker)
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
     admission = Admission.from_settings(settings)
-    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer)
+    identity = WorkerIdentity()  # beaten for by Liveness; stamped on each claim (docs/architecture.md, "Lost workers")
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer,
+                      worker=lambda: identity.id)
     topology = Topology.of(settings)
     intake = Intake(runtime, concurrency=concurrency)
     declare_run_actor(broker, intake, settings)
@@ -115,6 +118,7 @@ def run_worker_process(
         run_requests,
         listener,
         Backstop(settings, store, registry),
+        Liveness(settings, RunStore.connect(settings), registry, identity, producer),  # its own connection
         LeaseKeeper(settings, store, registry),
         Sweeper(settings, store),
         Redriver(settings, store, producer),

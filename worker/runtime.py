@@ -163,6 +163,13 @@ class RunHooks:
         if await self._store.cancel_requested(self._handle.run_id):
             raise CancelRequested(self._handle.run_id)
 
+    async def sending(self, call_id: str | None, round_number: int) -> None:
+        if self._handle.lost:
+            raise OwnershipLost(self._handle.run_id)
+        await durably(lambda: self._store.mark_sent(self._handle.run_id, owner=self._handle.owner, call_id=call_id,
+                                                    round_number=round_number),
+                      within_s=self._lease_s, what="mark_sent")
+
     @property
     def run_id(self) -> str:
         return self._handle.run_id
@@ -331,10 +338,13 @@ class Runtime:
     def __init__(
         self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission,
         sender: Sender | None = None, *, subscribers: Sequence[Subscriber] | None = None,
+        worker: Callable[[], str] = lambda: "",
     ) -> None:
         """``subscribers`` hear the runs' events (worker/subscribers.py); by default the metrics and, unless
-        ``RUNBRAKE_MCP_PROGRESS=off``, the progress of the call in flight."""
+        ``RUNBRAKE_MCP_PROGRESS=off``, the progress of the call in flight. ``worker``: this process's liveness id
+        now, stamped on each claim (worker/liveness.py; "" where nothing beats for the process)."""
         self._settings = settings
+        self._worker = worker
         self._store = store
         self.registry = registry
         self._admission = admission
@@ -366,8 +376,9 @@ class Runtime:
             owner = new_owner()
             # Tried again with the same owner while Redis cannot be reached: a claim that landed but whose
             # answer was lost is then recognised as this owner's, instead of stranding the run "running".
+            worker = self._worker()
             claim = await durably(lambda: self._store.claim(run_id, owner, lease_s=self._settings.lease_s,
-                                                            resume=resume),
+                                                            resume=resume, worker=worker),
                                   within_s=self._settings.lease_s, what="claim")
             if on_claim is not None:
                 on_claim(claim.won)
