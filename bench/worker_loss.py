@@ -30,10 +30,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from bench._harness import Bench, machine, print_machine, slow_run_spec, summary_ms, wait_until
+from bench._harness import Bench, ToolboxServer, machine, print_machine, slow_run_spec, summary_ms, wait_until
 from runbrake.shared.logging import configure_logging
 from runbrake.shared.messaging.cancel import cancel_run
-from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import StepKind
 
 WAIT_S = 120.0
@@ -48,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--keep-logs", action="store_true", help="keep the scratch directory with the logs")
     args = parser.parse_args(argv)
     configure_logging()
     info = machine()
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     taken: list[float] = []
     claimed: list[float] = []
     next_step: list[float] = []
-    with Bench("worker_loss") as bench:
+    with Bench("worker_loss", keep=args.keep_logs) as bench:
         server = bench.start_toolbox()
         bench.use_server(server.url)
         producer, _publisher = bench.producer_and_publisher()
@@ -64,8 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             doomed = bench.start_worker(concurrency=4 * args.runs)
             run_ids = [producer.enqueue(slow_run_spec(CALL_S, input_text=f"kill {kill} run {i}")).run_id
                        for i in range(args.runs)]
-            wait_until(lambda ids=run_ids: all(bench.store.get(r).status is RunStatus.RUNNING for r in ids),
-                       timeout=WAIT_S, what="every run in its call")
+            calls = (kill + 1) * args.runs  # each run makes its one call once, whichever worker runs it
+            wait_until(lambda n=calls: _started(server) >= n, timeout=WAIT_S, what="every run in its call")
             held = {e["run_id"] for e in doomed.log.read_new() if e.get("event") == "run_claimed"}
             killed_at = time.time()
             doomed.process.popen.send_signal(signal.SIGKILL)
@@ -96,6 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {results[name]}")
     print(f"liveness: {LIVENESS_OPS_PER_S:g} Redis ops/s per process (by construction); results in {path}")
     return 0
+
+
+def _started(server: ToolboxServer) -> int:
+    """The calls the toolbox server started so far."""
+    server.events.read_new()
+    return sum(1 for e in server.events.entries if e.get("event") == "started")
 
 
 def _finished_after_loss(bench: Bench, run_id: str) -> Any:

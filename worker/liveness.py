@@ -28,10 +28,13 @@ from collections.abc import Callable
 
 import structlog
 
+from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import PublishError, SpecError, StoreError
 from runbrake.shared.settings import Settings
+from runbrake.shared.spec import OnWorkerLost, RunSpec
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
+from runbrake.worker.conversation import ToolCall
 from runbrake.worker.parts import Periodic
 from runbrake.worker.reclaim import plan
 from runbrake.worker.redrive import Sender
@@ -69,8 +72,8 @@ def _new_id() -> str:
 class Liveness(Periodic):
     """Beats for this process and sweeps for lost ones, every ``RUNBRAKE_WORKER_BEAT_S``."""
 
-    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns, identity: WorkerIdentity,
-                 sender: Sender | None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: Settings, store: RunStore, registry: ActiveRuns, identity: WorkerIdentity, *,
+                 sender: Sender | None, admission: Admission, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("runbrake-liveness", interval_s=settings.worker_beat_s, tick_first=True)
         self._lost_s = settings.worker_lost_s
         self._max_losses = settings.max_worker_losses
@@ -78,6 +81,8 @@ class Liveness(Periodic):
         self._registry = registry
         self._identity = identity
         self._sender = sender
+        self._admission = admission
+        """The catalog: what becomes of each cut-off call (``on_worker_lost``)."""
         self._clock = clock
         self._outage = False
         self._sweep_from: float | None = None
@@ -134,13 +139,28 @@ class Liveness(Periodic):
         log.warning("workers_lost", workers=lost, runs=len(runs))
         return sum(self._reclaim(run_id, worker) for run_id, worker in sorted(runs.items()))
 
+    def _policy(self, request_json: str) -> Callable[[ToolCall], OnWorkerLost]:
+        """Each call's ``on_worker_lost``, from the catalog the run's servers come from (``report`` for a call of
+        no server the run has, or when the spec is no longer admitted)."""
+        try:
+            servers = self._admission.admit(RunSpec.from_json(request_json)).servers
+        except SpecError:
+            return lambda _call: OnWorkerLost.REPORT
+
+        def policy(call: ToolCall) -> OnWorkerLost:
+            server = servers.get(call.server)
+            return OnWorkerLost.REPORT if server is None else server.worker_lost_policy(call.tool)
+
+        return policy
+
     def _reclaim(self, run_id: str, worker: str) -> bool:
         """Take up one run of the lost ``worker``: record its cut-off calls, queue it and send its message."""
         with structlog.contextvars.bound_contextvars(run_id=run_id):
             for _ in range(RECLAIM_TRIES):
                 fields, steps = self._store.lost_view(run_id)
                 try:
-                    planned = plan(fields, steps, worker=worker, max_losses=self._max_losses)
+                    planned = plan(fields, steps, worker=worker, max_losses=self._max_losses,
+                                   policy=self._policy(fields.get("request") or "{}"))
                 except SpecError:  # admitted once, so never expected; its lease runs out and it is reaped
                     log.exception("run_reclaim_unreadable")
                     return False

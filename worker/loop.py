@@ -292,7 +292,7 @@ class ToolLoop:
         text = self._hooks.streamed_text(round_number, max_chars=self._max_model_content_chars)
         try:
             with self._hooks.in_flight() as interrupt, interrupt:
-                await self._hooks.sending(None, round_number)
+                await self._sending(None, round_number, interrupt)
                 try:
                     turn = await self._provider.complete(state.messages, self._runner.tools,
                                                          round_index=state.model_calls, settings=self._settings,
@@ -396,7 +396,7 @@ class ToolLoop:
                 with self._hooks.in_flight(grace_s) as interrupt:
                     turn.scopes[interrupt] = grace_s
                     try:
-                        await self._hooks.sending(call.id, turn.round)
+                        await self._sending(call.id, turn.round, interrupt)
                         result = await self._runner.execute(call, interrupt=interrupt)
                     finally:
                         turn.release(interrupt)
@@ -416,6 +416,15 @@ class ToolLoop:
             turn.stop(exc)
         finally:
             slots.release()
+
+    async def _sending(self, call_id: str | None, round_number: int, interrupt: anyio.CancelScope) -> None:
+        """Mark the call sent before its request goes out; a run a cancel ended meanwhile cuts the call off here,
+        before anything is sent, so that it is recorded cancelled (side effects ``none``) like any call a cancel
+        reached on entry."""
+        try:
+            await self._hooks.sending(call_id, round_number)
+        except CancelRequested:
+            interrupt.cancel()
 
     def _invalid_call(self, round_number: int, call: ToolCall, problem: str) -> RunStep:
         """The failed step of a call the run cannot make; its content tells the model what to do instead."""

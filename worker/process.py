@@ -118,7 +118,8 @@ def run_worker_process(
         run_requests,
         listener,
         Backstop(settings, store, registry),
-        Liveness(settings, RunStore.connect(settings), registry, identity, producer),  # its own connection
+        Liveness(settings, RunStore.connect(settings), registry, identity, sender=producer,  # its own connection
+                 admission=admission),
         LeaseKeeper(settings, store, registry),
         Sweeper(settings, store),
         Redriver(settings, store, producer),

@@ -20,12 +20,12 @@ refused when anything was appended since it was read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runbrake.shared.records import SENT_MODEL, SENT_PREFIX
-from runbrake.shared.spec import RunSpec
+from runbrake.shared.spec import OnWorkerLost, RunSpec
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.tool_result import ToolResult
@@ -53,20 +53,29 @@ class Plan:
     error: str = ""
 
 
-def plan(fields: Mapping[str, str], steps: Sequence[RunStep], *, worker: str, max_losses: int) -> Plan:
-    """How to take up the run of the lost worker ``worker`` from its hash ``fields`` and its ``steps``."""
+def plan(fields: Mapping[str, str], steps: Sequence[RunStep], *, worker: str, max_losses: int,
+         policy: Callable[[ToolCall], OnWorkerLost] = lambda _call: OnWorkerLost.REPORT) -> Plan:
+    """How to take up the run of the lost worker ``worker`` from its hash ``fields`` and its ``steps``; ``policy``
+    says what becomes of each cut-off call (the catalog's ``on_worker_lost``)."""
     seq = int(fields.get("seq") or 0)
     status = RunStatus.parse(fields.get("status"), run_id=fields.get("run_id", ""))
     state, turn = _replay(RunSpec.from_json(fields.get("request") or "{}"), steps)
     cut: list[RunStep] = []
+    failing: list[str] = []
     if turn is not None:
         for call in turn.calls:
             if call.id in turn.results:
                 continue
             sent = _mark(fields.get(f"{SENT_PREFIX}{call.id}")) >= turn.sequence
+            chosen = OnWorkerLost.REPORT if call.problem is not None else policy(call)
             result = ToolResult.cancelled(CUT_OFF, sent=sent and call.problem is None)
             step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result, call_id=call.id)
-            cut.append(replace(step, detail={**step.detail, "reason": WORKER_LOST}))
+            cut.append(replace(step, detail={**step.detail, "reason": WORKER_LOST, "on_worker_lost": chosen.value}))
+            if chosen is OnWorkerLost.RETRY:
+                state.pending_calls.append(call)  # made again, first thing, by the worker that takes the run up
+                continue
+            if chosen is OnWorkerLost.FAIL:
+                failing.append(call.qualified_name)
             turn.results[call.id] = Message(role="tool", content=result.content, tool_call_id=call.id)
         state.messages.extend(turn.messages())
     model = _model_in_flight(fields.get(SENT_MODEL), steps)
@@ -79,11 +88,15 @@ def plan(fields: Mapping[str, str], steps: Sequence[RunStep], *, worker: str, ma
         error = (f"the run lost {losses} workers (RUNBRAKE_MAX_WORKER_LOSSES = {max_losses}); the last was "
                  f"{worker}")
         return Plan(seq, running=True, steps=cut, fail=True, error=error)
+    if failing:
+        error = (f"the worker executing the run ({worker}) was lost during {', '.join(failing)}, whose catalog "
+                 "entry says on_worker_lost = \"fail\": a person must look at it")
+        return Plan(seq, running=True, steps=cut, fail=True, error=error)
     handoff = RunStep(kind=StepKind.HANDOFF, round=state.model_calls,
                       content="the worker executing the run was lost; the run went back to the queue for another "
                               "worker",
                       detail={"reason": WORKER_LOST, "worker": worker, "cut_off_calls": len(cut),
-                              "worker_losses": losses})
+                              "pending_calls": len(state.pending_calls), "worker_losses": losses})
     return Plan(seq, running=True, steps=[*cut, handoff], pending=state.to_dict())
 
 
@@ -108,6 +121,8 @@ def _replay(spec: RunSpec, steps: Sequence[RunStep]) -> tuple[LoopState, _Turn |
     turn: _Turn | None = None
     for step in steps:
         if step.kind is StepKind.TOOL:
+            if step.detail.get("on_worker_lost") == OnWorkerLost.RETRY.value:
+                continue  # cut off by a lost worker and made again: its next step is its result
             if turn is not None and step.tool_call_id and step.sequence > turn.sequence:
                 turn.results[step.tool_call_id] = Message(role="tool", content=step.content,
                                                           tool_call_id=step.tool_call_id)

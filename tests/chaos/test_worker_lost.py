@@ -33,10 +33,11 @@ RUNS = 3
 WAIT_S = 60.0
 
 
-def _runs(producer: Producer, mock: LlmMock, toolbox: Toolbox, count: int, *, seconds: float = 60) -> dict[str, str]:
-    """``count`` runs of the catalog model ``mock``, each asking for one ``slow`` call (its note names the run);
-    run id → call id."""
-    add_to_catalog({"toolbox": {"transport": "http", "url": str(toolbox.spec.url)}},  # type: ignore[union-attr]
+def _runs(producer: Producer, mock: LlmMock, toolbox: Toolbox, count: int, *, seconds: float = 60,
+          **server: Any) -> dict[str, str]:
+    """``count`` runs of the catalog model ``mock``, each asking for one ``slow`` call (its note names the run),
+    the catalog's toolbox entry with ``server`` (``on_worker_lost``…); run id → call id."""
+    add_to_catalog({"toolbox": {"transport": "http", "url": str(toolbox.spec.url), **server}},  # type: ignore[union-attr]
                    models={"mock": {"provider": "openai", "base_url": mock.openai_url, "model": "gpt-mock"}})
     calls = {}
     for i in range(count):
@@ -171,3 +172,52 @@ def test_a_live_worker_keeps_its_runs_past_the_detection_bound(
         assert worker.logged("worker_taken_as_lost") == []
         assert worker.logged("lease_not_renewed") == []
     assert len(matching_events(toolbox_http.events, "started", tool="slow")) == RUNS
+
+
+def test_a_call_whose_catalog_says_retry_is_made_again_by_the_worker_that_takes_the_run_up(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1, seconds=20, on_worker_lost="retry").items()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert record.status is RunStatus.COMPLETED
+    assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost"),
+                              (StepKind.HANDOFF, None, "worker_lost"), (StepKind.TOOL, ToolOutcome.OK, None),
+                              (StepKind.MODEL, None, None)]
+    cut, handoff, made_again = record.steps[1:4]
+    assert (cut.detail["on_worker_lost"], handoff.detail["pending_calls"]) == ("retry", 1)
+    assert cut.tool_call_id == made_again.tool_call_id == call_id
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 2  # made again, once
+    assert survivor.logged("run_claimed", run_id=run_id)
+    # The model saw the real result of the call made again, never the cut-off one.
+    last = llm_mock.bodies()[-1]["messages"]
+    assert [m["content"] for m in last if m["role"] == "tool"] == [made_again.content]
+
+
+def test_a_call_whose_catalog_says_fail_ends_the_run_failed_lease_lost_with_the_call_on_record(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1, on_worker_lost="fail").items()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.LEASE_LOST)
+    assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost")]
+    assert (record.steps[1].tool_call_id, record.steps[1].detail["on_worker_lost"]) == (call_id, "fail")
+    assert "toolbox.slow" in record.error
+    assert 'on_worker_lost = "fail"' in record.error
+    assert record.worker_losses == 1
+    assert survivor.logged("run_worker_lost", run_id=run_id, outcome="failed")
+    assert survivor.logged("run_claimed", run_id=run_id) == []
+    assert len(llm_mock.bodies()) == 1
