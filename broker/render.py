@@ -135,6 +135,8 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
     if record.labels:
         lines.append(f"  {label('run.labels', lang)}: "
                      + ", ".join(f"{key}={value}" for key, value in sorted(record.labels.items())))
+    if record.status is RunStatus.QUEUED and record.lost_worker is not None:
+        lines.append(f"  {label('run.worker_lost', lang)}: {record.lost_worker}")
     if record.parent_run_id is not None:
         lines.append(f"  {label('run.parent', lang)}: {record.parent_run_id}   {label('run.thread', lang)}: "
                      f"{record.thread}")

@@ -1277,7 +1277,7 @@ def ping() -> Op[None]:
 SUMMARY_FIELDS: Final = ("status", "termination_reason", "created_at", "started_at", "finished_at", "owner",
                          "lease_expires_at", "error", "segments", "labels", "model", "input_preview", "model_calls",
                          "input_tokens", "output_tokens", "cost_usd", "parent_run_id", "thread",
-                         "worker_losses")
+                         "worker_losses", "lost_worker")
 """The hash fields a run listing reads: not the request or the pending turn, which can be large."""
 
 

@@ -211,6 +211,9 @@ class RunRecord:
     """The first run of the thread this one continues, as stored (None for a first run: see :attr:`thread`)."""
     worker_losses: int = 0
     """How many worker processes were lost while they executed the run (docs/architecture.md, "Lost workers")."""
+    lost_worker: str | None = None
+    """The worker process whose loss sent the run back to the queue, until another worker claims it (None
+    otherwise): the run is "worker lost, resuming"."""
 
     @property
     def thread(self) -> str:
@@ -277,6 +280,7 @@ class RunRecord:
             "parent_run_id": self.parent_run_id,
             "thread": self.thread,
             "worker_losses": self.worker_losses,
+            "lost_worker": self.lost_worker if self.status is RunStatus.QUEUED else None,
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -377,6 +381,7 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
                        model_calls=_count(fields.get("model_calls")), cost_usd=_cost(fields.get("cost_usd"))),
         parent_run_id=fields.get("parent_run_id") or None,
         worker_losses=_count(fields.get("worker_losses")),
+        lost_worker=fields.get("lost_worker") or None,
         thread_root=fields.get("thread") or None,
     )
 

@@ -10,11 +10,14 @@ from typing import Any
 
 import pytest
 
+from runbrake.broker.render import render_run
 from runbrake.shared import RunSpec, StepKind
 from runbrake.shared.catalog import Catalog
 from runbrake.shared.errors import ConfigError, SpecError
+from runbrake.shared.records import read_record
 from runbrake.shared.spec import OnWorkerLost
 from runbrake.shared.steps import RunStep
+from runbrake.shared.timeline import Lang
 from runbrake.shared.tool_result import ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.reclaim import CUT_OFF, plan
@@ -119,3 +122,17 @@ def test_a_run_that_ended_while_its_worker_was_dead_gets_the_steps_and_no_handof
     planned = plan(_fields(status="cancelled", **{"sent:a": "1"}), (_model(1, 1, "a"),), worker="w", max_losses=3)
     assert not planned.running
     assert [(s.kind, s.detail.get("side_effects")) for s in planned.steps] == [(StepKind.TOOL, "unknown")]
+
+
+@pytest.mark.parametrize(("lang", "words"), [("en", "worker lost, resuming"),
+                                             ("de", "Worker verloren, wird fortgesetzt")])
+def test_a_run_a_lost_worker_left_in_the_queue_says_worker_lost_resuming_until_it_is_claimed(
+    lang: Lang, words: str
+) -> None:
+    waiting = read_record("a" * 32, {**_fields(status="queued", lost_worker="vm:7:abc", worker_losses="1")}, (), None)
+    claimed = read_record("a" * 32, {**_fields(status="running", lost_worker="", worker_losses="1")}, (), None)
+
+    assert (waiting.to_dict()["lost_worker"], waiting.to_dict()["worker_losses"]) == ("vm:7:abc", 1)
+    assert f"{words}: vm:7:abc" in render_run(waiting, lang)
+    assert claimed.to_dict()["lost_worker"] is None
+    assert words not in render_run(claimed, lang)
