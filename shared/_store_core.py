@@ -51,6 +51,8 @@ from runbrake.shared.records import (
     CANCELLED_SIDE_EFFECTS_UNKNOWN,
     SENT_MODEL,
     SENT_PREFIX,
+    WORKER_LOST_NONE,
+    WORKER_LOST_UNKNOWN,
     Appended,
     CancelRequest,
     Claim,
@@ -69,7 +71,7 @@ from runbrake.shared.records import (
 )
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import RunStep, StepKind
+from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.threads import ThreadLink
 from runbrake.shared.tool_result import SideEffects
 
@@ -820,7 +822,10 @@ def server_counter(step: RunStep) -> str:
         return ""
     # Argument errors are the caller's mistake: counted apart, so they do not make a server look flaky.
     outcome = ARGUMENT_ERROR if step.detail.get("failure") == "arguments" else step.tool_outcome.value
-    if step.detail.get("side_effects") == SideEffects.UNKNOWN.value:
+    unknown = step.detail.get("side_effects") == SideEffects.UNKNOWN.value
+    if step.detail.get("reason") == StepReason.WORKER_LOST.value:  # cut off by a lost worker: counted apart
+        outcome = WORKER_LOST_UNKNOWN if unknown else WORKER_LOST_NONE
+    elif unknown:
         outcome = CANCELLED_SIDE_EFFECTS_UNKNOWN  # cut off after its request was sent: counted apart
     return f"{step.tool_server}|{outcome}"
 

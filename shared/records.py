@@ -24,6 +24,11 @@ ARGUMENT_ERROR: Final = "argument_error"
 CANCELLED_SIDE_EFFECTS_UNKNOWN: Final = "cancelled_side_effects_unknown"
 """The per-server counter of cancelled calls cut off after their request was sent (``detail.side_effects =
 "unknown"``); ``runbrake servers`` adds them to the cancelled calls and shows them apart."""
+WORKER_LOST_NONE: Final = "worker_lost"
+WORKER_LOST_UNKNOWN: Final = "worker_lost_side_effects_unknown"
+"""The per-server counters of calls cut off by the loss of their worker process (``detail.reason =
+"worker_lost"``), never sent and sent; ``runbrake servers`` adds them to the cancelled calls (the second to the
+side effects unknown too) and shows their sum as ``worker_lost``."""
 """The per-server counter (``RunStore.server_outcomes``) of failed calls whose arguments were at fault, beside
 the counters named by the outcomes; public because the CLI and the API show it (broker/render.py)."""
 

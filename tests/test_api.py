@@ -199,7 +199,7 @@ def test_servers_schema_openapi_health_and_metrics(api: ApiProcess, store: RunSt
 
     assert servers == [
         {"server": "calc", "ok": 1, "failed": 0, "argument_errors": 0, "cancelled": 0, "side_effects_unknown": 0,
-         "failure_rate": 0.0}]
+         "worker_lost": 0, "failure_rate": 0.0}]
     assert schema["$id"] == "urn:runbrake:run-spec"
     assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/events", "/v1/runs/{run_id}/cancel",
             "/v1/runs/{run_id}/approve", "/v1/runs/{run_id}/deny"} <= set(openapi["paths"])

@@ -23,7 +23,8 @@ from runbrake.shared.messaging.producer import Producer
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
-from tests.worker_helpers import WorkerProcess, wait_for_run
+from tests.test_steer import store_steer
+from tests.worker_helpers import WorkerProcess, servers_json, wait_for_run
 
 pytestmark = pytest.mark.integration
 
@@ -94,6 +95,8 @@ def test_kill_9_of_the_worker_holding_runs_in_tool_calls_resumes_them_on_another
     # Reported, not retried: each call was made once.
     assert len(matching_events(toolbox_http.events, "started", tool="slow")) == RUNS
     assert survivor.logged("lease_not_renewed") == []
+    [health] = [h for h in servers_json() if h["server"] == "toolbox"]
+    assert (health["worker_lost"], health["side_effects_unknown"], health["cancelled"]) == (RUNS, RUNS, RUNS)
 
 
 def test_a_worker_paused_past_detection_writes_nothing_and_calls_nothing_when_it_wakes(
@@ -151,6 +154,34 @@ def test_a_run_cancelled_while_its_worker_is_dead_stays_cancelled_with_its_call_
     assert survivor.logged("run_worker_lost", run_id=run_id, outcome="ended")
     assert survivor.logged("run_claimed", run_id=run_id) == []
     assert len(llm_mock.bodies()) == 1
+
+
+def test_a_steer_stored_while_the_worker_is_dead_is_applied_once_by_the_worker_that_takes_the_run_up(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1).items()
+    llm_mock.server.when("answer from what you have").reply(reply("answered as steered")).first()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    store_steer(store, run_id, "answer from what you have")  # well within detection: the run is still "running"
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "answered as steered")
+    assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost"),
+                              (StepKind.HANDOFF, None, "worker_lost"), (StepKind.STEER, None, ""),
+                              (StepKind.MODEL, None, None)]
+    assert record.steps[1].tool_call_id == call_id
+    assert len(survivor.logged("run_steer_applied", run_id=run_id)) == 1
+    assert store.pending_steer(run_id) is None
+    # The model saw the cut-off result, then the steer's message.
+    last = llm_mock.bodies()[-1]["messages"]
+    assert [(m["role"], m.get("tool_call_id")) for m in last[-2:]] == [("tool", call_id), ("user", None)]
+    assert last[-1]["content"] == "answer from what you have"
 
 
 def test_a_live_worker_keeps_its_runs_past_the_detection_bound(
