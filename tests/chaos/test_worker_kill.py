@@ -18,11 +18,11 @@ from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
 
-LEASE_S = 5  # the shortest lease Settings accepts
+LEASE_S = 30  # far past detection: the lease (the last resort) must not decide here
 RUNS = 20
 CONCURRENCY = 4
 TOOL_S = 2.0
-FAST = {"RUNBRAKE_WORKER_BEAT_S": "0.5", "RUNBRAKE_WORKER_LOST_S": "3"}
+FAST = {"RUNBRAKE_WORKER_BEAT_S": "0.5", "RUNBRAKE_WORKER_LOST_S": "5"}
 
 
 def test_kill_9_of_one_of_two_workers_resumes_only_its_runs_on_the_other_and_runs_nothing_twice(
