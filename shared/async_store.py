@@ -197,6 +197,10 @@ class AsyncRunStore:
         return await self.execute(core.claim(self.keys, run_id, owner, lease_s=lease_s, resume=resume,
                                              worker=worker))
 
+    async def restamp(self, run_id: str, owner: str, worker: str) -> bool:
+        """Stamp the run held under ``owner`` with this process's new liveness id; False when it was taken."""
+        return not await self.execute(core.restamp(self.keys, {run_id: owner}, worker))
+
     async def mark_sent(self, run_id: str, *, owner: str, call_id: str | None, round_number: int) -> None:
         """Mark a call as about to be sent (owner-guarded; :func:`core.mark_sent` says what it raises)."""
         await self.execute(core.mark_sent(self.keys, run_id, owner=owner, call_id=call_id,

@@ -94,7 +94,7 @@ class LeaseKeeper(Periodic):
             # Reaped (this process looked dead) or taken over: the call in flight stops now and the run
             # makes no further call.
             log.warning("lease_not_renewed", run_id=run_id, action="interrupting the run")
-            self._registry.interrupt(run_id, lost=True)
+            self._registry.interrupt(run_id, lost=True, owner=owners.get(run_id))
 
     def _renew(self) -> set[str]:
         """Renew this process's leases; with none, PING: either round trip tells whether Redis answers,

@@ -124,11 +124,13 @@ class Liveness(Periodic):
         guard) and stamps the new id on any it still holds (claimed after the sweep read its runs)."""
         lost, new = self._identity.id, self._identity.renew()
         self._store.beat(new, lost_s=self._lost_s)
-        taken = self._store.restamp(self._registry.owners(), new)
+        owners = self._registry.owners()
+        taken = self._store.restamp(owners, new)
         log.error("worker_taken_as_lost", worker=lost, new_worker=new, runs_taken=len(taken),
                   action="stopping the runs taken from it; their calls are cut off and nothing they write lands")
         for run_id in sorted(taken):
-            self._registry.interrupt(run_id, lost=True)
+            # Only the segment that was taken: the run's message may have reached this process again meanwhile.
+            self._registry.interrupt(run_id, lost=True, owner=owners[run_id])
 
     def sweep(self) -> int:
         """Take up the runs of every worker that stopped beating; returns how many runs were taken up."""

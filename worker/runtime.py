@@ -395,6 +395,10 @@ class Runtime:
             log.info("run_claimed", owner=owner)
             self.subscribers.status(run_id, RunStatus.RUNNING)
             handle = self.registry.register(run_id, owner)
+            if self._worker() != worker:
+                # This process was taken as lost (and took a new id) between the claim and the registration, so
+                # its liveness thread could not restamp the run: do it here, or no sweep would ever find it.
+                await self._store.restamp(run_id, owner, self._worker())
             try:
                 outcome = await self._ladder(run_id, owner, handle, claim, resume=resume)
             finally:
