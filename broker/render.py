@@ -9,7 +9,12 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from runbrake.shared.outcome import ToolOutcome
-from runbrake.shared.records import ARGUMENT_ERROR, CANCELLED_SIDE_EFFECTS_UNKNOWN
+from runbrake.shared.records import (
+    ARGUMENT_ERROR,
+    CANCELLED_SIDE_EFFECTS_UNKNOWN,
+    WORKER_LOST_NONE,
+    WORKER_LOST_UNKNOWN,
+)
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.store import RunRecord
@@ -136,6 +141,8 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
     if record.labels:
         lines.append(f"  {label('run.labels', lang)}: "
                      + ", ".join(f"{key}={value}" for key, value in sorted(record.labels.items())))
+    if record.status is RunStatus.QUEUED and record.lost_worker is not None:
+        lines.append(f"  {label('run.worker_lost', lang)}: {record.lost_worker}")
     if record.parent_run_id is not None:
         lines.append(f"  {label('run.parent', lang)}: {record.parent_run_id}   {label('run.thread', lang)}: "
                      f"{record.thread}")
@@ -210,12 +217,14 @@ def server_health(counts: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
     health = []
     for server in sorted(counts):
         by_outcome = {outcome.value: counts[server].get(outcome.value, 0) for outcome in ToolOutcome}
-        unknown = counts[server].get(CANCELLED_SIDE_EFFECTS_UNKNOWN, 0)
-        by_outcome[ToolOutcome.CANCELLED.value] += unknown
+        lost_unknown = counts[server].get(WORKER_LOST_UNKNOWN, 0)
+        lost = counts[server].get(WORKER_LOST_NONE, 0) + lost_unknown
+        unknown = counts[server].get(CANCELLED_SIDE_EFFECTS_UNKNOWN, 0) + lost_unknown
+        by_outcome[ToolOutcome.CANCELLED.value] += counts[server].get(CANCELLED_SIDE_EFFECTS_UNKNOWN, 0) + lost
         decided = by_outcome["ok"] + by_outcome["failed"]
         rate = by_outcome["failed"] / decided if decided else None
         health.append({"server": server, **by_outcome, "argument_errors": counts[server].get(ARGUMENT_ERROR, 0),
-                       "side_effects_unknown": unknown, "failure_rate": rate})
+                       "side_effects_unknown": unknown, "worker_lost": lost, "failure_rate": rate})
     return health
 
 
@@ -230,9 +239,10 @@ def tenant_server_health(counts: dict[str, dict[str, int]], usable: Iterable[str
 
 
 def render_servers(health: list[dict[str, Any]]) -> str:
-    headers = ["server", "ok", "failed", "argument errors", "cancelled", "side effects unknown", "failure rate"]
+    headers = ["server", "ok", "failed", "argument errors", "cancelled", "side effects unknown", "worker lost",
+               "failure rate"]
     rows = [[h["server"], str(h["ok"]), str(h["failed"]), str(h["argument_errors"]), str(h["cancelled"]),
-             str(h["side_effects_unknown"]),
+             str(h["side_effects_unknown"]), str(h["worker_lost"]),
              "-" if h["failure_rate"] is None else f"{h['failure_rate']:.1%}"] for h in health]
     return "\n".join(_table(headers, rows)) if rows else "(no tool calls recorded)"
 

@@ -218,7 +218,8 @@ announce(ARGV[1], '$status_queued', '')
 return {1, ARGV[1]}
 """)
 
-# KEYS: run, leases, unclaimed, outbox.  ARGV: owner, lease_s, run_id, retention_s, events channel
+# KEYS: run, leases, unclaimed, outbox.  ARGV: owner, lease_s, run_id, worker (the claiming process's liveness
+#   id: docs/architecture.md, "Lost workers"), retention_s, events channel
 CLAIM = _script("claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -233,14 +234,15 @@ if st ~= '$status_queued' then return {0, st} end
 local now = redis_now()
 local expires = lease_end(now, ARGV[2])
 redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'started_at', now,
-  'lease_expires_at', expires)
+  'lease_expires_at', expires, 'worker', ARGV[4])
+redis.call('HDEL', KEYS[1], 'lost_worker')
 redis.call('ZADD', KEYS[2], expires, ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
 announce(ARGV[3], '$status_running', '')
 return {1, st}
 """)
 
-# KEYS: run, leases, unclaimed, outbox.  ARGV: owner, lease_s, run_id, retention_s, events channel
+# KEYS: run, leases, unclaimed, outbox.  ARGV: owner, lease_s, run_id, worker, retention_s, events channel
 RESUME_CLAIM = _script("resume_claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -255,7 +257,7 @@ local decided = redis.call('HGET', KEYS[1], 'approval')
 if decided ~= 'approved' and decided ~= 'steered' then return {0, st} end
 local expires = lease_end(redis_now(), ARGV[2])
 redis.call('HSET', KEYS[1], 'status', '$status_running', 'owner', ARGV[1], 'lease_expires_at', expires,
-  'approval', 'consumed')
+  'approval', 'consumed', 'worker', ARGV[4])
 redis.call('ZADD', KEYS[2], expires, ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'segments', 1)
 announce(ARGV[3], '$status_running', '')
@@ -342,9 +344,14 @@ local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if is_terminal(st) then return {0, st} end
 redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason', ARGV[4],
-  'finished_at', ARGV[2], 'lease_expires_at', '')
+  'finished_at', ARGV[2])
 redis.call('SET', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[3])
+-- A running run stays in the lease set until its lease runs out (REAP then drops it): should its worker be lost,
+-- the sweeper still finds it there and records the calls it had in flight (docs/architecture.md, "Lost workers").
+if st ~= '$status_running' then
+  redis.call('HSET', KEYS[1], 'lease_expires_at', '')
+  redis.call('ZREM', KEYS[3], ARGV[3])
+end
 redis.call('ZREM', KEYS[4], ARGV[3])
 release(KEYS[5])
 retain(ARGV[3], ARGV[2])
@@ -499,6 +506,116 @@ return {1, st}
 """)
 
 
+# -- lost workers (docs/architecture.md, "Lost workers") ----------------------------------------------
+
+# KEYS: workers, lost workers.  ARGV: worker id, lost_s
+# A worker process says it is alive: its entry in the workers set is pushed to ``lost_s`` after now (Redis's
+# clock). A worker already taken as lost (in the lost set, or its entry expired: a sweeper takes it next) is
+# never alive again: answers 0, and the process stops what it runs and takes a new id.
+BEAT = _script("beat", _REDIS_NOW + """
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+local now = redis_now()
+local alive_until = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if alive_until and tonumber(alive_until) < tonumber(now) then return 0 end
+redis.call('ZADD', KEYS[1], lease_end(now, ARGV[2]), ARGV[1])
+return 1
+""")
+
+# KEYS: workers, lost workers.  ARGV: limit, keep_s
+# Take the workers whose liveness expired by Redis's clock: each moves to the lost set (scored by when), so
+# exactly one sweeper takes it and its beat is refused from then on. Lost entries older than ``keep_s`` go.
+LAPSE = _script("lapse", _REDIS_NOW + """
+local now = redis_now()
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[1])
+for _, worker in ipairs(lapsed) do
+  redis.call('ZREM', KEYS[1], worker)
+  redis.call('ZADD', KEYS[2], now, worker)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(now) - tonumber(ARGV[2]))
+return lapsed
+""")
+
+# KEYS: run.  ARGV: owner, worker id
+# A process taken as lost while it lived goes on under a new id with the runs nobody took from it yet: each is
+# stamped with the new id, owner-guarded (a run a sweeper took meanwhile has another owner: refused, 0).
+RESTAMP = _script("restamp", """
+if redis.call('HGET', KEYS[1], 'status') ~= '$status_running' then return 0 end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'worker', ARGV[2])
+return 1
+""")
+
+# KEYS: run.  ARGV: owner, field
+# Before a call's request goes out, its mark (``sent:<call id>`` or ``sent:model``) is written with the run's
+# last step sequence (and, for the model, the round: ARGV[3]), owner-guarded: a worker whose run was taken
+# from it writes nothing and sends nothing. Answers 1; 0 when the run is not this owner's; 2 when it is but no
+# longer runs (a cancel ended it).
+MARK_SENT = _script("mark_sent", """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'status') ~= '$status_running' then return 2 end
+local seq = redis.call('HGET', KEYS[1], 'seq') or '0'
+if ARGV[3] then seq = ARGV[3] .. ' ' .. seq end
+redis.call('HSET', KEYS[1], ARGV[2], seq)
+return 1
+""")
+
+# KEYS: run, steps, leases, unclaimed, servers, servers this hour, tenants, run, steps, cancel, finished, outbox.
+# ARGV: run_id, lost worker, expected seq, mode ('requeue' | 'fail' for a running run, 'ended' for one that ended),
+#   pending_json, error, now, step count n,
+#   then n pairs (step body, server outcome field or ''), retention_s, events channel
+# The run of a lost worker, in one script: guarded by that worker still being the run's and by the steps the
+# sweeper read (``seq``: nothing was appended since, so the steps it built say what is true) and by the status it
+# read (running or ended), the steps of the
+# calls cut off are appended; then a running run goes back to ``queued`` with its rebuilt conversation as the
+# pending turn (``requeue``), or ends ``failed``/``lease_lost`` (``fail``). A run that ended meanwhile (a cancel
+# while its worker was dead) gets the steps, and keeps its status. Answers {1, st, losses} when requeued,
+# {2, st} for a run already ended, {3, st, losses} when failed; {0, st, why} when the guard refused.
+RECLAIM = _script("reclaim", _ANNOUNCE + _RETAIN + _RELEASE + _IS_TERMINAL + """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {0, ''} end
+if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[2] then return {0, st, 'worker'} end
+if tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') ~= tonumber(ARGV[3]) then return {0, st, 'moved'} end
+local running = st == '$status_running'
+if not running and not is_terminal(st) then
+  redis.call('HSET', KEYS[1], 'worker', '')
+  return {0, st, 'worker'}
+end
+if (ARGV[4] == 'ended') == running then return {0, st, 'moved'} end
+local n = tonumber(ARGV[8])
+for i = 1, n do
+  local body = ARGV[7 + 2 * i]
+  local counter = ARGV[8 + 2 * i]
+  local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
+  local record = '{"sequence":' .. seq .. ',"recorded_at":' .. ARGV[7] .. ',' .. string.sub(body, 2)
+  redis.call('RPUSH', KEYS[2], record)
+  outbox(ARGV[1], '{"event":"step","run_id":"' .. ARGV[1] .. '","step":' .. record .. '}')
+  if counter ~= '' then
+    redis.call('HINCRBY', KEYS[5], counter, 1)
+    redis.call('HINCRBY', KEYS[6], counter, 1)
+    redis.call('EXPIRE', KEYS[6], 691200)
+  end
+end
+redis.call('HSET', KEYS[1], 'worker', '', 'lost_worker', ARGV[2])
+redis.call('HDEL', KEYS[1], 'progress')
+if not running then return {2, st} end
+local losses = redis.call('HINCRBY', KEYS[1], 'worker_losses', 1)
+redis.call('ZREM', KEYS[3], ARGV[1])
+if ARGV[4] == 'fail' then
+  redis.call('HSET', KEYS[1], 'status', '$status_failed', 'termination_reason', '$reason_lease_lost',
+    'finished_at', ARGV[7], 'lease_expires_at', '', 'owner', '', 'error', ARGV[6])
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  release(KEYS[7])
+  retain(ARGV[1], ARGV[7])
+  announce(ARGV[1], '$status_failed', '$reason_lease_lost')
+  return {3, st, losses}
+end
+redis.call('HSET', KEYS[1], 'status', '$status_queued', 'owner', '', 'lease_expires_at', '', 'pending', ARGV[5])
+redis.call('ZADD', KEYS[4], ARGV[7], ARGV[1])
+announce(ARGV[1], '$status_queued', '')
+return {1, st, losses}
+""")
+
+
 # KEYS: unclaimed, run.  ARGV: run_id, cutoff, now
 # Take the re-drive of one run whose message was sent before ``cutoff`` and that nobody claimed: answers
 # 'start' (queued) or 'resume' (approved, waiting for its resume), and restarts its clock so that one
@@ -604,6 +721,6 @@ end
 return 1
 """)
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       STEER, STEER_WAITING, STEER_APPLY, REAP, REDRIVE, OUTBOX_GROUP, OUTBOX_TRIM, RELAY_LEASE, RELAY_RELEASE,
-       WEBHOOK_QUEUE, WEBHOOK_RESULT)
+       STEER, STEER_WAITING, STEER_APPLY, REAP, BEAT, LAPSE, RESTAMP, MARK_SENT, RECLAIM, REDRIVE, OUTBOX_GROUP,
+       OUTBOX_TRIM, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

@@ -45,11 +45,15 @@ import structlog
 
 from runbrake.shared import _api_scripts, _scripts
 from runbrake.shared._scripts import Script
-from runbrake.shared.errors import NotReplicated, OwnershipLost, RunNotFound, StoreError
+from runbrake.shared.errors import CancelRequested, NotReplicated, OwnershipLost, RunNotFound, StoreError
 from runbrake.shared.records import (
     ARGUMENT_ERROR,
     CANCELLED_SIDE_EFFECTS_UNKNOWN,
     MAX_CALL_TOKENS,
+    SENT_MODEL,
+    SENT_PREFIX,
+    WORKER_LOST_NONE,
+    WORKER_LOST_UNKNOWN,
     Appended,
     CancelRequest,
     Claim,
@@ -70,7 +74,7 @@ from runbrake.shared.records import (
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.run_end import answer_members
 from runbrake.shared.status import RunStatus, TerminationReason
-from runbrake.shared.steps import RunStep, StepError, StepKind
+from runbrake.shared.steps import RunStep, StepError, StepKind, StepReason
 from runbrake.shared.threads import ThreadLink
 from runbrake.shared.tool_result import SideEffects
 
@@ -79,6 +83,7 @@ log = structlog.get_logger("runbrake.shared.store")
 T = TypeVar("T")
 
 _STEP_SYSTEM_FIELDS: Final = ("sequence", "recorded_at")
+
 MAX_ERROR_CHARS: Final = 2000
 
 
@@ -224,6 +229,17 @@ class Keys:
     def finished(self, shard: int) -> str:
         """Finished runs by the time their retention ends (the sweeper's work list)."""
         return self._sharded("finished", shard)
+
+    @property
+    def workers(self) -> str:
+        """The live worker processes, scored by when each is lost unless it says it is alive again (Redis's
+        clock; docs/architecture.md, "Lost workers"): one per namespace."""
+        return self._sharded("workers", 0)
+
+    @property
+    def lost_workers(self) -> str:
+        """The worker processes taken as lost, scored by when: their beats are refused."""
+        return self._sharded("lost-workers", 0)
 
     @property
     def events(self) -> str:
@@ -602,10 +618,12 @@ def _model_name(request: Mapping[str, Any]) -> str:
     return str(model.get("provider", "")) if isinstance(model, Mapping) else ""
 
 
-def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Op[Claim]:
-    """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner
-    and lease (expiring ``lease_s`` after now by Redis's clock); in the same round trip, read what the
-    segment needs (the request, the pending turn, the run's tenant)."""
+def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False,
+          worker: str = "") -> Op[Claim]:
+    """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner,
+    ``worker`` (the claiming process's liveness id: docs/architecture.md, "Lost workers") and lease (expiring
+    ``lease_s`` after now by Redis's clock); in the same round trip, read what the segment needs (the
+    request, the pending turn, the run's tenant)."""
     script = _scripts.RESUME_CLAIM if resume else _scripts.CLAIM
     name = "resume_claim" if resume else "claim"
 
@@ -623,7 +641,8 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
 
     return Op(f"{name} run {run_id}", (
         ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
-                   (Ident(owner), float(lease_s), Ident(run_id), keys.retention_s, Ident(keys.events))),
+                   (Ident(owner), float(lease_s), Ident(run_id), Ident(worker), keys.retention_s,
+                    Ident(keys.events))),
         Command(("HMGET", keys.run(run_id), "request", "pending", "tenant")),
         Command(("GET", keys.steer(run_id))),
     ), parse)
@@ -800,6 +819,27 @@ def wakeups_among(keys: Keys, run_ids: Sequence[str]) -> Op[tuple[set[str], dict
         parse, fallback=(set(), {}), fallback_event="cancel_poll_failed", context={"runs": sum(map(len, groups))})
 
 
+def step_body(step: RunStep) -> dict[str, Any]:
+    """A step as a script appends it: without the fields the store assigns (sequence, recorded_at)."""
+    return {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
+
+
+def server_counter(step: RunStep) -> str:
+    """The per-server outcome field a tool step counts in (``runbrake servers``), "" for a step that counts
+    in none."""
+    if not step.tool_server or step.tool_outcome is None:
+        # A call to no server of the run (a name a model made up: server "") is counted nowhere.
+        return ""
+    # Argument errors are the caller's mistake: counted apart, so they do not make a server look flaky.
+    outcome = ARGUMENT_ERROR if step.detail.get("failure") == "arguments" else step.tool_outcome.value
+    unknown = step.detail.get("side_effects") == SideEffects.UNKNOWN.value
+    if step.detail.get("reason") == StepReason.WORKER_LOST.value:  # cut off by a lost worker: counted apart
+        outcome = WORKER_LOST_UNKNOWN if unknown else WORKER_LOST_NONE
+    elif unknown:
+        outcome = CANCELLED_SIDE_EFFECTS_UNKNOWN  # cut off after its request was sent: counted apart
+    return f"{step.tool_server}|{outcome}"
+
+
 def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Op[Appended]:
     """Record a step (the store assigns its sequence) and probe the cancel key, in one script.
 
@@ -807,15 +847,8 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
     again (a retry after a lost answer), it is recorded once.
     """
     recorded_at = time.time()
-    body = {k: v for k, v in step.to_dict().items() if k not in _STEP_SYSTEM_FIELDS}
-    counter = ""
-    if step.tool_server and step.tool_outcome is not None:
-        # Argument errors are the caller's mistake: counted apart, so they do not make a server look flaky.
-        # A call to no server of the run (a name a model made up: server "") is counted nowhere.
-        outcome = ARGUMENT_ERROR if step.detail.get("failure") == "arguments" else step.tool_outcome.value
-        if step.detail.get("side_effects") == SideEffects.UNKNOWN.value:
-            outcome = CANCELLED_SIDE_EFFECTS_UNKNOWN  # cut off after its request was sent: counted apart
-        counter = f"{step.tool_server}|{outcome}"
+    body = step_body(step)
+    counter = server_counter(step)
 
     answered = step.kind is StepKind.MODEL and not step.error and not step.interrupted
     usage = step.detail.get("usage") if answered else None
@@ -946,6 +979,132 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
                                    keys.outbox_of(run_id)),
                    (Ident(run_id), keys.retention_s, Ident(keys.events)),
                    f"reap run {run_id}", parse)
+
+
+# -- lost workers (docs/architecture.md, "Lost workers") ---------------------------------------------
+
+
+LOST_WORKERS_KEPT_S: Final = 86_400
+"""How long a lost worker's id stays in the lost set (its beats refused): a day."""
+
+
+def beat(keys: Keys, worker: str, *, lost_s: float) -> Op[bool]:
+    """A worker process says it is alive for ``lost_s`` more seconds (Redis's clock); False when it was taken
+    as lost already (it must stop what it runs and take a new id)."""
+    return _script(_scripts.BEAT, (keys.workers, keys.lost_workers), (Ident(worker), float(lost_s)),
+                   f"beat of worker {worker}", lambda answers: bool(answers[0]))
+
+
+def leave(keys: Keys, worker: str) -> Op[None]:
+    """A worker process that stops cleanly leaves the workers set: nobody takes it as lost."""
+    return Op(f"worker {worker} leaves", (Command(("ZREM", keys.workers, worker)),), lambda _answers: None)
+
+
+def lapse(keys: Keys, *, limit: int = 100) -> Op[list[str]]:
+    """Take the workers whose liveness expired (each taken by one caller only)."""
+    return _script(_scripts.LAPSE, (keys.workers, keys.lost_workers), (limit, LOST_WORKERS_KEPT_S),
+                   "take lost workers", lambda answers: [_text(w) for w in answers[0]])
+
+
+def field_of(keys: Keys, run_ids: Sequence[str], field: str) -> Op[dict[str, str]]:
+    """These runs → one field of each ("" for none): ``worker``, ``owner``."""
+    def parse(answers: list[Any]) -> dict[str, str]:
+        return {run_id: _text(value or "") for run_id, value in zip(run_ids, answers, strict=True)}
+
+    return Op(f"read the {field} of runs", tuple(Command(("HGET", keys.run(run_id), field)) for run_id in run_ids),
+              parse)
+
+
+def restamp(keys: Keys, owners: Mapping[str, str], worker: str) -> Op[set[str]]:
+    """Stamp these runs (run id → the owner this process holds it under) with the process's new id, in one round
+    trip; answers the runs taken from it (refused)."""
+    ids = list(owners)
+
+    def parse(answers: list[Any]) -> set[str]:
+        return {run_id for run_id, ok in zip(ids, answers, strict=True) if not ok}
+
+    return Op("restamp runs", tuple(ScriptCall(_scripts.RESTAMP, (keys.run(run_id),),
+                                               (Ident(owners[run_id]), Ident(worker))) for run_id in ids), parse)
+
+
+def leased_runs(keys: Keys) -> Op[list[str]]:
+    """Every run with a lease (running), in every shard."""
+    return Op("read the running runs", tuple(Command(("ZRANGE", keys.leases(shard), 0, -1)) for shard in keys.shards),
+              _concatenated)
+
+
+def mark_sent(keys: Keys, run_id: str, *, owner: str, call_id: str | None, round_number: int) -> Op[None]:
+    """Write a call's mark before its request goes out (owner-guarded): ``sent:<call id>`` for a tool call,
+    ``sent:model`` (with the round) for a model call.
+
+    Raises:
+        OwnershipLost: the run is not this owner's any more (nothing written: the call must not go out).
+        CancelRequested: the run is this owner's but no longer runs (a cancel ended it).
+    """
+    field = f"{SENT_PREFIX}{call_id}" if call_id is not None else SENT_MODEL
+    args: tuple[Arg, ...] = (Ident(owner), field) if call_id is not None else (Ident(owner), field, round_number)
+
+    def parse(answers: list[Any]) -> None:
+        if answers[0] == 0:
+            raise OwnershipLost(run_id)
+        if answers[0] == 2:  # the script's answer for "yours, but ended"
+            raise CancelRequested(run_id)
+
+    return _script(_scripts.MARK_SENT, (keys.run(run_id),), args, f"mark a call of run {run_id} sent", parse)
+
+
+def lost_view(keys: Keys, run_id: str) -> Op[tuple[dict[str, str], tuple[RunStep, ...]]]:
+    """A run's fields and steps, read together (a transaction), for rebuilding it after its worker was lost."""
+    def parse(answers: list[Any]) -> tuple[dict[str, str], tuple[RunStep, ...]]:
+        fields, raw_steps = answers
+        return _fields(fields), tuple(read_step(run_id, raw) for raw in raw_steps)
+
+    return Op(f"read run {run_id} of a lost worker", (
+        Command(("HGETALL", keys.run(run_id))),
+        Command(("LRANGE", keys.steps(run_id), 0, -1)),
+    ), parse, transaction=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaimed:
+    """What the reclaim of a lost worker's run came to (``outcome``: requeued, ended, failed, refused)."""
+
+    outcome: str
+    found: str
+    losses: int = 0
+    why: str = ""
+
+
+_RECLAIMED: Final = {1: "requeued", 2: "ended", 3: "failed"}
+
+
+def reclaim(keys: Keys, run_id: str, *, worker: str, seq: int, steps: Sequence[RunStep], running: bool, fail: bool,
+            pending: Mapping[str, Any], error: str) -> Op[Reclaimed]:
+    """The run of a lost worker, in one guarded script: ``steps`` appended, then a ``running`` run back to
+    ``queued`` with ``pending`` (or ``failed``/``lease_lost`` with ``error`` when ``fail``); a run that ended
+    only gets the steps. Refused unless the run is still ``worker``'s, still running (or ended) as read, and its
+    last sequence still ``seq``."""
+    now = time.time()
+    pairs: list[Arg] = []
+    for step in steps:
+        pairs += [step_body(step), server_counter(step)]
+
+    def parse(answers: list[Any]) -> Reclaimed:
+        code, found, *rest = answers[0]
+        found_text = _text(found or "")
+        if not code:
+            return Reclaimed("refused", found_text, why=_text(rest[0]) if rest else "")
+        return Reclaimed(_RECLAIMED[int(code)], found_text, int(rest[0]) if rest else 0)
+
+    shard = keys.shard(run_id)
+    return durable(_script(
+        _scripts.RECLAIM,
+        (keys.run(run_id), keys.steps(run_id), *keys.waiting_lists(run_id), keys.servers(shard),
+         keys.servers_hour(now, shard), keys.tenants(shard), *keys.retention(run_id), keys.outbox_of(run_id)),
+        (Ident(run_id), Ident(worker), seq, Ident(("fail" if fail else "requeue") if running else "ended"), pending,
+         error, now, len(steps),
+         *pairs, keys.retention_s, Ident(keys.events)),
+        f"reclaim run {run_id} of lost worker {worker}", parse))
 
 
 # -- reads ---------------------------------------------------------------------------------------
@@ -1144,7 +1303,8 @@ def ping() -> Op[None]:
 
 SUMMARY_FIELDS: Final = ("status", "termination_reason", "created_at", "started_at", "finished_at", "owner",
                          "lease_expires_at", "error", "segments", "labels", "model", "input_preview", "model_calls",
-                         "input_tokens", "output_tokens", "cost_usd", "parent_run_id", "thread")
+                         "input_tokens", "output_tokens", "cost_usd", "parent_run_id", "thread",
+                         "worker_losses", "lost_worker")
 """The hash fields a run listing reads: not the request or the pending turn, which can be large."""
 
 

@@ -193,9 +193,21 @@ class AsyncRunStore:
 
     # -- what a segment needs -------------------------------------------------------------------
 
-    async def claim(self, run_id: str, owner: str, *, lease_s: float, resume: bool = False) -> Claim:
-        """Claim the run (start, or resume after approval) and read its request and pending turn."""
-        return await self.execute(core.claim(self.keys, run_id, owner, lease_s=lease_s, resume=resume))
+    async def claim(self, run_id: str, owner: str, *, lease_s: float, resume: bool = False,
+                    worker: str = "") -> Claim:
+        """Claim the run (start, or resume after approval) for the worker process ``worker`` and read its
+        request and pending turn."""
+        return await self.execute(core.claim(self.keys, run_id, owner, lease_s=lease_s, resume=resume,
+                                             worker=worker))
+
+    async def restamp(self, run_id: str, owner: str, worker: str) -> bool:
+        """Stamp the run held under ``owner`` with this process's new liveness id; False when it was taken."""
+        return not await self.execute(core.restamp(self.keys, {run_id: owner}, worker))
+
+    async def mark_sent(self, run_id: str, *, owner: str, call_id: str | None, round_number: int) -> None:
+        """Mark a call as about to be sent (owner-guarded; :func:`core.mark_sent` says what it raises)."""
+        await self.execute(core.mark_sent(self.keys, run_id, owner=owner, call_id=call_id,
+                                                 round_number=round_number))
 
     async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Appended:
         """Record a step and probe the cancel key, in one round trip (once per ``token``; refused with

@@ -358,6 +358,9 @@ class Catalog(SpecModel):
                    "cancel_grace_s": server.cancel_grace_s,
                    "tools_on_cancel": {tool: policy.value for tool, policy in server.tools_on_cancel.items()},
                    "tenants": None if server.tenants is None else list(server.tenants),
+                   "on_worker_lost": server.on_worker_lost.value,
+                   "tools_on_worker_lost": {tool: policy.value
+                                            for tool, policy in server.tools_on_worker_lost.items()},
                    **TRANSPORTS.of(server).describe(server, shown)}
             for name, server in self.mcp_servers.items()
         }

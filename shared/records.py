@@ -24,8 +24,19 @@ ARGUMENT_ERROR: Final = "argument_error"
 CANCELLED_SIDE_EFFECTS_UNKNOWN: Final = "cancelled_side_effects_unknown"
 """The per-server counter of cancelled calls cut off after their request was sent (``detail.side_effects =
 "unknown"``); ``runbrake servers`` adds them to the cancelled calls and shows them apart."""
+WORKER_LOST_NONE: Final = "worker_lost"
+WORKER_LOST_UNKNOWN: Final = "worker_lost_side_effects_unknown"
+"""The per-server counters of calls cut off by the loss of their worker process (``detail.reason =
+"worker_lost"``), never sent and sent; ``runbrake servers`` adds them to the cancelled calls (the second to the
+side effects unknown too) and shows their sum as ``worker_lost``."""
 """The per-server counter (``RunStore.server_outcomes``) of failed calls whose arguments were at fault, beside
 the counters named by the outcomes; public because the CLI and the API show it (broker/render.py)."""
+
+SENT_PREFIX: Final = "sent:"
+"""A run hash field ``sent:<call id>``: the tool call's request was about to go out, after the step of this
+sequence (docs/architecture.md, "Lost workers")."""
+SENT_MODEL: Final = "sent:model"
+"""A run hash field ``"<round> <sequence>"``: the model call of that round was about to go out."""
 
 log = structlog.get_logger(__name__)
 
@@ -211,6 +222,11 @@ class RunRecord:
     """The run this one continues (docs/usage.md, "Continue a finished run"); None for a thread's first run."""
     thread_root: str | None = None
     """The first run of the thread this one continues, as stored (None for a first run: see :attr:`thread`)."""
+    worker_losses: int = 0
+    """How many worker processes were lost while they executed the run (docs/architecture.md, "Lost workers")."""
+    lost_worker: str | None = None
+    """The worker process whose loss sent the run back to the queue, until another worker claims it (None
+    otherwise): the run is "worker lost, resuming"."""
 
     @property
     def thread(self) -> str:
@@ -276,6 +292,8 @@ class RunRecord:
             "budget_use": budget_use(self.request, self.created_at, self.usage.total_tokens, self.usage.cost_usd),
             "parent_run_id": self.parent_run_id,
             "thread": self.thread,
+            "worker_losses": self.worker_losses,
+            "lost_worker": self.lost_worker if self.status is RunStatus.QUEUED else None,
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -408,6 +426,8 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
                        output_tokens=_count(fields.get("output_tokens")),
                        model_calls=_count(fields.get("model_calls")), cost_usd=_cost(fields.get("cost_usd"))),
         parent_run_id=fields.get("parent_run_id") or None,
+        worker_losses=_count(fields.get("worker_losses")),
+        lost_worker=fields.get("lost_worker") or None,
         thread_root=fields.get("thread") or None,
     )
 

@@ -274,6 +274,16 @@ class Settings(BaseSettings):
     lease_s: Annotated[int, _integer(5)] = 60
     """How long a worker's claim on a run is good for without renewal, in seconds; the holding worker renews
     it every third of that, and any worker fails a run whose lease expired (`lease_lost`)."""
+    worker_beat_s: Annotated[float, _number(float, 0.1, 60.0)] = 1.0
+    """How often each worker process says it is alive (one Redis round trip from a thread of its own, off the
+    event loop), in seconds (docs/architecture.md, "Lost workers")."""
+    worker_lost_s: Annotated[float, _number(float, 1.0, 3600.0)] = 6.0
+    """A worker process that has not said it is alive for this long is lost, in seconds: any other worker
+    puts its runs back to `queued` (each call it had in flight recorded `cancelled`, `worker_lost`) and another
+    worker continues them. Keep it several beats (`RUNBRAKE_WORKER_BEAT_S`) long."""
+    max_worker_losses: Annotated[int, _integer(0)] = 3
+    """How many lost workers a run survives: the next loss ends it `failed` (`lease_lost`) rather than
+    resuming it, so a run that kills every worker it lands on stops (0: the first loss ends it)."""
     metrics_port: Annotated[int, _integer(0, 65535)] = 0
     """Port of the worker's Prometheus `/metrics` (process *i* of `--processes` serves port + *i*); 0 turns
     it off."""

@@ -475,6 +475,18 @@ class OnCancel(StrEnum):
     """Let complete, up to the server's ``cancel_grace_s``; the run stops right after it."""
 
 
+class OnWorkerLost(StrEnum):
+    """What becomes of a tool call cut off by the loss of its worker process (a catalog server's
+    ``on_worker_lost``; docs/architecture.md, "Lost workers")."""
+
+    REPORT = "report"
+    """The default: the model is told the call was cut off with its outcome unknown, and decides."""
+    RETRY = "retry"
+    """The call is made again by the worker that takes the run up: for tools that are safe to repeat."""
+    FAIL = "fail"
+    """The run ends ``failed``/``lease_lost`` with the call's step recorded: for calls a person must look at."""
+
+
 DEFAULT_CANCEL_GRACE_S: Final = 30.0
 MAX_CANCEL_GRACE_S: Final = 3_600.0
 
@@ -508,6 +520,11 @@ class ServerSpec(SpecModel):
     tenants: SkipJsonSchema[TenantNames | None] = None
     """Catalog only: the tenants whose runs may use this server; left out, every run may (docs/security.md,
     "Tenants")."""
+    on_worker_lost: SkipJsonSchema[OnWorkerLost] = OnWorkerLost.REPORT
+    """Catalog only: what becomes of a call cut off by the loss of its worker process: ``report`` (the model is
+    told), ``retry`` (made again), ``fail`` (the run fails) (docs/architecture.md, "Lost workers")."""
+    tools_on_worker_lost: SkipJsonSchema[dict[_NonEmpty, OnWorkerLost]] = Field(default_factory=dict)
+    """Catalog only: ``on_worker_lost`` per tool of this server, over the server's own (``{get-sum = "retry"}``)."""
 
     @field_validator("name", mode="before")
     @classmethod
@@ -518,7 +535,8 @@ class ServerSpec(SpecModel):
 
     # check_fields=False: 'headers' belongs to the HTTP server only.
     @field_validator("tools", "max_concurrency", "timeout_s", "on_cancel", "cancel_grace_s", "tools_on_cancel",
-                     "tenants", "headers", mode="before", check_fields=False)
+                     "tenants", "on_worker_lost", "tools_on_worker_lost", "headers", mode="before",
+                     check_fields=False)
     @classmethod
     def _catalog_only(cls, value: object, info: ValidationInfo) -> object:
         if _in_a_whole_spec(info):
@@ -528,6 +546,10 @@ class ServerSpec(SpecModel):
     def where(self) -> str:
         """Where the server is, for messages: its URL, its command."""
         raise NotImplementedError
+
+    def worker_lost_policy(self, tool: str) -> OnWorkerLost:
+        """What becomes of a call of ``tool`` cut off by the loss of its worker process."""
+        return self.tools_on_worker_lost.get(tool, self.on_worker_lost)
 
     def cancel_grace(self, tool: str) -> float | None:
         """How long a call of ``tool`` may go on after a cancel: None when it is interrupted at once."""

@@ -42,6 +42,11 @@ class StepReason(StrEnum):
     STEERED = "steered"
     """A steer cut the call off (or answered it before it started) to go on with a new message: recorded
     ``cancelled``, but the run goes on (docs/architecture.md, "Steer")."""
+    WORKER_LOST = "worker_lost"
+    """The worker process executing the run was lost (killed, out of memory, its host gone) while the call was
+    in flight or waiting to start: recorded ``cancelled`` by the worker that took the run up (its
+    ``side_effects`` say whether the request had gone out); a model call, ``interrupted`` and made again; the
+    ``handoff`` step that marks the gap says it too (docs/architecture.md, "Lost workers")."""
 
 
 class StepError(RunbrakeError, ValueError):

@@ -292,6 +292,46 @@ class RunStore:
         """Extend these runs' leases (run id → owner) in one round trip; returns those not renewed."""
         return self.execute(core.renew_leases(self.keys, owners, lease_s=lease_s)) if owners else set()
 
+    def beat(self, worker: str, *, lost_s: float) -> bool:
+        """Say this worker process is alive for ``lost_s`` more seconds; False once it was taken as lost."""
+        return self.execute(core.beat(self.keys, worker, lost_s=lost_s))
+
+    def leave(self, worker: str) -> None:
+        """This worker process stops cleanly: nobody takes it as lost."""
+        self.execute(core.leave(self.keys, worker))
+
+    def lapse(self, *, limit: int = 100) -> list[str]:
+        """Take the worker processes whose liveness expired (each is taken by one caller only)."""
+        return self.execute(core.lapse(self.keys, limit=limit))
+
+    def runs_of_workers(self, workers: Iterable[str]) -> dict[str, str]:
+        """The running runs held by these worker processes: run id → worker."""
+        wanted = set(workers)
+        running = self.execute(core.leased_runs(self.keys))
+        if not running or not wanted:
+            return {}
+        held = self.execute(core.field_of(self.keys, running, "worker"))
+        return {run_id: worker for run_id, worker in held.items() if worker in wanted}
+
+    def owners_of(self, run_ids: Iterable[str]) -> dict[str, str]:
+        """These runs → the owner each is held under now ("" for none: queued, reaped, reclaimed)."""
+        ids = list(run_ids)
+        return self.execute(core.field_of(self.keys, ids, "owner")) if ids else {}
+
+    def restamp(self, owners: Mapping[str, str], worker: str) -> set[str]:
+        """Stamp these runs (run id → owner) with a new worker id; returns those taken from this owner."""
+        return self.execute(core.restamp(self.keys, owners, worker)) if owners else set()
+
+    def lost_view(self, run_id: str) -> tuple[dict[str, str], tuple[RunStep, ...]]:
+        """A run's fields and steps, read together, for rebuilding it after its worker was lost."""
+        return self.execute(core.lost_view(self.keys, run_id))
+
+    def reclaim(self, run_id: str, *, worker: str, seq: int, steps: Sequence[RunStep], running: bool, fail: bool,
+                pending: Mapping[str, Any], error: str) -> core.Reclaimed:
+        """Record the cut-off calls of a lost worker's run and put it back to ``queued`` (or fail it), guarded."""
+        return self.execute(core.reclaim(self.keys, run_id, worker=worker, seq=seq, steps=steps, running=running,
+                                         fail=fail, pending=pending, error=error))
+
     def reap_expired(self, *, limit: int = 100) -> list[str]:
         """Fail (``lease_lost``) the running runs whose lease expired: their worker stopped without a word.
 

@@ -183,7 +183,7 @@ def test_runs_are_listed_newest_first_in_pages_with_a_cursor_and_filtered_by_sta
     assert all(r["status"] == "cancelled" for r in cancelled["runs"])
     assert set(cancelled["runs"][0]) == {"run_id", "status", "termination_reason", "created_at", "started_at",
                                          "finished_at", "error", "cancel", "labels", "model", "usage",
-                                         "input_preview", "parent_run_id", "thread"}
+                                         "input_preview", "parent_run_id", "thread", "worker_losses", "lost_worker"}
     assert (bad_status.value.status_code, bad_cursor.value.status_code) == (422, 422)
 
 
@@ -199,7 +199,7 @@ def test_servers_schema_openapi_health_and_metrics(api: ApiProcess, store: RunSt
 
     assert servers == [
         {"server": "calc", "ok": 1, "failed": 0, "argument_errors": 0, "cancelled": 0, "side_effects_unknown": 0,
-         "failure_rate": 0.0}]
+         "worker_lost": 0, "failure_rate": 0.0}]
     assert schema["$id"] == "urn:runbrake:run-spec"
     assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/runs/{run_id}/events", "/v1/runs/{run_id}/cancel",
             "/v1/runs/{run_id}/approve", "/v1/runs/{run_id}/deny"} <= set(openapi["paths"])

@@ -312,7 +312,7 @@ def test_server_health_counts_cancelled_calls_and_argument_errors_apart_from_fai
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout) == [
         {"server": "toolbox", "ok": 1, "failed": 1, "argument_errors": 1, "cancelled": 1,
-         "side_effects_unknown": 1, "failure_rate": 0.5},
+         "side_effects_unknown": 1, "worker_lost": 0, "failure_rate": 0.5},
     ]
     assert json.loads(recent.stdout) == json.loads(shown.stdout)
     tools = {s.tool_name: (s.tool_outcome, s.detail.get("failure"), s.detail.get("reason"))

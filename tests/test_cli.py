@@ -40,7 +40,7 @@ _DEAD_SERVER = {"url": "http://127.0.0.1:9/mcp"}
 # The fields `show --json` promises (docs/usage.md, "Using it").
 RUN_FIELDS = {"run_id", "status", "termination_reason", "created_at", "started_at", "finished_at", "error",
               "cancel", "input", "instructions", "labels", "model", "output", "output_json", "usage", "budget",
-              "budget_use", "parent_run_id", "thread", "steps"}
+              "budget_use", "parent_run_id", "thread", "worker_losses", "lost_worker", "steps"}
 LISTED_FIELDS = (RUN_FIELDS - {"steps", "input", "instructions", "output", "output_json", "budget", "budget_use"}
                  | {"input_preview"})
 """A run in a listing: without what a listing does not read (docs/http-api.md, "Runs: reading")."""

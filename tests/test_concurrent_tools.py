@@ -263,7 +263,7 @@ def test_arguments_that_are_not_an_object_and_a_tool_outside_the_allowlist_are_h
     assert sent == [(k, by_call[k].content) for k in ("call_args", "call_echo", "call_ok")]
     assert servers_json() == [
         {"server": "toolbox", "ok": 1, "failed": 0, "argument_errors": 2, "cancelled": 0, "side_effects_unknown": 0,
-         "failure_rate": 0.0}]
+         "worker_lost": 0, "failure_rate": 0.0}]
 
 
 def test_a_model_that_keeps_making_invalid_calls_ends_at_max_rounds(

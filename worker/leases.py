@@ -73,21 +73,28 @@ class LeaseKeeper(Periodic):
         lost = {run_id for run_id in lost if run_id in self._registry}
         if not lost:
             return
+        owners = self._registry.owners()
         try:
-            # A renewal is refused for a run that is no longer running: reaped or taken over, or cancelled.
-            # A cancelled one is interrupted as a cancel, as its wake-up or the backstop would have.
+            # A renewal is refused for a run that is no longer running: reaped or taken over, cancelled, or ended
+            # by this very process between its read of the registry and the renewal. A cancelled one is
+            # interrupted as a cancel, as its wake-up or the backstop would have; one still held under this
+            # process's owner is left alone: only a run taken from it is cut off (issue 29: a live process never
+            # interrupts its own runs for want of a renewal).
             cancelled = self._store.cancelled_among(lost)
+            held = self._store.owners_of(lost)
         except StoreError:
-            cancelled = set()
+            return
         for run_id in sorted(lost):
             if run_id in cancelled:
                 if self._registry.interrupt(run_id):
                     log.info("cancel_found_by_lease_keeper", run_id=run_id)
                 continue
+            if held.get(run_id) == owners.get(run_id):
+                continue
             # Reaped (this process looked dead) or taken over: the call in flight stops now and the run
             # makes no further call.
             log.warning("lease_not_renewed", run_id=run_id, action="interrupting the run")
-            self._registry.interrupt(run_id, lost=True)
+            self._registry.interrupt(run_id, lost=True, owner=owners.get(run_id))
 
     def _renew(self) -> set[str]:
         """Renew this process's leases; with none, PING: either round trip tells whether Redis answers,

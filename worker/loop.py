@@ -54,6 +54,12 @@ class LoopHooks(Protocol):
         """Record the final model step and settle the run completed; raises SteerRequested when a steer waits
         (the run goes on with it: docs/architecture.md, "Steer: the final answer")."""
 
+    async def sending(self, call_id: str | None, round_number: int) -> None:
+        """Record, durably, that a call's request is about to go out (a tool call by its id, the model call of
+        ``round_number`` with None), so that the worker that takes the run up after this one was lost knows
+        what was sent (docs/architecture.md, "Lost workers"). Raises OwnershipLost when the run is not this
+        worker's any more: the call must not go out."""
+
     def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
         """A fresh, unentered scope registered as one of the run's calls in flight while the block runs;
         with ``grace_s``, a cancel lets the call go on that long before it cuts it off."""
@@ -104,6 +110,7 @@ _INTERRUPTED = {
     None: "model call interrupted by a cancel",
     STEERED: "model call interrupted by a steer; its answer was dropped",
     HANDOFF_REASON: "model call interrupted: the worker shut down and handed the run over",
+    StepReason.WORKER_LOST.value: "model call interrupted: the worker executing the run was lost",
 }
 """A cut-off model step's content by why it was cut off, where no streamed text replaces it."""
 
@@ -113,12 +120,16 @@ def interrupted_model_step(round_number: int, duration_ms: int, why: str | None,
     ``detail.reason`` ``why`` (``steered``, ``worker_shutdown``; none for a cancel, whose reason is the run's);
     the assistant turn it would have made is dropped. ``partial``: what a streamed answer had said by then,
     kept as the content (``detail.partial``), but for a hand-over, whose next worker makes the call again."""
-    kept = partial if why != HANDOFF_REASON else ""
+    kept = partial if why not in _MADE_AGAIN else ""
     detail: dict[str, Any] = {"reason": why} if why else {}
     if kept:
         detail["partial"] = True
     return RunStep(kind=StepKind.MODEL, round=round_number, duration_ms=duration_ms, interrupted=True,
                    content=kept or _INTERRUPTED[why], detail=detail)
+
+
+_MADE_AGAIN = frozenset({HANDOFF_REASON, StepReason.WORKER_LOST.value})
+"""Why a cut-off model call is made again by the next worker: its step keeps no partial answer."""
 
 
 class _HandOverDue(Exception):
@@ -293,6 +304,7 @@ class ToolLoop:
         text = self._hooks.streamed_text(round_number, max_chars=self._max_model_content_chars)
         try:
             with self._hooks.in_flight() as interrupt, interrupt:
+                await self._sending(None, round_number, interrupt)
                 try:
                     turn = await self._provider.complete(state.messages, self._runner.tools,
                                                          round_index=state.model_calls, settings=self._settings,
@@ -396,6 +408,7 @@ class ToolLoop:
                 with self._hooks.in_flight(grace_s) as interrupt:
                     turn.scopes[interrupt] = grace_s
                     try:
+                        await self._sending(call.id, turn.round, interrupt)
                         result = await self._runner.execute(call, interrupt=interrupt)
                     finally:
                         turn.release(interrupt)
@@ -415,6 +428,15 @@ class ToolLoop:
             turn.stop(exc)
         finally:
             slots.release()
+
+    async def _sending(self, call_id: str | None, round_number: int, interrupt: anyio.CancelScope) -> None:
+        """Mark the call sent before its request goes out; a run a cancel ended meanwhile cuts the call off here,
+        before anything is sent, so that it is recorded cancelled (side effects ``none``) like any call a cancel
+        reached on entry."""
+        try:
+            await self._hooks.sending(call_id, round_number)
+        except CancelRequested:
+            interrupt.cancel()
 
     def _invalid_call(self, round_number: int, call: ToolCall, problem: str) -> RunStep:
         """The failed step of a call the run cannot make; its content tells the model what to do instead."""

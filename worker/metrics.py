@@ -43,6 +43,11 @@ RUNS_REDRIVEN = Counter(
     "runbrake_runs_redriven_total", "Run messages sent again because nobody claimed the run within RUNBRAKE_REDRIVE_S.",
     registry=REGISTRY,
 )
+RUNS_RECLAIMED = Counter(
+    "runbrake_runs_reclaimed_total",
+    "Runs of a lost worker process put back to the queue by this process (docs/architecture.md, \"Lost workers\").",
+    registry=REGISTRY,
+)
 HANDOFFS = Counter(
     "runbrake_runs_handed_over_total",
     "Runs this worker handed back to the queue when its drain (RUNBRAKE_DRAIN_S) ran out at shutdown.",

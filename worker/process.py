@@ -38,6 +38,7 @@ from runbrake.worker.continue_requests import ContinueRequestConsumer
 from runbrake.worker.health import health_parts
 from runbrake.worker.intake import Collector, Intake, tune_gc
 from runbrake.worker.leases import LeaseKeeper
+from runbrake.worker.liveness import Liveness, WorkerIdentity
 from runbrake.worker.parts import Part, start_all, stop_all
 from runbrake.worker.redrive import Redriver
 from runbrake.worker.registry import ActiveRuns
@@ -92,7 +93,9 @@ def run_worker_process(
     producer = Producer(store, broker)
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
     admission = Admission.from_settings(settings)
-    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer)
+    identity = WorkerIdentity()  # beaten for by Liveness; stamped on each claim (docs/architecture.md, "Lost workers")
+    runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer,
+                      worker=lambda: identity.id)
     topology = Topology.of(settings)
     watch = LoopWatch(running_loop, concurrency=concurrency, max_lag_ms=settings.admit_max_lag_ms,
                       max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs)
@@ -126,6 +129,8 @@ def run_worker_process(
         continue_requests,
         listener,
         Backstop(settings, store, registry),
+        Liveness(settings, RunStore.connect(settings), registry, identity, sender=producer,  # its own connection
+                 admission=admission),
         LeaseKeeper(settings, store, registry),
         Sweeper(settings, store),
         Redriver(settings, store, producer),

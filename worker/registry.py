@@ -157,11 +157,13 @@ class ActiveRuns:
         with self._lock:
             return len(self._runs)
 
-    def interrupt(self, run_id: str, *, lost: bool = False) -> bool:
+    def interrupt(self, run_id: str, *, lost: bool = False, owner: str | None = None) -> bool:
         """Ask the run's loop to cancel its calls in flight (and any it starts later). From any thread.
 
         ``lost``: not a cancel, but the run is no longer this worker's (its lease was not renewed); the
-        run then stops with :class:`OwnershipLost` rather than as cancelled.
+        run then stops with :class:`OwnershipLost` rather than as cancelled. ``owner``: only the segment
+        claimed under this owner (a run taken from this process may have been claimed by it again since,
+        under a new owner: that segment is not interrupted).
 
         Returns False when this process does not execute the run, or an interrupt already reached it
         (a scope started after that is cancelled on entry). The caller has checked the cancel key
@@ -169,7 +171,7 @@ class ActiveRuns:
         """
         with self._lock:
             handle = self._runs.get(run_id)
-            if handle is None or handle.interrupt_requested:
+            if handle is None or handle.interrupt_requested or (owner is not None and handle.owner != owner):
                 return False
             handle.interrupt_requested = True
         return _on_loop(handle, handle._interrupt_on_loop, lost)

@@ -164,6 +164,13 @@ class RunHooks:
         if await self._store.cancel_requested(self._handle.run_id):
             raise CancelRequested(self._handle.run_id)
 
+    async def sending(self, call_id: str | None, round_number: int) -> None:
+        if self._handle.lost:
+            raise OwnershipLost(self._handle.run_id)
+        await durably(lambda: self._store.mark_sent(self._handle.run_id, owner=self._handle.owner, call_id=call_id,
+                                                    round_number=round_number),
+                      within_s=self._lease_s, what="mark_sent")
+
     @property
     def run_id(self) -> str:
         return self._handle.run_id
@@ -335,10 +342,13 @@ class Runtime:
     def __init__(
         self, settings: Settings, store: AsyncRunStore, registry: ActiveRuns, admission: Admission,
         sender: Sender | None = None, *, subscribers: Sequence[Subscriber] | None = None,
+        worker: Callable[[], str] = lambda: "",
     ) -> None:
         """``subscribers`` hear the runs' events (worker/subscribers.py); by default the metrics and, unless
-        ``RUNBRAKE_MCP_PROGRESS=off``, the progress of the call in flight."""
+        ``RUNBRAKE_MCP_PROGRESS=off``, the progress of the call in flight. ``worker``: this process's liveness id
+        now, stamped on each claim (worker/liveness.py; "" where nothing beats for the process)."""
         self._settings = settings
+        self._worker = worker
         self._store = store
         self.registry = registry
         self._admission = admission
@@ -370,8 +380,9 @@ class Runtime:
             owner = new_owner()
             # Tried again with the same owner while Redis cannot be reached: a claim that landed but whose
             # answer was lost is then recognised as this owner's, instead of stranding the run "running".
+            worker = self._worker()
             claim = await durably(lambda: self._store.claim(run_id, owner, lease_s=self._settings.lease_s,
-                                                            resume=resume),
+                                                            resume=resume, worker=worker),
                                   within_s=self._settings.lease_s, what="claim")
             if on_claim is not None:
                 on_claim(claim.won)
@@ -388,6 +399,10 @@ class Runtime:
             log.info("run_claimed", owner=owner)
             self.subscribers.status(run_id, RunStatus.RUNNING)
             handle = self.registry.register(run_id, owner)
+            if self._worker() != worker:
+                # This process was taken as lost (and took a new id) between the claim and the registration, so
+                # its liveness thread could not restamp the run: do it here, or no sweep would ever find it.
+                await self._store.restamp(run_id, owner, self._worker())
             try:
                 # What the submitter wrote is theirs: the segment's writes do not cut a value found in it, so a
                 # guess echoed back is no oracle (shared/redaction.py, docs/security.md "What redaction promises").

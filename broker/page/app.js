@@ -884,6 +884,10 @@ function runView(runId) {
     if (run.cancel) facts.append(el("dt", {}, label("run.cancel")), el("dd", { "data-testid": "run-cancel" },
       user(run.cancel.reason), " (" + label("run.by") + " ", user(run.cancel.requested_by), ")"));
     if (run.error) facts.append(el("dt", {}, label("run.error")), el("dd", {}, user(run.error)));
+    if (run.lost_worker) {
+      facts.append(el("dt", {}, label("run.worker_lost")),
+        el("dd", { "data-testid": "run-worker-lost" }, el("code", {}, user(run.lost_worker))));
+    }
     if (run.parent_run_id) {
       facts.append(el("dt", {}, label("run.parent")), el("dd", {}, el("a", { href: "#/runs/" + run.parent_run_id,
         "data-testid": "run-parent" }, el("code", {}, run.parent_run_id))));

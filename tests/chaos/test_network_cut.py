@@ -147,9 +147,10 @@ def services(netns: Netns, tmp_path: Path) -> Iterator[Services]:
 
 @pytest.fixture
 def client(services: Services, point_at: Callable[..., Client]) -> Client:
-    """The test (and every worker it starts outside the namespace) on the services' loopback addresses."""
-    return point_at({"RUNBRAKE_REDIS_URL": services.redis.url, "RUNBRAKE_RABBITMQ_URL": services.rabbitmq.url},
-                    lease_s=LEASE_S)
+    """The test (and every worker it starts outside the namespace) on the services' loopback addresses. The
+    lost-worker sweep is held off (ten minutes): here the lease alone decides (docs/architecture.md, "Leases")."""
+    return point_at({"RUNBRAKE_REDIS_URL": services.redis.url, "RUNBRAKE_RABBITMQ_URL": services.rabbitmq.url,
+                     "RUNBRAKE_WORKER_LOST_S": "600"}, lease_s=LEASE_S)
 
 
 @pytest.fixture

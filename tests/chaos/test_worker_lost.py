@@ -1,0 +1,254 @@
+"""A run outlives its worker (docs/architecture.md, "Lost workers"): kill -9 of the worker holding runs in tool
+calls, another worker up, and the runs go on there from their last recorded step, each call that was in flight
+on the record once (``cancelled``, ``worker_lost``); a worker paused past detection writes and calls nothing
+when it wakes; a cancel while the owner is dead still gets the call on the record; a live worker keeps its runs.
+
+Real worker processes, the toolbox MCP server over HTTP (its events say which calls started), PyPI
+``llm-mock-api`` as the model (it records every request, so a model call made twice would show), real Redis and
+RabbitMQ. Detection is shortened for the tests (a beat every 0.5 s, lost after 5 s); bench/worker_loss.py
+measures the defaults.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from runbrake.shared import RunRecord, RunSpec, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared.messaging.cancel import cancel_run
+from runbrake.shared.messaging.producer import Producer
+from tests.catalog_helpers import add_to_catalog
+from tests.llm_mock import LlmMock, reply
+from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
+from tests.test_steer import store_steer
+from tests.worker_helpers import WorkerProcess, servers_json, wait_for_run
+
+pytestmark = pytest.mark.integration
+
+FAST = {"RUNBRAKE_WORKER_BEAT_S": "0.5", "RUNBRAKE_WORKER_LOST_S": "5"}
+CUT_OFF = "the call was cut off: the worker executing the run was lost"
+RUNS = 3
+WAIT_S = 60.0
+
+
+def _runs(producer: Producer, mock: LlmMock, toolbox: Toolbox, count: int, *, seconds: float = 60,
+          **server: Any) -> dict[str, str]:
+    """``count`` runs of the catalog model ``mock``, each asking for one ``slow`` call (its note names the run),
+    the catalog's toolbox entry with ``server`` (``on_worker_lost``…); run id → call id."""
+    add_to_catalog({"toolbox": {"transport": "http", "url": str(toolbox.spec.url), **server}},  # type: ignore[union-attr]
+                   models={"mock": {"provider": "openai", "base_url": mock.openai_url, "model": "gpt-mock"}})
+    calls = {}
+    for i in range(count):
+        call_id = f"call_lost_{i}"
+        mock.server.when(f"lost run {i}").reply(
+            reply(tools=[("toolbox__slow", {"seconds": seconds, "note": call_id}, call_id)])).times(1)
+        mock.server.when_tool_result(call_id).reply(reply(f"run {i} answered after the loss"))
+        spec = RunSpec.parse({"input": f"lost run {i}", "model": "mock", "mcp_servers": ["toolbox"]})
+        calls[producer.enqueue(spec).run_id] = call_id
+    return calls
+
+
+def _requests_of(mock: LlmMock, text: str) -> list[list[dict[str, Any]]]:
+    """The message lists the model received for one run (its input ``text``)."""
+    return [body["messages"] for body in mock.bodies()
+            if any(m.get("role") == "user" and m.get("content") == text for m in body["messages"])]
+
+
+def _kinds(record: RunRecord) -> list[tuple[StepKind, ToolOutcome | None, object]]:
+    return [(s.kind, s.tool_outcome, s.detail.get("reason")) for s in record.steps]
+
+
+def test_kill_9_of_the_worker_holding_runs_in_tool_calls_resumes_them_on_another_worker_with_each_call_on_record(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    calls = _runs(producer, llm_mock, toolbox_http, RUNS)
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=RUNS, timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    records = {run_id: wait_for_run(store, run_id, timeout=WAIT_S) for run_id in calls}
+
+    for run_id, record in records.items():
+        i = list(calls).index(run_id)
+        assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
+        assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost"),
+                                  (StepKind.HANDOFF, None, "worker_lost"), (StepKind.MODEL, None, None)]
+        cut, handoff, final = record.steps[1:]
+        # The call had gone out (the server saw it start): the server may have acted.
+        assert (cut.tool_call_id, cut.detail["side_effects"], cut.content) == (calls[run_id], "unknown", CUT_OFF)
+        assert f":{doomed.pid}:" in handoff.detail["worker"]
+        assert final.content == f"run {i} answered after the loss"
+        assert record.segments == 2
+        assert survivor.logged("run_claimed", run_id=run_id)
+        # The recorded model call was not made again: the model saw the input once, then the cut-off result.
+        first, second = _requests_of(llm_mock, f"lost run {i}")
+        assert [m["role"] for m in first] == ["user"]
+        assert (second[-1]["role"], second[-1]["tool_call_id"], second[-1]["content"]) == (
+            "tool", calls[run_id], CUT_OFF)
+    assert {e["run_id"] for e in survivor.logged("run_worker_lost", outcome="requeued")} == set(calls)
+    # Reported, not retried: each call was made once.
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == RUNS
+    assert survivor.logged("lease_not_renewed") == []
+    [health] = [h for h in servers_json() if h["server"] == "toolbox"]
+    assert (health["worker_lost"], health["side_effects_unknown"], health["cancelled"]) == (RUNS, RUNS, RUNS)
+
+
+def test_a_worker_paused_past_detection_writes_nothing_and_calls_nothing_when_it_wakes(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    paused = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1, seconds=30).items()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        taken = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.HANDOFF for s in r.steps),
+                             timeout=WAIT_S)
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    # Awake: its beat is refused and it cuts off its call, whose step the owner guard refuses. (The run's new
+    # message may have reached the paused process too, before it stopped: then it claims the run anew, a new
+    # segment under a new owner, and finishes it.)
+    paused.wait_for_log("worker_taken_as_lost", timeout=WAIT_S)
+    paused.wait_for_log("run_ownership_lost", run_id=run_id, timeout=WAIT_S)
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert survivor.logged("run_worker_lost", run_id=run_id, outcome="requeued")
+    assert _kinds(taken) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost"),
+                             (StepKind.HANDOFF, None, "worker_lost")]
+    # Nothing the paused segment did landed: after the hand-over only the next segment's final answer.
+    assert record.steps[:3] == taken.steps
+    assert [(s.kind, s.content) for s in record.steps[3:]] == [(StepKind.MODEL, "run 0 answered after the loss")]
+    assert (record.status, record.segments) == (RunStatus.COMPLETED, 2)
+    assert len(llm_mock.bodies()) == 2  # the first turn, once, and the one after the loss
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 1  # no tool call again
+    assert taken.steps[1].tool_call_id == call_id
+
+
+def test_a_run_cancelled_while_its_worker_is_dead_stays_cancelled_with_its_call_on_the_record(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1).items()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    # Well within detection (5 s after the last beat): the cancel finds the run still "running".
+    assert cancel_run(store, None, run_id, reason="stop it", requested_by="test").won
+    record = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.TOOL for s in r.steps), timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
+    assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost")]
+    assert (record.steps[1].tool_call_id, record.steps[1].detail["side_effects"]) == (call_id, "unknown")
+    survivor.wait_for_log("run_worker_lost", run_id=run_id, outcome="ended")  # logged once its script answered
+    assert survivor.logged("run_claimed", run_id=run_id) == []
+    assert len(llm_mock.bodies()) == 1
+
+
+def test_a_steer_stored_while_the_worker_is_dead_is_applied_once_by_the_worker_that_takes_the_run_up(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1).items()
+    llm_mock.server.when("answer from what you have").reply(reply("answered as steered")).first()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    store_steer(store, run_id, "answer from what you have")  # well within detection: the run is still "running"
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert (record.status, record.steps[-1].content) == (RunStatus.COMPLETED, "answered as steered")
+    assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost"),
+                              (StepKind.HANDOFF, None, "worker_lost"), (StepKind.STEER, None, ""),
+                              (StepKind.MODEL, None, None)]
+    assert record.steps[1].tool_call_id == call_id
+    assert len(survivor.logged("run_steer_applied", run_id=run_id)) == 1
+    assert store.pending_steer(run_id) is None
+    # The model saw the cut-off result, then the steer's message.
+    last = llm_mock.bodies()[-1]["messages"]
+    assert [(m["role"], m.get("tool_call_id")) for m in last[-2:]] == [("tool", call_id), ("user", None)]
+    assert last[-1]["content"] == "answer from what you have"
+
+
+def test_a_live_worker_keeps_its_runs_past_the_detection_bound(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    live = start_worker(**FAST)
+    other = start_worker(**FAST)
+    calls = _runs(producer, llm_mock, toolbox_http, RUNS, seconds=12)  # longer than the 5 s bound, twice over
+    records = {run_id: wait_for_run(store, run_id, timeout=WAIT_S) for run_id in calls}
+
+    for record in records.values():
+        assert record.status is RunStatus.COMPLETED
+        assert [s.kind for s in record.steps] == [StepKind.MODEL, StepKind.TOOL, StepKind.MODEL]
+        assert record.steps[1].tool_outcome is ToolOutcome.OK
+        assert record.segments == 1
+    for worker in (live, other):
+        assert worker.logged("workers_lost") == []
+        assert worker.logged("worker_taken_as_lost") == []
+        assert worker.logged("lease_not_renewed") == []
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == RUNS
+
+
+def test_a_call_whose_catalog_says_retry_is_made_again_by_the_worker_that_takes_the_run_up(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1, seconds=20, on_worker_lost="retry").items()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert record.status is RunStatus.COMPLETED
+    assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost"),
+                              (StepKind.HANDOFF, None, "worker_lost"), (StepKind.TOOL, ToolOutcome.OK, None),
+                              (StepKind.MODEL, None, None)]
+    cut, handoff, made_again = record.steps[1:4]
+    assert (cut.detail["on_worker_lost"], handoff.detail["pending_calls"]) == ("retry", 1)
+    assert cut.tool_call_id == made_again.tool_call_id == call_id
+    assert len(matching_events(toolbox_http.events, "started", tool="slow")) == 2  # made again, once
+    assert survivor.logged("run_claimed", run_id=run_id)
+    # The model saw the real result of the call made again, never the cut-off one.
+    last = llm_mock.bodies()[-1]["messages"]
+    assert [m["content"] for m in last if m["role"] == "tool"] == [made_again.content]
+
+
+def test_a_call_whose_catalog_says_fail_ends_the_run_failed_lease_lost_with_the_call_on_record(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    doomed = start_worker(**FAST)
+    [(run_id, call_id)] = _runs(producer, llm_mock, toolbox_http, 1, on_worker_lost="fail").items()
+    wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
+    survivor = start_worker(**FAST)
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.LEASE_LOST)
+    assert _kinds(record) == [(StepKind.MODEL, None, None), (StepKind.TOOL, ToolOutcome.CANCELLED, "worker_lost")]
+    assert (record.steps[1].tool_call_id, record.steps[1].detail["on_worker_lost"]) == (call_id, "fail")
+    assert "toolbox.slow" in record.error
+    assert 'on_worker_lost = "fail"' in record.error
+    assert record.worker_losses == 1
+    survivor.wait_for_log("run_worker_lost", run_id=run_id, outcome="failed")  # logged once its script answered
+    assert survivor.logged("run_claimed", run_id=run_id) == []
+    assert len(llm_mock.bodies()) == 1
