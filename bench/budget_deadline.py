@@ -1,5 +1,5 @@
 """Deadline latency: how late a run's ``budget.deadline_s`` stops it, and how soon after its fence the call in
-flight is recorded cancelled (docs/architecture.md, "Budgets").
+flight is recorded cancelled (docs/cancellation.md, "Budgets").
 
 Run from the repository root::
 

@@ -12,7 +12,7 @@ What it does, in its own namespace, on loopback only, for each offered load N (a
 1. starts the npm ``@modelcontextprotocol/server-everything`` over streamable HTTP (installed once into
    ``.venv/node`` with npm) and names it ``everything`` in the catalog;
 2. starts one ``python -m runbrake.worker --concurrency N`` (``--concurrency`` given: that many) with its
-   metrics port, admission by health at its defaults (docs/architecture.md, "Capacity: runs in flight");
+   metrics port, admission by health at its defaults (docs/leases.md, "Capacity: runs in flight");
 3. enqueues N runs whose first turn calls ``trigger-long-running-operation`` for ``--call-s`` seconds with a
    progress notification every second; waits until the count of runs ``running`` stopped growing for 10 s
    (``held``: what the process took; the rest waits ``queued``);

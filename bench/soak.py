@@ -9,7 +9,7 @@ In a namespace of its own on the machine's Redis and RabbitMQ (deleted afterward
 ``RUNBRAKE_RETENTION_S`` and a 1 s ``RUNBRAKE_DRAIN_S``, it starts the example toolbox MCP server, two
 worker processes (``python -m runbrake.worker``: a *steady* one that lives the whole soak and a *rolling*
 one restarted by SIGTERM every sixth of the soak by default, 10 minutes in the hour (``--restarts``), so
-its runs in flight are handed over, docs/architecture.md, "Drain and hand-over"), and ``runbrake serve``
+its runs in flight are handed over, docs/leases.md, "Drain and hand-over"), and ``runbrake serve``
 with one events client reading ``GET /v1/events``. It enqueues ``--rate`` runs a second (5) in a fixed
 cycle of twelve shapes:
 

@@ -56,7 +56,7 @@ KEEPALIVE_S: Final = 15.0
 """A comment line this often keeps proxies from closing an idle stream and finds clients that left."""
 CUT_OFF_WAIT_S: Final = 3.0
 """How long a stream holds back the terminal status of a run cancelled while running, for the steps its worker
-records just after the cancel (the calls it cut off: docs/architecture.md, "Cancellation: the interrupt"),
+records just after the cancel (the calls it cut off: docs/cancellation.md, "Cancellation: the interrupt"),
 which are sent before the status; the status and ``end`` then close the stream."""
 RETRY_MS: Final = 1000
 PAGE_BYTES: Final = 256 * 1024
@@ -249,7 +249,7 @@ class EventHub:
     async def _listen(self) -> None:
         """One connection and subscription, until it breaks."""
         # A plain connection on a Redis Cluster too (to the URL's seed node): a cluster delivers every
-        # PUBLISH to the subscribers of every node (docs/architecture.md, "The run store on a Redis Cluster").
+        # PUBLISH to the subscribers of every node (docs/store.md, "The run store on a Redis Cluster").
         # Bytes, not decoded text: a message that is not UTF-8 must be one bad message, not a broken connection.
         client = plain_client(
             self._settings, decode_responses=False,

@@ -9,7 +9,7 @@ It ships inside the package (not beside it) so that ``runbrake demo`` works from
 install of the wheel.
 
 Every tool is ``async def``: a sync tool runs in a worker thread and cannot be
-interrupted (docs/architecture.md, "Pitfalls: mcp 2.x cancellation"), which would defeat the point of the server.
+interrupted (docs/pitfalls.md, "Pitfalls: mcp 2.x cancellation"), which would defeat the point of the server.
 
 With ``--events FILE`` each tool call appends JSON lines to FILE, flushed at
 once, so another process can count calls and see that a handler observed its

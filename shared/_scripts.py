@@ -2,7 +2,7 @@
 
 Each script declares every key it touches in KEYS, as Redis Cluster requires; a run's own
 keys share the ``{run_id}`` hash tag, so the per-run scripts stay in one slot
-(docs/architecture.md, "The run store"). Transitions answer ``{won, found_status}``:
+(docs/store.md, "The run store"). Transitions answer ``{won, found_status}``:
 ``won`` is 1 when the transition happened; ``found_status`` is the status the guard saw
 ("" for no such run).
 
@@ -73,7 +73,7 @@ local function outbox(run_id, event)
 end
 """
 """Every script that changes a status, or appends a step, writes the event to the namespace's outbox (a Redis
-stream, the last KEY; docs/architecture.md, "The outbox") and says so on the events channel (the last ARGV),
+stream, the last KEY; docs/messaging.md, "The outbox") and says so on the events channel (the last ARGV),
 in the same script as the change: an event exists exactly when its change does. The stream id is the
 event's id, also carried by the PUBLISH (``"id"``), so that a live reader and a replaying one name an event
 alike. The outbox is trimmed by age, never by what was published: entries older than the retention (the
@@ -145,7 +145,7 @@ local function lease_end(now, lease_s)
   return string.format('%.6f', tonumber(now) + tonumber(lease_s))
 end
 """
-"""Leases are decided on Redis's own clock, never a client's (docs/architecture.md, "Leases"): a
+"""Leases are decided on Redis's own clock, never a client's (docs/leases.md, "Leases"): a
 worker's clock that runs ahead or behind cannot reap, or keep, a lease early or late. ``TIME`` in a
 script that writes is safe since Redis 5 (effects are replicated, not the script). ``redis_now()``
 answers epoch seconds with microseconds as text, the form ``lease_expires_at`` has always had."""
@@ -219,7 +219,7 @@ return {1, ARGV[1]}
 """)
 
 # KEYS: run, leases, unclaimed, outbox.  ARGV: owner, lease_s, run_id, worker (the claiming process's liveness
-#   id: docs/architecture.md, "Lost workers"), retention_s, events channel
+#   id: docs/leases.md, "Lost workers"), retention_s, events channel
 CLAIM = _script("claim", _ANNOUNCE + _REDIS_NOW + """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
@@ -279,7 +279,7 @@ return {1, st}
 
 # KEYS: run, leases, unclaimed, outbox.  ARGV: owner, pending_json, run_id, now, retention_s, events channel
 # running → queued (owner-guarded): the worker shuts down and hands the run over
-# (docs/architecture.md, "Drain and hand-over"). The conversation so far is kept as the pending turn,
+# (docs/leases.md, "Drain and hand-over"). The conversation so far is kept as the pending turn,
 # which the next start claim continues from; the run waits in the unclaimed set like a new one, so a
 # lost message is re-driven. A cancel that won first leaves the run cancelled: the guard refuses.
 HANDOFF = _script("handoff", _ANNOUNCE + """
@@ -317,7 +317,7 @@ return {1, st, 1}
 # ARGV: status, reason, owner ('' = not owner-guarded), now, error, required_status ('' = any), run_id,
 #   unless steered ('' = regardless), answer (JSON members: shared/run_end.py; '' = none), retention_s,
 #   events channel
-# A run does not complete while a steer waits for it (docs/architecture.md, "Steer: the final answer"): the
+# A run does not complete while a steer waits for it (docs/cancellation.md, "Steer: the final answer"): the
 # completing settle (unless steered) answers {0, status, 'steer'} and the worker goes on with the steer.
 SETTLE = _script("settle", _ANNOUNCE_END + _RETAIN + _RELEASE + _IS_TERMINAL + """
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -347,7 +347,7 @@ redis.call('HSET', KEYS[1], 'status', '$status_cancelled', 'termination_reason',
   'finished_at', ARGV[2])
 redis.call('SET', KEYS[2], ARGV[1])
 -- A running run stays in the lease set until its lease runs out (REAP then drops it): should its worker be lost,
--- the sweeper still finds it there and records the calls it had in flight (docs/architecture.md, "Lost workers").
+-- the sweeper still finds it there and records the calls it had in flight (docs/leases.md, "Lost workers").
 if st ~= '$status_running' then
   redis.call('HSET', KEYS[1], 'lease_expires_at', '')
   redis.call('ZREM', KEYS[3], ARGV[3])
@@ -360,7 +360,7 @@ return {1, st}
 """)
 
 # KEYS: run, steer, unclaimed.  ARGV: steer_json, now, run_id
-# Store a steer (docs/architecture.md, "Steer") on a running run or one waiting for approval; one at a time: a
+# Store a steer (docs/cancellation.md, "Steer") on a running run or one waiting for approval; one at a time: a
 # steer pending (not yet applied by the worker) refuses another, {0, st, 'pending'}. A run waiting for approval
 # is put back to work like an approval does it (``approval = steered``, in the unclaimed set until its resume
 # message is claimed): the resumed segment answers the calls that waited as cancelled and applies the steer.
@@ -429,9 +429,9 @@ return {seq, 0}
 # step: a
 # step appended once counts once, whichever segment or worker appends it and however often it is retried.
 # Answers {sequence, cancelled}. A token already appended answers its sequence again and appends
-# nothing: a write retried after a lost answer (docs/architecture.md, "Store outages") is recorded once.
+# nothing: a write retried after a lost answer (docs/leases.md, "Store outages") is recorded once.
 # The append and the probe of the boundary it makes are one round
-# trip (docs/architecture.md, "Cancellation: the probe"). The sequence comes from one HINCRBY inside
+# trip (docs/cancellation.md, "Cancellation: the probe"). The sequence comes from one HINCRBY inside
 # the script, so concurrent appends get unique, increasing numbers in list order. The body is
 # spliced as text: cjson would turn [] into {}. HEXISTS on the run, not EXISTS: EXISTS is the
 # probe's one command, so a count of EXISTS on cancel keys counts probes.
@@ -506,7 +506,7 @@ return {1, st}
 """)
 
 
-# -- lost workers (docs/architecture.md, "Lost workers") ----------------------------------------------
+# -- lost workers (docs/leases.md, "Lost workers") ----------------------------------------------
 
 # KEYS: workers, lost workers.  ARGV: worker id, lost_s
 # A worker process says it is alive: its entry in the workers set is pushed to ``lost_s`` after now (Redis's
@@ -652,7 +652,7 @@ return 1
 """)
 
 # KEYS: an outbox.  ARGV: retention seconds.  Every entry older than the retention goes, exactly (the XADDs trim
-# approximately, whole stream nodes: docs/architecture.md, "The outbox"); answers how many.
+# approximately, whole stream nodes: docs/messaging.md, "The outbox"); answers how many.
 OUTBOX_TRIM = _script("outbox_trim", """
 local floor = (tonumber(redis.call('TIME')[1]) - tonumber(ARGV[1])) * 1000
 if floor <= 0 then return 0 end
@@ -660,7 +660,7 @@ return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%d', floor))
 """)
 
 # KEYS: relay lease.  ARGV: relay name, lease_ms
-# The one relay that publishes (docs/architecture.md, "The relay"): the holder renews, another takes the
+# The one relay that publishes (docs/messaging.md, "The relay"): the holder renews, another takes the
 # lease only once it expired. Answers 1 when ``relay name`` holds it now.
 RELAY_LEASE = _script("relay_lease", """
 local holder = redis.call('GET', KEYS[1])

@@ -88,7 +88,7 @@ MAX_ERROR_CHARS: Final = 2000
 
 
 SHARDS: Final = 16
-"""Shards of a namespace on a Redis Cluster (docs/architecture.md, "The run store on a Redis Cluster"): each
+"""Shards of a namespace on a Redis Cluster (docs/store.md, "The run store on a Redis Cluster"): each
 namespace-wide structure exists once per shard, in the shard's slot, beside the runs of that shard. Fixed:
 changing it would move every run."""
 
@@ -151,7 +151,7 @@ class Keys:
 
     def outbox(self, shard: int) -> str:
         """The stream of events (status changes and steps) that the relay publishes and ``GET /v1/events``
-        replays (docs/architecture.md, "The outbox"): one per shard in a cluster, beside its runs."""
+        replays (docs/messaging.md, "The outbox"): one per shard in a cluster, beside its runs."""
         return self._sharded("outbox", shard)
 
     @property
@@ -183,7 +183,7 @@ class Keys:
         return f"{self.run(run_id)}:cancel"
 
     def steer(self, run_id: str) -> str:
-        """The steer waiting to be applied (docs/architecture.md, "Steer"): at most one, deleted when applied."""
+        """The steer waiting to be applied (docs/cancellation.md, "Steer"): at most one, deleted when applied."""
         return f"{self.run(run_id)}:steer"
 
     def index(self, shard: int) -> str:
@@ -192,7 +192,7 @@ class Keys:
 
     def thread(self, root: str, shard: int) -> str:
         """The continuations of the thread whose first run is ``root`` that live in ``shard``, by creation time
-        (docs/architecture.md, "Threads"): each is in its own run's slot, so the script that creates it touches
+        (docs/store.md, "Threads"): each is in its own run's slot, so the script that creates it touches
         one; a thread's listing reads every shard's."""
         if self.cluster:
             return f"{self.namespace}:thread:{self._tag(shard)}:{root}"
@@ -233,7 +233,7 @@ class Keys:
     @property
     def workers(self) -> str:
         """The live worker processes, scored by when each is lost unless it says it is alive again (Redis's
-        clock; docs/architecture.md, "Lost workers"): one per namespace."""
+        clock; docs/leases.md, "Lost workers"): one per namespace."""
         return self._sharded("workers", 0)
 
     @property
@@ -243,7 +243,7 @@ class Keys:
 
     @property
     def events(self) -> str:
-        """The pub/sub channel of status changes and appended steps (docs/architecture.md, "The run store").
+        """The pub/sub channel of status changes and appended steps (docs/store.md, "The run store").
         One channel in a cluster too: a PUBLISH reaches the subscribers of every node."""
         return f"{self.namespace}:events"
 
@@ -621,7 +621,7 @@ def _model_name(request: Mapping[str, Any]) -> str:
 def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool = False,
           worker: str = "") -> Op[Claim]:
     """queued → running (or, with ``resume``, approved waiting_for_approval → running), stamping owner,
-    ``worker`` (the claiming process's liveness id: docs/architecture.md, "Lost workers") and lease (expiring
+    ``worker`` (the claiming process's liveness id: docs/leases.md, "Lost workers") and lease (expiring
     ``lease_s`` after now by Redis's clock); in the same round trip, read what the segment needs (the
     request, the pending turn, the run's tenant)."""
     script = _scripts.RESUME_CLAIM if resume else _scripts.CLAIM
@@ -683,7 +683,7 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
            final: RunStep | None = None) -> Op[Transition]:
     """non-terminal → completed or failed. Owner-guarded when ``owner`` is given; limited to
     ``required_status`` when given (``deny`` settles only a run that waits for approval); refused while a steer
-    waits with ``unless_steered`` (the completion: docs/architecture.md, "Steer: the final answer").
+    waits with ``unless_steered`` (the completion: docs/cancellation.md, "Steer: the final answer").
     ``final``: the model step that answered a completing run, whose answer ``run.completed`` carries
     (shared/run_end.py)."""
     if status not in (RunStatus.COMPLETED, RunStatus.FAILED):
@@ -737,7 +737,7 @@ class Steered:
 
 
 def steer(keys: Keys, run_id: str, request: SteerRequest) -> Op[Steered]:
-    """Store a steer on a running run or one waiting for approval (STEER; docs/architecture.md, "Steer")."""
+    """Store a steer on a running run or one waiting for approval (STEER; docs/cancellation.md, "Steer")."""
     def parse(answers: list[Any]) -> Steered:
         answer = answers[0]
         pending = len(answer) > 2 and answer[2] == "pending"
@@ -981,7 +981,7 @@ def reap(keys: Keys, run_id: str) -> Op[Transition]:
                    f"reap run {run_id}", parse)
 
 
-# -- lost workers (docs/architecture.md, "Lost workers") ---------------------------------------------
+# -- lost workers (docs/leases.md, "Lost workers") ---------------------------------------------
 
 
 LOST_WORKERS_KEPT_S: Final = 86_400
@@ -1334,7 +1334,7 @@ def set_progress(keys: Keys, run_id: str, progress: Mapping[str, Any]) -> Op[boo
 def publish_delta(keys: Keys, run_id: str, delta: Mapping[str, Any]) -> Op[bool]:
     """Announce the text a model call streamed since the last delta (``{"round", "text"}``), unless the run
     is no longer running (False); nothing is kept. Fail-soft like progress: a delta is a preview, the
-    model step that follows is the record (docs/architecture.md, "Streaming")."""
+    model step that follows is the record (docs/cancellation.md, "Streaming")."""
     return Op(f"publish a delta of run {run_id}", (ScriptCall(
         _api_scripts.PUBLISH_DELTA, (keys.run(run_id),), (delta, Ident(run_id), Ident(keys.events))),),
         lambda answers: bool(answers[0]), fallback=False, fallback_event="delta_publish_failed",
@@ -1434,7 +1434,7 @@ def summaries(keys: Keys, run_ids: Sequence[str]) -> Op[list[RunRecord | None]]:
     return Op("list runs", tuple(calls), parse)
 
 
-# -- the outbox (docs/architecture.md, "The outbox") ------------------------------------------------
+# -- the outbox (docs/messaging.md, "The outbox") ------------------------------------------------
 
 RELAY_GROUP: Final = "relay"
 """The one consumer group every relay reads the outbox through."""
@@ -1618,7 +1618,7 @@ def webhooks_due(keys: Keys, *, now: float, count: int) -> Op[list[str]]:
 def webhook_line_heads(keys: Keys, members: Sequence[str]) -> Op[list[str]]:
     """The key of the delivery at the head of each line ("" for a line that has none); their fields are read
     by :func:`webhook_fields`. Two reads rather than one script: a script may touch only the keys it is given,
-    and the head's key is known only once the line was read (docs/architecture.md, "Pitfalls: Lua scripts and
+    and the head's key is known only once the line was read (docs/pitfalls.md, "Pitfalls: Lua scripts and
     hash tags")."""
     calls = []
     for member in members:

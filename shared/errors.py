@@ -48,7 +48,7 @@
 
 ``CancelRequested`` derives from ``BaseException`` on purpose, like Dramatiq's
 ``Interrupt`` and structlog's ``DropEvent``: no ``except Exception`` between the
-probe and the runtime's ladder may swallow it (docs/architecture.md, "Cancellation: the probe").
+probe and the runtime's ladder may swallow it (docs/cancellation.md, "Cancellation: the probe").
 Third-party errors are translated at the edge and chained (``raise ... from exc``).
 A transport fault says which kind it is by its class, as httpx's do: ``except ToolCallCancelled``.
 """
@@ -284,7 +284,7 @@ class ProviderError(RunbrakeError):
     @property
     def retryable(self) -> bool:
         """429, 408, 409, a 5xx, a timeout or a connection error: another attempt may succeed
-        (docs/architecture.md, "Retries"); any other 4xx, or a malformed answer, will not."""
+        (docs/leases.md, "Retries"); any other 4xx, or a malformed answer, will not."""
         if self.status is None:
             return self.transient
         return self.status in self._RETRYABLE_STATUSES or self.status >= 500
@@ -298,7 +298,7 @@ class ProviderError(RunbrakeError):
 @dataclass(frozen=True, slots=True)
 class RetriedAttempt:
     """One model request that failed with an error worth retrying, and how long the call waited after it
-    (a model step's ``detail.retried``, docs/architecture.md, "Retries")."""
+    (a model step's ``detail.retried``, docs/leases.md, "Retries")."""
 
     error: str
     """The error, as a short excerpt (:class:`ProviderError`'s message)."""
@@ -314,7 +314,7 @@ class RetriedAttempt:
 class ToolTransportError(RunbrakeError):
     """Raised when an MCP call does not produce a result: a protocol error, a dead server, a timeout.
 
-    The kinds a caller acts on are subclasses, caught by type (docs/architecture.md, "Tool outcomes"):
+    The kinds a caller acts on are subclasses, caught by type (docs/store.md, "Tool outcomes"):
     :class:`ToolCallCancelled` and :class:`ToolArgumentsRefused`. Call sites never compare codes or
     message text to decide what "cancelled" means.
     """
@@ -326,7 +326,7 @@ class ToolTransportError(RunbrakeError):
 
     @classmethod
     def for_cancelled_call(cls, *, server: str, tool: str) -> ToolTransportError:
-        """The error of a call cut off by a cancel (docs/architecture.md, "Tool outcomes"): a
+        """The error of a call cut off by a cancel (docs/store.md, "Tool outcomes"): a
         :class:`ToolCallCancelled`, the only way :attr:`is_cancellation` becomes true."""
         return ToolCallCancelled(server=server, tool=tool)
 
@@ -349,7 +349,7 @@ class ToolCallCancelled(ToolTransportError):
         super().__init__(f"call to {server}.{tool} was cancelled"
                          + ("" if sent else " before its request was sent"), server=server, tool=tool)
         self.sent = sent
-        """Whether the request may have reached the server (docs/architecture.md, "Side effects of a cut-off
+        """Whether the request may have reached the server (docs/cancellation.md, "Side effects of a cut-off
         call"); False only when it certainly did not."""
 
 
@@ -401,7 +401,7 @@ class OwnershipLost(BaseException):
 
 class SteerRequested(BaseException):
     """Raised by the runtime's hooks at the first boundary after a steer reached the run; caught by the tool
-    loop, which applies the steer and goes on (docs/architecture.md, "Steer"). Not a cancel, and not an error:
+    loop, which applies the steer and goes on (docs/cancellation.md, "Steer"). Not a cancel, and not an error:
     a ``BaseException`` for the same reason as :class:`CancelRequested`."""
 
     def __init__(self, run_id: str) -> None:

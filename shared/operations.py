@@ -7,7 +7,7 @@ in one place (docs/architecture.md, "Layers"). :func:`approve_run`, :func:`deny_
 :func:`~runbrake.shared.messaging.cancel.cancel_run` are the calls beneath, which answer a refusal as a
 value (the documentation names them as the library's calls).
 
-A decision is a guarded transition like any other (docs/architecture.md, "The run
+A decision is a guarded transition like any other (docs/store.md, "The run
 lifecycle"): it applies only to a run ``waiting_for_approval``, and a cancel while
 waiting wins like anywhere else. Approving records the decision as a step (the call,
 who decided and why) and sends a resume message; a worker claims the resume and runs
@@ -187,7 +187,7 @@ def cancel(store: RunStore, publisher: CancelPublisher | None, run_id: str, *, r
 def steer(store: RunStore, publisher: CancelPublisher, producer: Producer, run_id: str, *, text: object,
           reason: object, requested_by: str, max_input_chars: int) -> SteerResult:
     """Check the new message, store the steer, then wake the worker (or resume the run that waited for approval):
-    :func:`~runbrake.shared.messaging.steer.steer_run` (docs/architecture.md, "Steer").
+    :func:`~runbrake.shared.messaging.steer.steer_run` (docs/cancellation.md, "Steer").
 
     Raises:
         SpecError: ``input`` empty or too long, ``reason`` too long (nothing written or sent).

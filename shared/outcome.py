@@ -1,4 +1,4 @@
-"""What a tool call came to (docs/architecture.md, "Tool outcomes")."""
+"""What a tool call came to (docs/store.md, "Tool outcomes")."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ the counters named by the outcomes; public because the CLI and the API show it (
 
 SENT_PREFIX: Final = "sent:"
 """A run hash field ``sent:<call id>``: the tool call's request was about to go out, after the step of this
-sequence (docs/architecture.md, "Lost workers")."""
+sequence (docs/leases.md, "Lost workers")."""
 SENT_MODEL: Final = "sent:model"
 """A run hash field ``"<round> <sequence>"``: the model call of that round was about to go out."""
 
@@ -69,7 +69,7 @@ class CancelRequest:
 
 @dataclass(frozen=True, slots=True)
 class SteerRequest:
-    """A steer waiting to be applied (docs/architecture.md, "Steer"): the new user message, why, who asked and
+    """A steer waiting to be applied (docs/cancellation.md, "Steer"): the new user message, why, who asked and
     when (epoch seconds); ``id`` names it, so that the script that applies it consumes this one and no other."""
 
     id: str
@@ -97,7 +97,7 @@ class Transition:
     exists: bool = True
     owner_mismatch: bool = False
     steered: bool = False
-    """A completing settle found a steer waiting (docs/architecture.md, "Steer: the final answer")."""
+    """A completing settle found a steer waiting (docs/cancellation.md, "Steer: the final answer")."""
 
     def __bool__(self) -> bool:
         return self.won
@@ -223,7 +223,7 @@ class RunRecord:
     thread_root: str | None = None
     """The first run of the thread this one continues, as stored (None for a first run: see :attr:`thread`)."""
     worker_losses: int = 0
-    """How many worker processes were lost while they executed the run (docs/architecture.md, "Lost workers")."""
+    """How many worker processes were lost while they executed the run (docs/leases.md, "Lost workers")."""
     lost_worker: str | None = None
     """The worker process whose loss sent the run back to the queue, until another worker claims it (None
     otherwise): the run is "worker lost, resuming"."""
@@ -488,7 +488,7 @@ class FeedPage:
 
 @dataclass(frozen=True, slots=True)
 class OutboxEntry:
-    """One event in the outbox (docs/architecture.md, "The outbox"): its shard and stream id, its run, the
+    """One event in the outbox (docs/messaging.md, "The outbox"): its shard and stream id, its run, the
     event as the store wrote it (JSON text: ``{"event": "status"|"step", "run_id", …}``), and the run's labels
     as they were then (JSON text; "" when the run had none)."""
 

@@ -1,4 +1,4 @@
-"""The registries of what grows: model providers and MCP transports (docs/architecture.md, "Adding a model
+"""The registries of what grows: model providers and MCP transports (docs/pitfalls.md, "Adding a model
 provider or transport").
 
 An :class:`Entry` says everything runbrake needs to know about one provider or transport: its tag, its spec

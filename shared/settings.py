@@ -251,7 +251,7 @@ class Settings(BaseSettings):
     """The event loop's lag past which a worker process takes no new run, in milliseconds (0: not watched).
     The lag is how late a callback scheduled on the loop from another thread runs, the 90th percentile of
     the last second; past it a run's message is held and then handed back to the queue for a worker with
-    room (docs/architecture.md, "Capacity: runs in flight"), so the runs the process holds keep their cancels
+    room (docs/leases.md, "Capacity: runs in flight"), so the runs the process holds keep their cancels
     fast. `--concurrency` stays the upper bound."""
     admit_max_rss_mb: Annotated[int, _integer(0, 1_048_576)] = 0
     """The resident memory past which a worker process takes no new run, in MiB (0: not watched). Set it
@@ -267,7 +267,7 @@ class Settings(BaseSettings):
     model_retries: Annotated[int, _integer(0, 20)] = 4
     """Retries of a model call that failed with 429, 408, 409, a 5xx, a timeout or a connection error, after
     its first attempt (0: none), with exponential backoff and full jitter; a catalog model's `max_retries`
-    overrides it (docs/architecture.md, "Retries")."""
+    overrides it (docs/leases.md, "Retries")."""
     model_retry_max_s: Annotated[float, _number(float, 0, 3600.0)] = 60.0
     """Most time one model call may spend waiting between its attempts, in seconds; a wait (a backoff, or
     the endpoint's `Retry-After`) that would go past it gives up instead."""
@@ -276,7 +276,7 @@ class Settings(BaseSettings):
     it every third of that, and any worker fails a run whose lease expired (`lease_lost`)."""
     worker_beat_s: Annotated[float, _number(float, 0.1, 60.0)] = 1.0
     """How often each worker process says it is alive (one Redis round trip from a thread of its own, off the
-    event loop), in seconds (docs/architecture.md, "Lost workers")."""
+    event loop), in seconds (docs/leases.md, "Lost workers")."""
     worker_lost_s: Annotated[float, _number(float, 1.0, 3600.0)] = 6.0
     """A worker process that has not said it is alive for this long is lost, in seconds: any other worker
     puts its runs back to `queued` (each call it had in flight recorded `cancelled`, `worker_lost`) and another
@@ -363,7 +363,7 @@ class Settings(BaseSettings):
     where a kubelet or a scraper reaches the pod's address; the Kubernetes manifests set it)."""
     redis_cluster: Annotated[bool, _BOOL] = False
     """`RUNBRAKE_REDIS_URL` names seed nodes of a Redis Cluster; each namespace is spread over 16
-    hash-tagged shards, every script touching one slot (docs/architecture.md, "The run store on a Redis
+    hash-tagged shards, every script touching one slot (docs/store.md, "The run store on a Redis
     Cluster"). Single-node key names are unchanged when off."""
     redis_sentinels: Annotated[
         tuple[tuple[str, int], ...], NoDecode, _Check("comma-separated `host:port` pairs", _parse_sentinels)

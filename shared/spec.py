@@ -6,7 +6,7 @@ written or sent. :func:`run_spec_json_schema` states the same contract as a JSON
 (Draft 2020-12); ``runbrake schema`` prints it and docs/run-spec.schema.json holds a copy.
 
 The model providers and MCP transports are registered here, beside their spec models, in the registries of
-shared/registry.py; the spec's tagged unions are built from those (docs/architecture.md, "Adding a model
+shared/registry.py; the spec's tagged unions are built from those (docs/pitfalls.md, "Adding a model
 provider or transport").
 """
 
@@ -305,12 +305,12 @@ def _only_in_a_catalog(value: object, info: ValidationInfo) -> object:
     return value
 
 
-# A catalog model's retry and timeout overrides (docs/architecture.md, "Retries"); in a run spec they are
+# A catalog model's retry and timeout overrides (docs/leases.md, "Retries"); in a run spec they are
 # refused like a server's catalog-only fields: how long a worker waits on an endpoint is the operator's call.
 _MaxRetries = SkipJsonSchema[Annotated[Annotated[int, Field(ge=0, le=20)] | None, BeforeValidator(_only_in_a_catalog)]]
 _ModelTimeout = SkipJsonSchema[Annotated[
     Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None, BeforeValidator(_only_in_a_catalog)]]
-# Whether the model's answer is streamed (docs/architecture.md, "Streaming"): the operator's call, like the above.
+# Whether the model's answer is streamed (docs/cancellation.md, "Streaming"): the operator's call, like the above.
 _Stream = SkipJsonSchema[Annotated[bool | None, BeforeValidator(_only_in_a_catalog)]]
 
 
@@ -477,7 +477,7 @@ class OnCancel(StrEnum):
 
 class OnWorkerLost(StrEnum):
     """What becomes of a tool call cut off by the loss of its worker process (a catalog server's
-    ``on_worker_lost``; docs/architecture.md, "Lost workers")."""
+    ``on_worker_lost``; docs/leases.md, "Lost workers")."""
 
     REPORT = "report"
     """The default: the model is told the call was cut off with its outcome unknown, and decides."""
@@ -522,7 +522,7 @@ class ServerSpec(SpecModel):
     "Tenants")."""
     on_worker_lost: SkipJsonSchema[OnWorkerLost] = OnWorkerLost.REPORT
     """Catalog only: what becomes of a call cut off by the loss of its worker process: ``report`` (the model is
-    told), ``retry`` (made again), ``fail`` (the run fails) (docs/architecture.md, "Lost workers")."""
+    told), ``retry`` (made again), ``fail`` (the run fails) (docs/leases.md, "Lost workers")."""
     tools_on_worker_lost: SkipJsonSchema[dict[_NonEmpty, OnWorkerLost]] = Field(default_factory=dict)
     """Catalog only: ``on_worker_lost`` per tool of this server, over the server's own (``{get-sum = "retry"}``)."""
 

@@ -1,4 +1,4 @@
-"""Run status and termination reason (docs/architecture.md, "The run lifecycle"). Two fields, never merged."""
+"""Run status and termination reason (docs/store.md, "The run lifecycle"). Two fields, never merged."""
 
 from __future__ import annotations
 

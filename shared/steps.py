@@ -1,4 +1,4 @@
-"""The steps of a run: recorded in order, never rewritten (docs/architecture.md, "Tool outcomes: steps")."""
+"""The steps of a run: recorded in order, never rewritten (docs/store.md, "Tool outcomes: steps")."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ class StepKind(StrEnum):
     TOOL = "tool"
     APPROVAL = "approval"
     HANDOFF = "handoff"
-    """The worker executing the run shut down and handed it back to the queue (docs/architecture.md,
+    """The worker executing the run shut down and handed it back to the queue (docs/leases.md,
     "Drain and hand-over"); another worker continues from the saved conversation."""
     STEER = "steer"
     """An operator steered the run: its turn was cut off and the run went on with a new user message
-    (``detail``: ``input``, ``reason``, ``requested_by``, ``requested_at``; docs/architecture.md, "Steer")."""
+    (``detail``: ``input``, ``reason``, ``requested_by``, ``requested_at``; docs/cancellation.md, "Steer")."""
     UNKNOWN = "unknown"
 
 
@@ -38,15 +38,15 @@ class StepReason(StrEnum):
     INVALID_CALL = "invalid_call"
     """The model asked for a call the run cannot make (a tool it does not have, one outside the catalog's
     allowlist, arguments that are not a JSON object): never executed, the step ``failed`` and its content
-    handed back to the model (docs/architecture.md, "Invalid calls go back to the model")."""
+    handed back to the model (docs/cancellation.md, "Invalid calls go back to the model")."""
     STEERED = "steered"
     """A steer cut the call off (or answered it before it started) to go on with a new message: recorded
-    ``cancelled``, but the run goes on (docs/architecture.md, "Steer")."""
+    ``cancelled``, but the run goes on (docs/cancellation.md, "Steer")."""
     WORKER_LOST = "worker_lost"
     """The worker process executing the run was lost (killed, out of memory, its host gone) while the call was
     in flight or waiting to start: recorded ``cancelled`` by the worker that took the run up (its
     ``side_effects`` say whether the request had gone out); a model call, ``interrupted`` and made again; the
-    ``handoff`` step that marks the gap says it too (docs/architecture.md, "Lost workers")."""
+    ``handoff`` step that marks the gap says it too (docs/leases.md, "Lost workers")."""
 
 
 class StepError(RunbrakeError, ValueError):
@@ -190,7 +190,7 @@ class RunStep:
 
         An older tool step without ``tool_outcome`` keeps the meaning it had:
         ``tool_is_error`` decides *whether* the step states an outcome, and
-        ``tool_outcome`` decides *which* (docs/architecture.md, "Tool outcomes: old rows").
+        ``tool_outcome`` decides *which* (docs/store.md, "Tool outcomes: old rows").
 
         Raises:
             StepError: when the stored step disagrees with itself.

@@ -3,7 +3,7 @@
 Every transition is one Lua script (``shared/_scripts.py``); nothing here reads a status
 in Python and then writes. A refused transition changes nothing, is logged with the
 status it found, and returns that status in a :class:`Transition`
-(docs/architecture.md, "The run lifecycle").
+(docs/store.md, "The run lifecycle").
 
 This is one of two thin executors of the operations in ``shared/_store_core.py``; the
 other, :class:`~runbrake.shared.async_store.AsyncRunStore`, serves a worker's event loop.
@@ -276,7 +276,7 @@ class RunStore:
                                         termination=termination))
 
     def steer(self, run_id: str, request: SteerRequest) -> core.Steered:
-        """Store a steer on a running run or one waiting for approval (docs/architecture.md, "Steer")."""
+        """Store a steer on a running run or one waiting for approval (docs/cancellation.md, "Steer")."""
         return self.execute(core.steer(self.keys, run_id, request))
 
     def pending_steer(self, run_id: str) -> SteerRequest | None:
@@ -382,7 +382,7 @@ class RunStore:
 
     def thread(self, run_id: str, *, limit: int = 1000, status: RunStatus | None = None,
                labels: Mapping[str, str] | None = None) -> list[RunRecord]:
-        """The thread ``run_id`` is in (docs/architecture.md, "Threads"): its first run and its continuations
+        """The thread ``run_id`` is in (docs/store.md, "Threads"): its first run and its continuations
         (without steps), oldest first; filtered by status and labels (all must match)."""
         root = core.thread_root(self.execute(core.summaries(self.keys, [run_id]))[0], run_id)
         records = self.execute(core.summaries(self.keys, self.execute(core.thread_ids(self.keys, root, count=limit))))
@@ -431,7 +431,7 @@ class RunStore:
                                  dict(zip(due, threads, strict=True))))
         return list(due)
 
-    # -- the outbox (docs/architecture.md, "The outbox"; worker/relay.py reads it) ----------------------
+    # -- the outbox (docs/messaging.md, "The outbox"; worker/relay.py reads it) ----------------------
 
     def trim_outbox(self, *, retention_s: float) -> int:
         """Delete the outbox entries older than ``retention_s`` exactly (the writes trim approximately)."""

@@ -1,4 +1,4 @@
-"""Threads: a finished run carried on by a new one (docs/architecture.md, "Threads").
+"""Threads: a finished run carried on by a new one (docs/store.md, "Threads").
 
 A continuation is an ordinary run whose spec's ``messages`` hold its parent's whole conversation: the
 parent's own ``messages``, its ``input``, every model turn (its text and the tool calls it asked for), every
@@ -87,7 +87,7 @@ def conversation(parent: RunRecord, servers: frozenset[str]) -> list[dict[str, A
         if step.kind is StepKind.TOOL and step.tool_call_id:
             results.setdefault(step.tool_call_id, step)
     for step in parent.steps:
-        if step.kind is StepKind.STEER:  # the new user message a steer gave the run (docs/architecture.md, "Steer")
+        if step.kind is StepKind.STEER:  # the new user message a steer gave the run (docs/cancellation.md, "Steer")
             steered = step.detail.get("input")
             if isinstance(steered, str) and steered:
                 messages.append({"role": "user", "content": steered})

@@ -1,6 +1,6 @@
 """The timeline: what each step came to, and the labels it is shown with (docs/usage.md, "Using it": Outcome).
 
-One string travels end to end (docs/architecture.md, "Tool outcomes: one string end to
+One string travels end to end (docs/store.md, "Tool outcomes: one string end to
 end"): ``ToolOutcome.CANCELLED.value`` is the stored ``tool_outcome``, the timeline's
 outcome, and the suffix of the label key ``outcome.cancelled``.
 """

@@ -1,4 +1,4 @@
-"""The result of one tool call (docs/architecture.md, "Tool outcomes: the result")."""
+"""The result of one tool call (docs/store.md, "Tool outcomes: the result")."""
 
 from __future__ import annotations
 

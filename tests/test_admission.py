@@ -1,5 +1,5 @@
 """Admission by health: a worker process past its health bound takes no new run and hands the message back,
-so the excess waits ``queued`` while the runs it holds go on (worker/saturation.py; docs/architecture.md,
+so the excess waits ``queued`` while the runs it holds go on (worker/saturation.py; docs/leases.md,
 "Capacity: runs in flight")."""
 
 from __future__ import annotations

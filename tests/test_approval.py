@@ -1,4 +1,4 @@
-"""Approval: a tool named in ``approval_required`` waits for an operator (docs/architecture.md, "The run lifecycle").
+"""Approval: a tool named in ``approval_required`` waits for an operator (docs/store.md, "The run lifecycle").
 
 A real worker runs the run until the gated call, the operator decides with the real
 ``runbrake approve`` / ``runbrake deny`` / ``runbrake cancel`` commands, and the toolbox

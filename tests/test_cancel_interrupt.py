@@ -1,5 +1,5 @@
 """Cancelling a run interrupts the call in flight: fence, message, listener, registry, transport
-(docs/architecture.md, "Cancellation").
+(docs/cancellation.md, "Cancellation").
 
 Real worker processes, real MCP servers (HTTP and stdio), real Redis and RabbitMQ. A test
 learns that a call is in flight from the server's events file ("started"), that a worker

@@ -1,4 +1,4 @@
-"""Per-tool cancel policies and what a cut-off call may have done (docs/architecture.md, "Cancel policies:
+"""Per-tool cancel policies and what a cut-off call may have done (docs/cancellation.md, "Cancel policies:
 finish" and "Side effects of a cut-off call").
 
 Real worker processes, the toolbox MCP server over HTTP (its events file says when each call started, finished

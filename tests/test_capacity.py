@@ -1,5 +1,5 @@
 """Capacity: one worker process holds ``--concurrency`` runs in flight on a few consumer threads, and a full
-worker leaves further messages in the queue (worker/intake.py; docs/architecture.md, "Capacity: runs in flight")."""
+worker leaves further messages in the queue (worker/intake.py; docs/leases.md, "Capacity: runs in flight")."""
 
 from __future__ import annotations
 

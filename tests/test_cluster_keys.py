@@ -1,5 +1,5 @@
 """The store's key layout: byte for byte the documented one on a single Redis; on a Redis Cluster, every
-script's keys in one slot (docs/architecture.md, "The run store on a Redis Cluster"). Pure: no Redis."""
+script's keys in one slot (docs/store.md, "The run store on a Redis Cluster"). Pure: no Redis."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_on_a_cluster_a_create_touches_the_slot_of_its_idempotency_key_and_its_r
 @pytest.mark.parametrize("idempotency_key", [None, "order-1"])
 def test_on_a_cluster_a_tenants_runs_and_counts_share_the_tenants_slot(idempotency_key: str | None) -> None:
     """One script counts all of a tenant's runs against its quotas: they all live in the tenant's shard, and a
-    run's end releases it from the count in its own slot (docs/architecture.md, "The run store on a Redis
+    run's end releases it from the count in its own slot (docs/store.md, "The run store on a Redis
     Cluster")."""
     keys = core.Keys("ns", retention_s=60, cluster=True)
     tenant_slot = key_slot(keys.tenants(keys.tenant_shard("alpha")).encode())

@@ -1,5 +1,5 @@
 """The calls of one turn run at once; a cancel cuts them all off; a call the run cannot make goes back to the
-model (docs/architecture.md, "Concurrent tool calls" and "Invalid calls go back to the model").
+model (docs/cancellation.md, "Concurrent tool calls" and "Invalid calls go back to the model").
 
 Real worker processes, the toolbox MCP server over HTTP (its events file says when each call started and
 ended on the server), real Redis and RabbitMQ; the model is the scripted provider where what the model

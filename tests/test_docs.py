@@ -95,7 +95,7 @@ def test_the_repository_cites_pages_and_headings() -> None:
     """The pattern finds the citations this test is for (a broken pattern would pass everything)."""
     cited = {(page, heading) for _, page, heading in citations()}
 
-    assert ("docs/architecture.md", "Capacity: runs in flight") in cited
+    assert ("docs/leases.md", "Capacity: runs in flight") in cited
     assert len(cited) > 30
 
 

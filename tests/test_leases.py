@@ -1,4 +1,4 @@
-"""Leases, the last resort: a run whose worker died and that no sweep took up (docs/architecture.md, "Lost
+"""Leases, the last resort: a run whose worker died and that no sweep took up (docs/leases.md, "Lost
 workers") does not stay "running" forever. The sweep is held off here (a worker is lost only after ten minutes)
 so that the lease alone decides."""
 

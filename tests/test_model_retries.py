@@ -1,4 +1,4 @@
-"""Retries of a model call (docs/architecture.md, "Retries"): the policy's waits, and every provider behind
+"""Retries of a model call (docs/leases.md, "Retries"): the policy's waits, and every provider behind
 :func:`provider_for` against real HTTP endpoints (llm-mock-api; the OpenAI stub where a reply must carry a
 ``Retry-After`` header, which llm-mock-api's error replies cannot)."""
 

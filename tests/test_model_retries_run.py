@@ -1,5 +1,5 @@
 """Retries and the Anthropic provider in real runs: a worker process asks llm-mock-api (tests/llm_mock.py)
-and, for the Anthropic run, calls PyPI ``mcp-server-time`` over stdio (docs/architecture.md, "Retries")."""
+and, for the Anthropic run, calls PyPI ``mcp-server-time`` over stdio (docs/leases.md, "Retries")."""
 
 from __future__ import annotations
 

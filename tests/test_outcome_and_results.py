@@ -1,5 +1,5 @@
 """ToolOutcome and ToolResult: three outcomes, fail-closed non-ok results, a bounding transform that
-carries every field (docs/architecture.md, "Tool outcomes")."""
+carries every field (docs/store.md, "Tool outcomes")."""
 
 from __future__ import annotations
 

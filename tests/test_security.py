@@ -362,7 +362,7 @@ def test_a_finished_run_is_gone_whole_after_its_retention(
 
     # The namespace's own keys stay while workers run: the outbox stream and the relay's and webhook dispatcher's
     # leases. Nothing of the run itself does: not its keys, and not one of its events in the outbox (the sweeper
-    # trims the outbox to the retention exactly: docs/architecture.md, "The outbox").
+    # trims the outbox to the retention exactly: docs/messaging.md, "The outbox").
     outbox = f"{retaining.namespace}:outbox"
     shared = {outbox, f"{retaining.namespace}:relay", f"{retaining.namespace}:webhook-lease"}
 

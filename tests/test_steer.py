@@ -1,4 +1,4 @@
-"""Steer: stop the current turn and go on with a new user message, in the same run (docs/architecture.md,
+"""Steer: stop the current turn and go on with a new user message, in the same run (docs/cancellation.md,
 "Steer"; issue 18, item 1).
 
 Real worker processes, the toolbox MCP server over HTTP (its events file says when each call started), real
@@ -405,7 +405,7 @@ def test_a_steer_stored_after_the_final_answer_was_given_but_before_the_run_comp
 ) -> None:
     """The race a wake-up cannot close: the steer is stored while the final model call is on its way back, and
     nothing tells the worker (no wake-up, the backstop off). The completing settle refuses while the steer waits,
-    so the answer stays recorded and the run goes on with the steer (docs/architecture.md, "Steer: the final
+    so the answer stays recorded and the run goes on with the steer (docs/cancellation.md, "Steer: the final
     answer")."""
     worker = start_worker(**BACKSTOP_OFF)
     run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, [

@@ -1,5 +1,5 @@
 """Run steps that cannot disagree with themselves, old stored rows, the timeline and its labels
-(docs/architecture.md, "Tool outcomes")."""
+(docs/store.md, "Tool outcomes")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The run store against the real Redis: guarded transitions, the cancel fence, steps in order,
-idempotency, fail-soft probes (docs/architecture.md, "The run lifecycle" and "Cancellation")."""
+idempotency, fail-soft probes (docs/store.md, "The run lifecycle" and "Cancellation")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Streamed model answers (docs/architecture.md, "Streaming"): the OpenAI and Anthropic providers stream from
+"""Streamed model answers (docs/cancellation.md, "Streaming"): the OpenAI and Anthropic providers stream from
 llm-mock-api (tests/llm_mock.py) into the same turn a whole answer gives, the run's events stream carries
 ``delta`` events at most ten a second, and a cancel mid-stream keeps the text said so far in a cancelled step."""
 

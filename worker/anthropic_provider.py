@@ -64,7 +64,7 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
                        settings: ModelSettings = NO_SETTINGS, text: StreamedText | None = None) -> ModelTurn:
         """Send the conversation, tools and settings; map the answer back to runbrake's values. The answer is
         streamed (its text handed to ``text`` as it arrives, the events assembled into the message a whole
-        answer gives) unless the catalog model says ``stream = false`` (docs/architecture.md, "Streaming").
+        answer gives) unless the catalog model says ``stream = false`` (docs/cancellation.md, "Streaming").
 
         ``temperature``, ``top_p`` and ``seed`` are not sent: the Messages API (as the SDK states it) has no
         such parameters. A ``tool_use`` naming a tool the run does not have, or input that is not an object,
@@ -111,7 +111,7 @@ class AnthropicProvider(EndpointProvider[AnthropicModel, AsyncAnthropic]):
             base_url=self._spec.base_url,
             # Always given, so the SDK reads no credential of its own (ANTHROPIC_API_KEY, a profile on disk).
             api_key=api_key(self._spec.api_key_env),
-            # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
+            # Retries are runbrake's decision (docs/leases.md, "Retries"), not the SDK's.
             max_retries=0,
             http_client=http_client(DefaultAsyncHttpxClient),
         )

@@ -1,5 +1,5 @@
 """Budgets that brake by themselves: a run that reaches its deadline or spends its tokens or cost is
-stopped like an operator's cancel (docs/architecture.md, "Budgets").
+stopped like an operator's cancel (docs/cancellation.md, "Budgets").
 
 The tokens and the cost are counted at every model step (the only boundaries that change them), from what
 the run used before this segment (the run's ``usage`` in the store sums every segment's model steps); the

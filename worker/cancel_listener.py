@@ -1,5 +1,5 @@
 """The cancel listener and the backstop: how a cancel reaches the call in flight
-(docs/architecture.md, "Cancellation: the interrupt").
+(docs/cancellation.md, "Cancellation: the interrupt").
 
 One :class:`CancelListener` per worker process consumes the cancel fanout exchange
 through an exclusive, server-named queue (pika, on its own thread and connection:

@@ -1,5 +1,5 @@
 """A model call's text as it streams in: kept for the step a cut-off call still records, and announced as
-``delta`` events at most :data:`MIN_INTERVAL_S` apart per run (docs/architecture.md, "Streaming").
+``delta`` events at most :data:`MIN_INTERVAL_S` apart per run (docs/cancellation.md, "Streaming").
 
 A provider that streams appends each piece of text to the call's :class:`StreamedText` (synchronously: the
 read loop never waits on Redis). The run's :class:`DeltaPublisher` keeps one asyncio task while a call's

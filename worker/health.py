@@ -1,4 +1,4 @@
-"""The worker's health endpoints and its service checks (docs/architecture.md, "Health and readiness").
+"""The worker's health endpoints and its service checks (docs/leases.md, "Health and readiness").
 
 Each worker process with ``RUNBRAKE_HEALTH_PORT`` set serves, on that port plus its index:
 

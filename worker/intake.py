@@ -1,5 +1,5 @@
 """How a worker process takes runs: a few Dramatiq consumer threads feeding many runs on the one event loop
-(docs/architecture.md, "Capacity: runs in flight").
+(docs/leases.md, "Capacity: runs in flight").
 
 A run spends nearly all its life awaiting a model or an MCP server, so holding a thread for each run
 in flight (each blocked on its coroutine) buys nothing and costs a stack, a wake-up a second and a share

@@ -6,7 +6,7 @@ runs whose lease expired: their worker stopped without a word (an OOM kill, SIGK
 lost host), and any worker fails them with reason ``lease_lost``. Each reap is one
 guarded script, so concurrent reapers never both win; expiry is decided on Redis's clock, and a
 keeper that lost Redis reaps nothing until Redis has answered it for a lease again
-(docs/architecture.md, "Leases").
+(docs/leases.md, "Leases").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class LeaseKeeper(Periodic):
     """Renews this process's leases and reaps expired ones, every third of a lease.
 
     After Redis failed it, the keeper renews as usual but does not reap until Redis has answered it for
-    a whole lease again (docs/architecture.md, "Leases"): during an outage nobody could renew, so a
+    a whole lease again (docs/leases.md, "Leases"): during an outage nobody could renew, so a
     lease that ran out then says nothing about its worker, and every worker still alive renews within a
     third of a lease of reaching Redis again. ``clock`` is monotonic seconds (tests pass their own).
     """

@@ -1,5 +1,5 @@
 """Liveness: each worker process says it is alive, and any other takes up the runs of one that stopped saying so
-(docs/architecture.md, "Lost workers").
+(docs/leases.md, "Lost workers").
 
 One :class:`Liveness` thread per worker process, every ``RUNBRAKE_WORKER_BEAT_S``:
 

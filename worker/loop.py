@@ -1,7 +1,7 @@
 """The tool loop: model call → tool calls → next round, until a final answer or ``max_rounds``.
 
 The loop never touches Redis: persistence and the probe live in the runtime's hooks
-(docs/architecture.md, "Cancellation: the probe"). It reports
+(docs/cancellation.md, "Cancellation: the probe"). It reports
 every step through :class:`LoopHooks`; the runtime persists the step there and probes
 the cancel key, raising :class:`~shared.errors.CancelRequested` through the loop when
 the run was cancelled. Every call that can take long (a model call, a tool call) runs
@@ -52,12 +52,12 @@ class LoopHooks(Protocol):
 
     async def complete(self, step: RunStep) -> None:
         """Record the final model step and settle the run completed; raises SteerRequested when a steer waits
-        (the run goes on with it: docs/architecture.md, "Steer: the final answer")."""
+        (the run goes on with it: docs/cancellation.md, "Steer: the final answer")."""
 
     async def sending(self, call_id: str | None, round_number: int) -> None:
         """Record, durably, that a call's request is about to go out (a tool call by its id, the model call of
         ``round_number`` with None), so that the worker that takes the run up after this one was lost knows
-        what was sent (docs/architecture.md, "Lost workers"). Raises OwnershipLost when the run is not this
+        what was sent (docs/leases.md, "Lost workers"). Raises OwnershipLost when the run is not this
         worker's any more: the call must not go out."""
 
     def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
@@ -105,7 +105,7 @@ class LoopEndKind(StrEnum):
 
 
 HANDOFF_REASON = TerminationReason.WORKER_SHUTDOWN.value
-"""``detail.reason`` of a call cut off by a hand-over (docs/architecture.md, "Drain and hand-over")."""
+"""``detail.reason`` of a call cut off by a hand-over (docs/leases.md, "Drain and hand-over")."""
 _INTERRUPTED = {
     None: "model call interrupted by a cancel",
     STEERED: "model call interrupted by a steer; its answer was dropped",
@@ -221,7 +221,7 @@ class ToolLoop:
 
     async def run(self, state: LoopState) -> LoopEnd:
         """Run until a final answer, ``max_rounds``, or a call that waits for approval; a steer cuts the turn
-        off and the run goes on with its message (docs/architecture.md, "Steer").
+        off and the run goes on with its message (docs/cancellation.md, "Steer").
 
         Raises:
             CancelRequested: from the hooks, at the first boundary after a cancel.
@@ -355,7 +355,7 @@ class ToolLoop:
 
     async def _run_calls(self, state: LoopState, calls: list[ToolCall]) -> LoopEnd | None:
         """Run a turn's calls (or what is left of them) at once, up to the first that waits for approval;
-        the results go back to the model in call order (docs/architecture.md, "Concurrent tool calls").
+        the results go back to the model in call order (docs/cancellation.md, "Concurrent tool calls").
 
         Raises:
             CancelRequested: from a step's probe, once every call in flight was cut off and recorded.

@@ -1,5 +1,5 @@
 """MCP progress notifications of this worker's calls, handled where they come in: at the transport boundary,
-before the MCP SDK's dispatcher sees them (issue 20; docs/architecture.md, "MCP progress at the transport").
+before the MCP SDK's dispatcher sees them (issue 20; docs/messaging.md, "MCP progress at the transport").
 
 Why: for every ``notifications/progress`` the SDK's ``JSONRPCDispatcher`` spawns two anyio tasks (the
 progress callback, and its own notification handler, which validates the notification with pydantic only

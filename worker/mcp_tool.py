@@ -1,4 +1,4 @@
-"""One tool call on an MCP server, as a :class:`~shared.tool_result.ToolResult` (docs/architecture.md, "Tool outcomes").
+"""One tool call on an MCP server, as a :class:`~shared.tool_result.ToolResult` (docs/store.md, "Tool outcomes").
 
 Never raises for what the call came to: a tool's own error, a dead server, a timeout
 and a cancel all become results. Which outcome a transport error maps to is read from

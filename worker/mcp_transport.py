@@ -5,7 +5,7 @@ Every error the MCP SDK, httpx2 or the operating system raises is translated her
 :class:`~shared.errors.ToolTransportError` (chained with ``from exc``); nothing outside
 this module sees a third-party exception. Only :meth:`McpConnection.call` decides that a
 call was *cancelled*, and it decides from the interrupt scope (``cancelled_caught``),
-never from a code or a message (docs/architecture.md, "Tool outcomes").
+never from a code or a message (docs/store.md, "Tool outcomes").
 
 Why each client lives in a task of its own: the SDK's client runs its transport in task
 groups entered with the client. Had the segment's own task entered it, a transport fault
@@ -14,7 +14,7 @@ task) would cancel the whole segment body, not just the call, and every exceptio
 the body would come out wrapped in an ``ExceptionGroup``. In a task of its own the
 fault ends only that task; the SDK then wakes the pending call with "connection closed",
 which this module reports as a failed call. The client is still entered and exited in
-one task, as the SDK requires (docs/architecture.md, "Pitfalls: one MCP client per task").
+one task, as the SDK requires (docs/pitfalls.md, "Pitfalls: one MCP client per task").
 """
 
 from __future__ import annotations
@@ -238,12 +238,12 @@ class McpConnection:
             # The interrupt scope is the outer one: when the deadline and the interrupt both
             # fire, the interrupt catches the cancellation and the call counts as cancelled.
             # Cancelling the scope makes the SDK tell the server: notifications/cancelled,
-            # or on 2026-07-28 HTTP, closing the request's stream (docs/architecture.md,
+            # or on 2026-07-28 HTTP, closing the request's stream (docs/pitfalls.md,
             # "Pitfalls: mcp 2.x cancellation").
             with interrupt, anyio.move_on_after(timeout_s), self._progress_meta(progress) as meta:
                 # A scope cancelled before this point (a cancel that came while the call waited for a
                 # max_concurrency slot) raises here: the request was never sent, the server did nothing.
-                # Past it, the request may reach the server (docs/architecture.md, "Side effects of a
+                # Past it, the request may reach the server (docs/cancellation.md, "Side effects of a
                 # cut-off call"): a cut-off call's side effects are unknown from here on.
                 await anyio.lowlevel.checkpoint()
                 sent = True
@@ -338,7 +338,7 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
     event loop; the SDK leaves a client it was given open.
 
     A client per segment cost each run in flight its own pool and transport, and a connect per segment;
-    shared, a run costs just the connections its streams hold (docs/architecture.md, "Capacity: runs in flight"). No cap
+    shared, a run costs just the connections its streams hold (docs/leases.md, "Capacity: runs in flight"). No cap
     on connections: each call in flight holds one, and ``--concurrency`` bounds the calls. The SDK's
     default client would also build an SSL context per connection, ~50 ms of CPU on the loop
     (bench/throughput.py profile): one context per process. A JSON answer is read within

@@ -45,7 +45,7 @@ RUNS_REDRIVEN = Counter(
 )
 RUNS_RECLAIMED = Counter(
     "runbrake_runs_reclaimed_total",
-    "Runs of a lost worker process put back to the queue by this process (docs/architecture.md, \"Lost workers\").",
+    "Runs of a lost worker process put back to the queue by this process (docs/leases.md, \"Lost workers\").",
     registry=REGISTRY,
 )
 HANDOFFS = Counter(

@@ -1,5 +1,5 @@
 """Streamed model answers read off the wire: server-sent events, bounded, assembled into the answer the
-non-streaming request gives (docs/architecture.md, "Streaming").
+non-streaming request gives (docs/cancellation.md, "Streaming").
 
 :func:`sse_events` reads the body of a ``text/event-stream`` response into ``(event, data)`` pairs, refusing
 a line longer than :data:`MAX_LINE_BYTES` and a body past :data:`MAX_STREAM_BYTES` (an endpoint may be

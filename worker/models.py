@@ -4,8 +4,8 @@
 OpenAI-compatible chat-completions endpoint through the official ``openai`` SDK. Both are
 cancellable by an enclosing anyio cancel scope, and both report failures as
 :class:`~shared.errors.ProviderError`; cancellation is never turned into an error
-(docs/architecture.md, "Cancellation"). Every provider is built behind a :class:`RetryingProvider`
-(:func:`provider_for`), which tries a failed call again where that may help (docs/architecture.md, "Retries").
+(docs/cancellation.md, "Cancellation"). Every provider is built behind a :class:`RetryingProvider`
+(:func:`provider_for`), which tries a failed call again where that may help (docs/leases.md, "Retries").
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ log = structlog.get_logger(__name__)
 
 _DEFAULTS: Final = Settings()
 _BACKOFF_BASE_S: Final = 0.5
-"""The first retry waits up to this, each next one up to twice the last (docs/architecture.md, "Retries")."""
+"""The first retry waits up to this, each next one up to twice the last (docs/leases.md, "Retries")."""
 
 DEFAULT_TIMEOUT_S = 120.0
 _PLACEHOLDER_API_KEY = "unused"
@@ -166,7 +166,7 @@ class EndpointProvider(Generic[_S, _C]):
 
 class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
     """Asks an OpenAI-compatible chat-completions endpoint; tools are shown as ``<server>__<tool>``. The answer
-    is streamed unless the catalog model says ``stream = false`` (docs/architecture.md, "Streaming")."""
+    is streamed unless the catalog model says ``stream = false`` (docs/cancellation.md, "Streaming")."""
 
     async def complete(self, messages: Sequence[Message], tools: Sequence[ToolInfo], *, round_index: int,
                        settings: ModelSettings = NO_SETTINGS, text: StreamedText | None = None) -> ModelTurn:
@@ -214,7 +214,7 @@ class OpenAIProvider(EndpointProvider[OpenAIModel, AsyncOpenAI]):
         return AsyncOpenAI(
             base_url=self._spec.base_url,
             api_key=api_key(self._spec.api_key_env),
-            # Retries are runbrake's decision (docs/architecture.md, "Retries"), not the SDK's.
+            # Retries are runbrake's decision (docs/leases.md, "Retries"), not the SDK's.
             max_retries=0,
             http_client=http_client(DefaultAsyncHttpxClient),
         )
@@ -388,7 +388,7 @@ def _excerpt(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """How often and how long a model call is tried again (docs/architecture.md, "Retries")."""
+    """How often and how long a model call is tried again (docs/leases.md, "Retries")."""
 
     retries: int = _DEFAULTS.model_retries
     """Retries after the first attempt (``RUNBRAKE_MODEL_RETRIES``; a catalog model's ``max_retries``)."""
@@ -427,7 +427,7 @@ class RetryingProvider:
 
     Every provider is built behind one (:func:`provider_for`). The wait is an anyio sleep inside the call's
     in-flight scope, so a cancel (or a hand-over) interrupts it at once, like a request in flight; a tool call
-    is never retried (docs/architecture.md, "Retries").
+    is never retried (docs/leases.md, "Retries").
     """
 
     def __init__(self, provider: ModelProvider, policy: RetryPolicy) -> None:

@@ -1,5 +1,5 @@
 """What the event relay (worker/relay.py) and the webhook dispatcher (worker/webhooks.py) share: a part thread
-that reads the outbox through a consumer group of its own (docs/architecture.md, "The outbox") while it holds
+that reads the outbox through a consumer group of its own (docs/messaging.md, "The outbox") while it holds
 that group's lease, so that one reader of all a namespace's processes works at a time and entries go out in the
 outbox's order; the others stand by. An outage (Redis, or what the reader feeds) is logged once at warning,
 its retries at debug with a doubling backoff, until ``<event>_resumed``.

@@ -93,7 +93,7 @@ def run_worker_process(
     producer = Producer(store, broker)
     # The runtime runs on the AsyncIO middleware's event loop: its store awaits every round trip.
     admission = Admission.from_settings(settings)
-    identity = WorkerIdentity()  # beaten for by Liveness; stamped on each claim (docs/architecture.md, "Lost workers")
+    identity = WorkerIdentity()  # beaten for by Liveness; stamped on each claim (docs/leases.md, "Lost workers")
     runtime = Runtime(settings, AsyncRunStore.connect(settings), registry, admission, sender=producer,
                       worker=lambda: identity.id)
     topology = Topology.of(settings)
@@ -217,7 +217,7 @@ def drain(intake: Intake, registry: ActiveRuns, *, drain_s: float, hurry: thread
 
     A handed-over run has its call in flight cut off (recorded ``cancelled``, ``detail.reason`` =
     ``worker_shutdown``), goes back to ``queued`` with its conversation saved, and another worker
-    continues it (docs/architecture.md, "Drain and hand-over"). The cancel listener keeps running
+    continues it (docs/leases.md, "Drain and hand-over"). The cancel listener keeps running
     meanwhile, so a cancel during the drain still interrupts at once.
     """
     deadline = time.monotonic() + drain_s
@@ -247,7 +247,7 @@ def use_event_loop(settings: Settings) -> None:
 
 def _warn_unless_persistent(store: RunStore) -> None:
     """Redis is the system of record: without AOF or snapshots a restart erases every run. Say so loudly
-    (docs/architecture.md, "The run store"); a Redis that does not let us ask (a managed one) is trusted.
+    (docs/store.md, "The run store"); a Redis that does not let us ask (a managed one) is trusted.
     On a cluster, each primary is asked."""
     try:
         nodes = store.persistence()

@@ -1,4 +1,4 @@
-"""Reclaim: a run whose worker process was lost goes on from its last recorded step (docs/architecture.md,
+"""Reclaim: a run whose worker process was lost goes on from its last recorded step (docs/leases.md,
 "Lost workers").
 
 A lost worker (kill -9, an OOM kill, a lost host) cannot say where its runs stood, so what it recorded says it:

@@ -1,4 +1,4 @@
-"""Re-drive: a run is never left waiting for a message that was lost (docs/architecture.md, "Re-drive").
+"""Re-drive: a run is never left waiting for a message that was lost (docs/leases.md, "Re-drive").
 
 A run message can be lost after the run was written: a purged queue, a broker that lost a
 non-replicated queue, a publish that RabbitMQ confirmed and then dropped. The run's durability lives

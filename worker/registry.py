@@ -1,5 +1,5 @@
 """The runs this worker process executes, and the calls each has in flight
-(docs/architecture.md, "Cancellation: the interrupt").
+(docs/cancellation.md, "Cancellation: the interrupt").
 
 Two threads meet here: the event loop thread, which runs the runs, and the cancel
 listener's or backstop's thread, which asks for an interrupt. anyio/asyncio objects
@@ -48,11 +48,11 @@ class RunHandle:
     """An interrupt was asked for (set under the registry's lock, so only one asker acts)."""
     handing_over: bool = False
     """The worker is shutting down and its drain ran out: the run goes back to the queue at its next
-    boundary, its call in flight cut off (docs/architecture.md, "Drain and hand-over"). Not a cancel: a
+    boundary, its call in flight cut off (docs/leases.md, "Drain and hand-over"). Not a cancel: a
     cancel that comes after still interrupts, and still wins."""
 
     steer: SteerRequest | None = None
-    """A steer that reached the run and is not applied yet (docs/architecture.md, "Steer"): calls in flight were
+    """A steer that reached the run and is not applied yet (docs/cancellation.md, "Steer"): calls in flight were
     cut off, a call that starts meanwhile is cut off on entry, and the hooks raise ``SteerRequested`` at the next
     boundary. Not a cancel: ``cancel_seen`` stays False, and a cancel that comes after still interrupts."""
     applied_steers: set[str] = field(default_factory=set)
@@ -62,7 +62,7 @@ class RunHandle:
     def in_flight(self, grace_s: float | None = None) -> Iterator[anyio.CancelScope]:
         """A fresh scope for the next call, in flight beside any other; cancelled at once when a cancel (or
         the loss of the run) already reached it. ``grace_s``: the call's tool says ``on_cancel = "finish"``,
-        a cancel lets it go on that long (docs/architecture.md, "Cancel policies: finish")."""
+        a cancel lets it go on that long (docs/cancellation.md, "Cancel policies: finish")."""
         scope = anyio.CancelScope()
         if self.cancel_seen or self.lost or self.handing_over or self.steer is not None:
             scope.cancel()

@@ -1,4 +1,4 @@
-"""The event relay: publishes the outbox on the topic exchange ``<ns>.events`` (docs/architecture.md, "The
+"""The event relay: publishes the outbox on the topic exchange ``<ns>.events`` (docs/messaging.md, "The
 relay"; docs/messages.md, "Run events").
 
 The store writes every status change and every step to the outbox (a Redis stream, ``<ns>:outbox``) in the

@@ -5,7 +5,7 @@ The scripts that end a run (settle, cancel, reap) enter it into ``<ns>:finished`
 retention ends, and set the run's own keys to expire a little later. One :class:`Sweeper` thread per
 worker process deletes what is due: the run's keys, its idempotency key and its entry in the index of
 runs, together, so ``runbrake runs`` never lists a run whose record is gone; and the outbox's entries older than
-the retention (docs/architecture.md, "The outbox"), exactly. Sweepers of several processes may delete the same
+the retention (docs/messaging.md, "The outbox"), exactly. Sweepers of several processes may delete the same
 run: deleting is idempotent.
 """
 

@@ -1,7 +1,7 @@
 """The runtime: claims a run, runs its segment through the ladder, and owns persistence.
 
 The loop reports each step through :class:`RunHooks`; the hook appends the step and
-probes the cancel key in the same round trip (docs/architecture.md, "Cancellation: the
+probes the cancel key in the same round trip (docs/cancellation.md, "Cancellation: the
 probe"). A set key raises :class:`CancelRequested`, which the ladder catches before
 anything else: the cancel already won the terminal transition, so the ladder settles
 nothing and returns ``CANCELLED``.
@@ -137,7 +137,7 @@ class RunHooks:
         await self._subscribers.step(self._handle.run_id, appended.step)
         if steer is not None:
             # A steer was stored before the settle: the answer stays recorded, and the run goes on with the steer's
-            # message (docs/architecture.md, "Steer: the final answer").
+            # message (docs/cancellation.md, "Steer: the final answer").
             self._handle.steer_reached(steer)
             raise SteerRequested(self._handle.run_id)
         if transition.steered:
@@ -230,7 +230,7 @@ async def durably(write: Callable[[], Awaitable[T]], *, within_s: float, what: s
     lease: a worker that keeps its run's record must not give up sooner than others would reap it).
 
     A step is kept and written when Redis is back, rather than dropped with the run failed for a blip
-    (docs/architecture.md, "Store outages"); writes retried this way are idempotent.
+    (docs/leases.md, "Store outages"); writes retried this way are idempotent.
 
     Raises:
         StoreError: when Redis stayed unreachable for ``within_s``.
@@ -434,7 +434,7 @@ class Runtime:
                 await hooks.checkpoint()
             if claim.steer is not None:
                 # Stored before this segment began (a steered approval, a worker that died or handed over first):
-                # the calls still pending are answered by the steer, never made (docs/architecture.md, "Steer").
+                # the calls still pending are answered by the steer, never made (docs/cancellation.md, "Steer").
                 state.pending_calls, state.approved_call_id = [], None
                 handle.steer_reached(claim.steer)
             with anyio.fail_after(self._settings.run_time_limit_s):
@@ -543,7 +543,7 @@ class Runtime:
 
     async def _resume_if_steered(self, run_id: str) -> None:
         """A steer stored while the run was running that no boundary applied before it was suspended: the run is
-        put back to work as a steer of a waiting run is (docs/architecture.md, "Steer")."""
+        put back to work as a steer of a waiting run is (docs/cancellation.md, "Steer")."""
         if not await self._store.steer_waiting(run_id):
             return
         log.info("run_steered_while_suspending")
@@ -556,7 +556,7 @@ class Runtime:
 
     async def _hand_over(self, run_id: str, owner: str, end: LoopEnd) -> RunOutcome:
         """Save the conversation, put the run back to ``queued`` with a ``handoff`` step, and send its
-        message: another worker continues it (docs/architecture.md, "Drain and hand-over")."""
+        message: another worker continues it (docs/leases.md, "Drain and hand-over")."""
         assert end.state is not None
         step = RunStep(kind=StepKind.HANDOFF, round=end.state.model_calls,
                        content="the worker shut down; the run went back to the queue for another worker",

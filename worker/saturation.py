@@ -1,5 +1,5 @@
 """Admission by health: a worker process takes a new run only while it can serve the runs it holds
-(docs/architecture.md, "Capacity: runs in flight").
+(docs/leases.md, "Capacity: runs in flight").
 
 ``--concurrency`` bounds the runs in flight by count, but what a run costs the process depends on what its
 calls send back: 2,000 runs waiting on silent calls cost the loop nothing, 2,000 whose calls report progress

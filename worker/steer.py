@@ -1,4 +1,4 @@
-"""What a steer does to a run's turn (docs/architecture.md, "Steer"): the calls it cut off are recorded
+"""What a steer does to a run's turn (docs/cancellation.md, "Steer"): the calls it cut off are recorded
 ``cancelled`` with ``detail.reason = "steered"``, the calls of the turn that never started are answered the
 same way (a model refuses a history with a tool call left unanswered), and a ``steer`` step records the new
 user message, which the loop appends before it goes on.

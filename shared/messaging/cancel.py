@@ -1,5 +1,5 @@
 """The cancel: win the fence in Redis, then wake the worker that holds the run
-(docs/architecture.md, "Cancellation")."""
+(docs/cancellation.md, "Cancellation")."""
 
 from __future__ import annotations
 

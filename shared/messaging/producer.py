@@ -58,7 +58,7 @@ class Producer:
         name has no ``:``); without one, the key is the spec's (the CLI, a token-less API). A ``tenant``'s
         run carries the label ``tenant`` and is counted against the tenant's quotas in the catalog, in the
         script that writes it (docs/http-api.md, "Tenants and quotas"). A continuation's ``link`` (its parent and
-        thread) is written with it (docs/architecture.md, "Threads").
+        thread) is written with it (docs/store.md, "Threads").
 
         Raises:
             SpecError: the spec breaks the admission policy (nothing written or sent).

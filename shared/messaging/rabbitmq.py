@@ -1,4 +1,4 @@
-"""Dramatiq's RabbitMQ broker, configured for long agent runs (docs/architecture.md, "Pitfalls").
+"""Dramatiq's RabbitMQ broker, configured for long agent runs (docs/pitfalls.md, "Pitfalls").
 
 - Publisher confirms on: ``enqueue`` returns only once RabbitMQ has the message.
 - Queue names come from ``shared/messaging/wire.py``: ``<ns>.runs`` (plus Dramatiq's ``.DQ``/``.XQ`` twins).
@@ -281,7 +281,7 @@ class RunbrakeAsyncIO(AsyncIO):
     Interrupt (shutdown, time limit). When each run held such a thread, hundreds of them waking ten times
     a second contended for the GIL with the event loop and the cancel listener. The run actor no longer
     waits that way (worker/intake.py); the middleware still runs the process's event loop
-    (docs/architecture.md, "Pitfalls: the AsyncIO middleware").
+    (docs/pitfalls.md, "Pitfalls: the AsyncIO middleware").
     """
 
     def before_worker_boot(self, broker: Any, worker: Any) -> None:

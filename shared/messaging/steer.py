@@ -1,5 +1,5 @@
 """The steer: store it in Redis, then wake the worker that holds the run, or send the resume of a run that waited
-for approval (docs/architecture.md, "Steer").
+for approval (docs/cancellation.md, "Steer").
 
 Like a cancel, the steer is decided and kept in Redis (the STEER script) and the message is only a wake-up: a
 lost one is made up for by the worker's backstop, and a worker that dies or hands the run over leaves the steer

@@ -1,5 +1,5 @@
 """Drain and hand-over: a worker stopped by SIGTERM lets its runs finish for ``RUNBRAKE_DRAIN_S``, then hands
-the rest back to the queue; another worker continues them from where they stood (docs/architecture.md,
+the rest back to the queue; another worker continues them from where they stood (docs/leases.md,
 "Drain and hand-over")."""
 
 from __future__ import annotations

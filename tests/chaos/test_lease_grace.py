@@ -1,6 +1,6 @@
 """Nobody reaps a lease for time during which nobody could renew: a lease keeper that lost Redis renews
 as soon as Redis answers again, but reaps nothing until Redis has answered it for a whole lease
-(docs/architecture.md, "Leases")."""
+(docs/leases.md, "Leases")."""
 
 from __future__ import annotations
 

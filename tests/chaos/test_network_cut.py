@@ -9,9 +9,9 @@ started over stdio, run on.
 - Cut off from both for longer than the lease, in three tool calls: another worker reaps the runs
   ``lease_lost``. The cut-off worker cannot tell until it reaches Redis again; then its lease renewal is
   refused, it interrupts the three calls and makes no further call, and nothing it writes lands (the
-  owner is a fencing token: docs/architecture.md, "Leases").
+  owner is a fencing token: docs/leases.md, "Leases").
 - Cut off from RabbitMQ only: a cancel's wake-up cannot reach it, and the backstop, which polls Redis,
-  interrupts the call within two polls (docs/architecture.md, "Cancellation: the backstop").
+  interrupts the call within two polls (docs/cancellation.md, "Cancellation: the backstop").
 
 Skipped, saying why, where network namespaces cannot be made (not root, no ``ip``, a sandbox without them).
 """
@@ -148,7 +148,7 @@ def services(netns: Netns, tmp_path: Path) -> Iterator[Services]:
 @pytest.fixture
 def client(services: Services, point_at: Callable[..., Client]) -> Client:
     """The test (and every worker it starts outside the namespace) on the services' loopback addresses. The
-    lost-worker sweep is held off (ten minutes): here the lease alone decides (docs/architecture.md, "Leases")."""
+    lost-worker sweep is held off (ten minutes): here the lease alone decides (docs/leases.md, "Leases")."""
     return point_at({"RUNBRAKE_REDIS_URL": services.redis.url, "RUNBRAKE_RABBITMQ_URL": services.rabbitmq.url,
                      "RUNBRAKE_WORKER_LOST_S": "600"}, lease_s=LEASE_S)
 

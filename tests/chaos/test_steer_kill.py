@@ -1,5 +1,5 @@
 """kill -9 of the worker right after a steer, and a hand-over with a steer pending: the steer is kept in Redis,
-and the next worker applies it exactly once (docs/architecture.md, "Steer: durable, exactly once").
+and the next worker applies it exactly once (docs/cancellation.md, "Steer: durable, exactly once").
 
 The steered run waits for approval, so the steer sends its resume message; the worker that would take it has its
 one slot held by another run's long call and cannot claim it before it is killed. A second worker claims the

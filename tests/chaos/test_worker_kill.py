@@ -1,5 +1,5 @@
 """kill -9 of one of two workers in the middle of a batch: the runs it held are taken up by the other worker
-(docs/architecture.md, "Lost workers") and complete there, each cut-off call on the record once, nothing else is
+(docs/leases.md, "Lost workers") and complete there, each cut-off call on the record once, nothing else is
 touched, and no tool call is made twice."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A run outlives its worker (docs/architecture.md, "Lost workers"): kill -9 of the worker holding runs in tool
+"""A run outlives its worker (docs/leases.md, "Lost workers"): kill -9 of the worker holding runs in tool
 calls, another worker up, and the runs go on there from their last recorded step, each call that was in flight
 on the record once (``cancelled``, ``worker_lost``); a worker paused past detection writes and calls nothing
 when it wakes; a cancel while the owner is dead still gets the call on the record; a live worker keeps its runs.
