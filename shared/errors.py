@@ -43,6 +43,9 @@
     Exception                        private to one module, never raised past it
      ├── _Stalled                    an events stream's client stopped reading (broker/events.py)
      ├── _HandOverDue                the loop's drain deadline passed (worker/loop.py)
+     ├── _ChildFailed                a schema check's child did not start, died or closed its pipe
+     │                               (shared/schema_check.py)
+     ├── _Late                       a schema check's child did not answer within its bound (shared/schema_check.py)
      └── ValueError
           └── _Refused               a setting's value its rule refuses, inside pydantic (shared/settings.py)
 

@@ -31,6 +31,7 @@ from runbrake.shared import (
     StepKind,
     TerminationReason,
     ToolOutcome,
+    _scripts,
     step_outcome,
 )
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
@@ -148,11 +149,12 @@ def test_a_cancel_during_a_slow_model_call_interrupts_it_and_no_tool_call_starts
 ) -> None:
     worker = start_worker(**BACKSTOP_OFF)
     turns = [{"delay_ms": 30000, "tool_calls": [call("slow", seconds=30)]}, {"content": "never reached"}]
-    # The model call starts right after the probe before it: the first read of the run's cancel key.
-    # Redis's MONITOR shows that read, so the cancel lands while the model call is in flight.
+    # The model call starts right after its mark (docs/leases.md, "Lost workers"), the script that follows the
+    # probe before it. Redis's MONITOR shows that script, so the cancel lands while the model call is in flight
+    # (a cancel between the probe and the mark stops the run before the call: nothing would be in flight).
     with redis_monitor(Settings.from_env()) as monitor:
         run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, turns))
-        _wait_for_command(monitor, "EXISTS", store.cancel_key(run.run_id))
+        _wait_for_command(monitor, "EVALSHA", _scripts.MARK_SENT.sha, "1", store.run_key(run.run_id), prefix=True)
 
     _cancel(store, publisher, run.run_id)
 
@@ -324,8 +326,10 @@ def test_server_health_counts_cancelled_calls_and_argument_errors_apart_from_fai
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _wait_for_command(monitor: redis.client.Monitor, *command: str, timeout: float = WAIT_S) -> None:
-    """Block until a client (not a Lua script) ran exactly ``command``; fail the test after ``timeout`` s."""
+def _wait_for_command(monitor: redis.client.Monitor, *command: str, timeout: float = WAIT_S,
+                      prefix: bool = False) -> None:
+    """Block until a client (not a Lua script) ran exactly ``command`` (with ``prefix``: a command that begins
+    with those words); fail the test after ``timeout`` s."""
     wanted = [part.lower() for part in command]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -333,7 +337,8 @@ def _wait_for_command(monitor: redis.client.Monitor, *command: str, timeout: flo
             seen: dict[str, Any] = monitor.next_command()
         except redis.TimeoutError:
             break
-        if seen["client_type"] != "lua" and seen["command"].lower().split() == wanted:
+        words = seen["command"].lower().split()
+        if seen["client_type"] != "lua" and (words[:len(wanted)] if prefix else words) == wanted:
             return
     pytest.fail(f"Redis did not see {' '.join(command)!r} within {timeout:g} s")
 

@@ -360,11 +360,13 @@ def test_a_finished_run_is_gone_whole_after_its_retention(
     run = producer.enqueue(RunSpec.parse(_scripted(idempotency_key="kept-for-2s")))
     wait_for_run(retaining, run.run_id)
 
-    # The namespace's own keys stay while workers run: the outbox stream and the relay's and webhook dispatcher's
-    # leases. Nothing of the run itself does: not its keys, and not one of its events in the outbox (the sweeper
-    # trims the outbox to the retention exactly: docs/messaging.md, "The outbox").
+    # The namespace's own keys stay while workers run: the outbox stream, the relay's and webhook dispatcher's
+    # leases and the workers' beats (docs/leases.md, "Lost workers"). Nothing of the run itself does: not its
+    # keys, and not one of its events in the outbox (the sweeper trims the outbox to the retention exactly:
+    # docs/messaging.md, "The outbox").
     outbox = f"{retaining.namespace}:outbox"
-    shared = {outbox, f"{retaining.namespace}:relay", f"{retaining.namespace}:webhook-lease"}
+    shared = {outbox, f"{retaining.namespace}:relay", f"{retaining.namespace}:webhook-lease",
+              f"{retaining.namespace}:workers"}
 
     def left() -> list[str]:
         events = [i for i, fields in retaining.redis.xrange(outbox) if fields.get("run") == run.run_id]

@@ -965,13 +965,29 @@ def test_a_lease_renewed_after_it_was_due_is_not_reaped(store: RunStore) -> None
     assert store.status(run_id) is RUNNING
 
 
-@pytest.mark.parametrize("status", [QUEUED, WAITING, COMPLETED, FAILED, CANCELLED])
+@pytest.mark.parametrize("status", [QUEUED, WAITING, COMPLETED, FAILED])
 def test_only_running_runs_hold_a_lease(store: RunStore, status: RunStatus) -> None:
     run_id = run_in(store, status)
 
     assert store.redis.zscore(leases_of(store, run_id), run_id) is None
     assert store.reap_expired() == []
     assert store.status(run_id) is status
+
+
+def test_a_run_cancelled_while_running_keeps_its_lease_entry_until_it_runs_out_and_is_never_reaped_as_failed(
+    store: RunStore,
+) -> None:
+    """Should its worker be lost meanwhile, the sweeper still finds the run in the lease set and records the calls
+    it had in flight (docs/leases.md, "Lost workers"); the reaper then drops the entry and the run stays cancelled."""
+    run_id = run_in(store, CANCELLED)
+    assert store.redis.zscore(leases_of(store, run_id), run_id) is not None
+
+    expire_lease(store, run_id)
+    assert store.reap_expired() == []
+
+    assert store.redis.zscore(leases_of(store, run_id), run_id) is None
+    record = store.get(run_id)
+    assert (record.status, record.termination_reason) == (CANCELLED, TerminationReason.CANCELLED)
 
 
 def test_concurrent_reapers_fail_an_expired_run_once(store: RunStore, settings: Settings) -> None:

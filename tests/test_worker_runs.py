@@ -149,7 +149,9 @@ def test_the_probe_costs_exactly_one_redis_read_per_boundary_and_a_step_one_roun
     # The only other read of the cancel key: the backstop's poll, one MGET for all active runs.
     assert {command for _client, command in probes} <= {"EXISTS", "MGET"}
     # The worker's scripts for the segment: one claim (the request read in the same pipeline), one
-    # per step, one settle; lease renewals (every third of a lease) are not the segment's.
+    # per step, one settle, and one mark per call before it is sent (model and tool calls alike: a lost
+    # worker's calls are then recorded, docs/leases.md, "Lost workers"); lease renewals (every third of a
+    # lease) are not the segment's.
     worker_scripts = Counter(
         e["command"].split()[1] for e in seen
         if e["client_type"] != "lua" and e["command"].upper().startswith("EVALSHA") and run_key in e["command"]
@@ -157,7 +159,9 @@ def test_the_probe_costs_exactly_one_redis_read_per_boundary_and_a_step_one_roun
     worker_scripts.pop(_scripts.CREATE.sha)
     worker_scripts.pop(_scripts.RENEW_LEASE.sha, None)
     steps = len(record.steps)
-    assert worker_scripts == {_scripts.CLAIM.sha: 1, _scripts.APPEND_STEP.sha: steps, _scripts.SETTLE.sha: 1}
+    calls = sum(1 for step in record.steps if step.kind in {StepKind.MODEL, StepKind.TOOL})
+    assert worker_scripts == {_scripts.CLAIM.sha: 1, _scripts.APPEND_STEP.sha: steps, _scripts.SETTLE.sha: 1,
+                              _scripts.MARK_SENT.sha: calls}
 
 
 def test_max_rounds_ends_the_run_failed_with_reason_max_rounds(

@@ -100,10 +100,11 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 
 
 LOUD = frozenset({"warning", "error", "critical", "exception"})
-MAX_LINES_PER_OUTAGE = 6
+MAX_LINES_PER_OUTAGE = 8
 """Lines at warning level or above one worker may log for a RabbitMQ outage: one when each of its connections
-(the run consumers, the cancel listener, the cancel-request consumer) is lost, a few to spare, and nothing
-per reconnect attempt (issue 21: a 20 s outage used to log about 190)."""
+(the run consumers, the cancel listener, the cancel-, run-, steer- and continue-request consumers, the event
+relay) is lost, one to spare, and nothing per reconnect attempt (issue 21: a 20 s outage used to log about
+190)."""
 
 
 def logged_since(entry: Mapping[str, object], since: float) -> bool:
