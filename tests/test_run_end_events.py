@@ -24,11 +24,9 @@ from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import encode_run_event
 from runbrake.shared.run_end import EVENT_OUTPUT_CHARS
 from tests.api_helpers import ApiProcess
-from tests.catalog_helpers import catalog_path, to_toml
 from tests.events_helpers import assert_valid_bodies, events_queue, feed, frames, take_events
 from tests.polling import poll_until
-from tests.ports import free_port
-from tests.webhook_helpers import Receiver, new_secret
+from tests.webhook_helpers import Receiver, cataloged_receiver
 from tests.worker_helpers import WorkerProcess, spec, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -43,14 +41,8 @@ LONG = "é" * (EVENT_OUTPUT_CHARS + 100)
 @pytest.fixture
 def receiver(namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
     """A receiver on a free port behind the catalog's webhook ``ends`` (the events that end a run)."""
-    secret = new_secret()
-    monkeypatch.setenv(SECRET_ENV, secret)
-    hook = Receiver(secret, free_port())
-    catalog_path().write_text(to_toml({"webhooks": {
-        "ends": {"url": hook.url, "secret_env": SECRET_ENV, "events": ["run.completed", "run.failed"]}}}))
-    hook.start()
-    yield hook
-    hook.stop()
+    with cataloged_receiver(monkeypatch.setenv, SECRET_ENV, ends=["run.completed", "run.failed"]) as hook:
+        yield hook
 
 
 def _status_schema() -> Any:

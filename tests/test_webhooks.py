@@ -27,9 +27,8 @@ from tests.api_helpers import ApiProcess, bearer
 from tests.catalog_helpers import catalog_path, to_toml
 from tests.events_helpers import position
 from tests.polling import poll_until
-from tests.ports import free_port
 from tests.test_cli import assert_clean_failure, runbrake, write_spec
-from tests.webhook_helpers import Receiver, new_secret
+from tests.webhook_helpers import Receiver, cataloged_receiver
 
 pytestmark = pytest.mark.integration
 
@@ -40,17 +39,9 @@ SCRIPTED = {"provider": "scripted", "turns": [{"content": "done"}]}
 
 @pytest.fixture
 def receiver(namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
-    """A receiver on a free port, the catalog's webhook ``orders`` (run events only) pointing at it."""
-    secret = new_secret()
-    monkeypatch.setenv(SECRET_ENV, secret)
-    hook = Receiver(secret, free_port())
-    catalog_path().write_text(to_toml({"webhooks": {
-        "orders": {"url": hook.url, "secret_env": SECRET_ENV, "events": ["run.*"]},
-        "audit": {"url": hook.url, "secret_env": SECRET_ENV, "events": ["step.model"]},
-    }}))
-    hook.start()
-    yield hook
-    hook.stop()
+    """A receiver on a free port, the catalog's webhooks ``orders`` (run events only) and ``audit`` pointing at it."""
+    with cataloged_receiver(monkeypatch.setenv, SECRET_ENV, orders=["run.*"], audit=["step.model"]) as hook:
+        yield hook
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ import http.server
 import json
 import secrets
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,3 +99,24 @@ class Receiver:
                 if delivery.body["run_id"] == run_id:
                     seen.setdefault(delivery.webhook_id, delivery)
         return list(seen.values())
+
+
+@contextmanager
+def cataloged_receiver(setenv: Callable[[str, str], None], secret_env: str,
+                       **webhooks: list[str]) -> Iterator[Receiver]:
+    """A receiver on a free port, signing with a new secret set in ``secret_env`` (through ``setenv``: a test's
+    ``monkeypatch.setenv``), and each of ``webhooks`` (its name: the events it wants) in the test's catalog
+    pointing at it; stopped on leaving."""
+    from tests.catalog_helpers import catalog_path, to_toml
+    from tests.ports import free_port
+
+    secret = new_secret()
+    setenv(secret_env, secret)
+    hook = Receiver(secret, free_port())
+    catalog_path().write_text(to_toml({"webhooks": {
+        name: {"url": hook.url, "secret_env": secret_env, "events": events} for name, events in webhooks.items()}}))
+    hook.start()
+    try:
+        yield hook
+    finally:
+        hook.stop()
