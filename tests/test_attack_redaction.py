@@ -120,14 +120,21 @@ def _credentials(content: str) -> str:
     return "\n".join(line for line in lines if line.startswith(("authorization: ", "x-tools-key: ")))
 
 
+def _echoing_worker(llm_mock: LlmMock, leaky_toolbox: tuple[Toolbox, str, str],
+                    start_worker: Callable[..., WorkerProcess]) -> tuple[WorkerProcess, str, str]:
+    """A worker holding the leaky toolbox's token and header key, and the catalog's model ``mock`` echoing what
+    the ``headers`` tool returned; the worker and the two secrets."""
+    _, token, header_key = leaky_toolbox
+    llm_mock.server.when("Is it").reply(_echoing_model)
+    add_to_catalog(models={"mock": {"provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}})
+    return start_worker(**{TOKEN_VARIABLE: token, HEADER_VARIABLE: header_key}), token, header_key
+
+
 def test_a_tool_that_echoes_the_workers_header_token_never_gets_it_to_the_model_and_its_step_is_redacted(
     llm_mock: LlmMock, leaky_toolbox: tuple[Toolbox, str, str], start_worker: Callable[..., WorkerProcess],
     api: ApiProcess, store: RunStore,
 ) -> None:
-    _, token, header_key = leaky_toolbox
-    llm_mock.server.when("Is it").reply(_echoing_model)
-    add_to_catalog(models={"mock": {"provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}})
-    worker = start_worker(**{TOKEN_VARIABLE: token, HEADER_VARIABLE: header_key})
+    worker, token, header_key = _echoing_worker(llm_mock, leaky_toolbox, start_worker)
 
     record = wait_for_run(store, _post_run(api, {"input": "Is it nothing?", "model": "mock",
                                                  "mcp_servers": ["toolbox"]}), timeout=WAIT_S)
@@ -149,10 +156,7 @@ def test_a_guess_of_a_secret_in_the_input_comes_back_as_a_wrong_guess_does_and_a
     llm_mock: LlmMock, leaky_toolbox: tuple[Toolbox, str, str], start_worker: Callable[..., WorkerProcess],
     api: ApiProcess, store: RunStore,
 ) -> None:
-    _, token, header_key = leaky_toolbox
-    llm_mock.server.when("Is it").reply(_echoing_model)
-    add_to_catalog(models={"mock": {"provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}})
-    worker = start_worker(**{TOKEN_VARIABLE: token, HEADER_VARIABLE: header_key})
+    worker, _, header_key = _echoing_worker(llm_mock, leaky_toolbox, start_worker)
     wrong = f"hdr-{uuid.uuid4().hex}"
 
     def seen(guess: str) -> list[tuple[Any, ...]]:
