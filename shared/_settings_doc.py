@@ -6,9 +6,10 @@ tests/test_docs.py checks that the committed page is what this prints.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
-from runbrake.shared.settings import Settings, check_of
+from runbrake.shared.settings import Settings, check_of, descriptions
 
 _PREAMBLE = """\
 # Configuration
@@ -41,10 +42,11 @@ def _cell(text: str) -> str:
 
 def configuration_markdown() -> str:
     """The configuration reference: one row per field of :class:`Settings`, in declaration order."""
+    documented = descriptions()
     rows = [
-        f"| `{Settings.variables[name]}` | {_default(field.default)} | {_cell(check_of(field).accepts)} "
-        f"| {_cell(field.description or '')} |\n"
-        for name, field in Settings.model_fields.items()
+        f"| `{Settings.variables[field.name]}` | {_default(field.default)} | {_cell(check_of(field.name).accepts)} "
+        f"| {_cell(documented.get(field.name, ''))} |\n"
+        for field in dataclasses.fields(Settings)
     ]
     return _PREAMBLE + "".join(rows)
 

@@ -237,8 +237,8 @@ def test_a_receiver_that_drips_its_answer_holds_its_delivery_slot_no_longer_than
     """One delivery slot, taken by a receiver that drips its answer: another webhook's event still goes out,
     while the drip goes on, once ``RUNBRAKE_WEBHOOK_TIMEOUT_S`` (the whole request) has passed."""
     slow, quick = slow_and_quick
-    one_slot = settings.model_copy(update={"webhook_concurrency": 1, "webhook_timeout_s": 1.0,
-                                           "webhook_backoff_s": 0.05, "webhook_backoff_max_s": 0.5})
+    one_slot = settings.with_changes(webhook_concurrency=1, webhook_timeout_s=1.0, webhook_backoff_s=0.05,
+                                     webhook_backoff_max_s=0.5)
     dispatcher = WebhookDispatcher(one_slot, store, CatalogFile(catalog_path()))
     dispatcher.start()
     try:

@@ -47,8 +47,7 @@ def receiver(namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiv
 @pytest.fixture
 def dispatchers(settings: Settings, receiver: Receiver) -> Iterator[list[WebhookDispatcher]]:
     """Two dispatchers of this namespace (one delivers), backoff 0.05 s doubling to 0.5 s."""
-    fast = settings.model_copy(update={"webhook_backoff_s": 0.05, "webhook_backoff_max_s": 0.5,
-                                       "webhook_timeout_s": 5.0})
+    fast = settings.with_changes(webhook_backoff_s=0.05, webhook_backoff_max_s=0.5, webhook_timeout_s=5.0)
     stores = [RunStore.connect(fast) for _ in range(2)]
     started = [WebhookDispatcher(fast, store, CatalogFile(catalog_path())) for store in stores]
     for dispatcher in started:
@@ -161,8 +160,7 @@ def test_a_delivery_past_its_retry_window_is_given_up_recorded_and_the_run_goes_
     settings: Settings, receiver: Receiver, store: RunStore
 ) -> None:
     receiver.answer = 500
-    quick = settings.model_copy(update={"webhook_backoff_s": 0.5, "webhook_backoff_max_s": 0.5,
-                                        "webhook_retry_s": 1})
+    quick = settings.with_changes(webhook_backoff_s=0.5, webhook_backoff_max_s=0.5, webhook_retry_s=1)
     dispatcher = WebhookDispatcher(quick, RunStore.connect(quick), CatalogFile(catalog_path()))
     dispatcher.start()
     try:

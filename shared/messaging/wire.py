@@ -47,8 +47,6 @@ from typing import TYPE_CHECKING, Any, Final
 import pika
 import pika.exceptions
 import structlog
-from dramatiq import Message
-from dramatiq.common import q_name
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from runbrake.shared.errors import FieldProblem, MalformedMessage, SpecError
@@ -57,6 +55,8 @@ from runbrake.shared.settings import Settings
 from runbrake.shared.tracing import TRACEPARENT, is_traceparent
 
 if TYPE_CHECKING:
+    from dramatiq import Message
+
     from runbrake.shared.spec import RunSpec
 
 RUN_ACTOR: Final = "execute_run"
@@ -326,6 +326,8 @@ def run_message(topology: Topology, run_id: str, *, resume: bool = False,
 
     The run's request lives in Redis; a message is only a pointer to it.
     """
+    from dramatiq import Message  # noqa: PLC0415 - a cancel (runbrake cancel) publishes no run message
+
     return Message(
         queue_name=topology.run_queue,
         actor_name=RUN_ACTOR,
@@ -387,6 +389,8 @@ def check_run_message(body: bytes, *, queue: str, actors: Collection[str]) -> No
     if not isinstance(actor, str) or actor not in actors:
         raise MalformedRunMessage(f"actor_name must be one of {sorted(actors)}")
     _check_arguments(actor, data["args"], data["kwargs"])
+    from dramatiq.common import q_name  # noqa: PLC0415 - as in run_message
+
     _check_options(data["options"], delayed=queue != q_name(queue))
     message_id = data["message_id"]
     if not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_MESSAGE_ID_CHARS:
