@@ -5,9 +5,10 @@ not waiting), 2 bad input (nothing written or sent), 3 a service (Redis, RabbitM
 could not be reached.
 
 Each command imports what it needs when it runs: ``runbrake --help`` loads click and the error classes,
-``show`` the store and the renderer, ``cancel`` the store and the cancel publisher, and none loads the run
-spec's models or redis.asyncio (docs/benchmarks.md, "CLI start-up (`bench/cli_startup.py`)";
-tests/test_cli_startup.py). Every ops script pays a command's start-up on every call.
+``show`` the store and the renderer, ``cancel`` the store and the cancel publisher, and none loads pydantic
+(the run spec's models; the settings are a plain dataclass), Dramatiq or the async store (docs/benchmarks.md,
+"CLI start-up (`bench/cli_startup.py`)"; tests/test_cli_startup.py). Every ops script pays a command's
+start-up on every call.
 """
 
 from __future__ import annotations
