@@ -496,7 +496,7 @@ def _conform(value: Any, kinds: tuple[type, ...]) -> Any:
     if float in kinds and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, kinds):
-        raise _refuse(f"must be {' or '.join(kind.__name__ for kind in kinds)}, got {str(value)[:100]!r}")
+        raise _refuse(f"must be {' or '.join(kind.__name__ for kind in kinds)}, got {repr(value)[:100]}")
     return value
 
 

@@ -223,6 +223,20 @@ def test_a_copy_with_changes_is_checked_like_the_variables() -> None:
     assert raised.value.variable == "RUNBRAKE_LEASE_S"
 
 
+@pytest.mark.parametrize(("field", "value"), [("namespace", 5), ("lease_s", True), ("lease_s", 10.5),
+                                            ("allow_inline", "perhaps"), ("catalog", 3)])
+def test_a_keyword_field_of_another_type_is_refused_naming_its_variable(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as raised:
+        Settings(**{field: value})
+
+    assert raised.value.variable == Settings.variables[field]
+
+
+def test_a_whole_number_for_a_seconds_field_is_kept_as_a_float() -> None:
+    assert Settings(redis_timeout_s=1).redis_timeout_s == 1.0
+    assert isinstance(Settings(redis_timeout_s=1).redis_timeout_s, float)
+
+
 def test_only_the_exact_variable_names_are_read() -> None:
     """A lower-case ``runbrake_lease_s`` or an unknown ``RUNBRAKE_*`` variable changes nothing."""
     assert Settings.from_env({"runbrake_lease_s": "10", "RUNBRAKE_NO_SUCH_SETTING": "x"}) == Settings()
