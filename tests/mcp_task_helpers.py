@@ -4,7 +4,8 @@ process that forwards every byte both ways and counts the JSON-RPC methods the w
 ``tasks/get``, ``tasks/cancel``…), so a test can say the server saw one ``tools/call``.
 
 The server keeps its tasks in memory per MCP session; :meth:`Everything.restart` starts it again on the same port
-(behind the same proxy), having forgotten every session and task.
+(behind the same proxy), having forgotten every session and task. Its research task lasts ~4 s; a test that needs
+it to stand still while workers come and go pauses the server (SIGSTOP) rather than racing it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import re
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -125,7 +127,17 @@ class Everything:
 
     def stop(self) -> None:
         if self.process is not None:
+            self.resume()
             _stop(self.process)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server's tasks stand still (its timers too) and its requests wait, until :meth:`resume`."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """Stopped and started again on the same port: every session and task forgotten."""
