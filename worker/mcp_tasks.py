@@ -241,19 +241,19 @@ async def call_as_task(
     return result
 
 
+@dataclass
 class _Waiting:
     """The wait of one call on its task (:func:`call_as_task`)."""
 
-    def __init__(self, connection: McpConnection, call: ToolCall, records: TaskRecords, progress: ProgressFnT | None,
-                 answer: Callable[[CallToolResult], ToolResult]) -> None:
-        self._connection = connection
-        self._call = call
-        self._records = records
-        self._progress = progress
-        self._answer = answer
-        self._task: _Task | None = None
-        self._rpc: TaskRpc | None = None
-        self._sent = False
+    _connection: McpConnection
+    _call: ToolCall
+    _records: TaskRecords
+    _progress: ProgressFnT | None
+    _answer: Callable[[CallToolResult], ToolResult]
+    _task: _Task | None = None
+    _rpc: TaskRpc | None = None
+    _sent: bool = False
+    """Whether the ``tools/call`` may have reached the server."""
 
     async def run(self, handle: TaskHandle | None, timeout_s: float, interrupt: anyio.CancelScope) -> ToolResult:
         with interrupt, anyio.move_on_after(timeout_s) as deadline:

@@ -16,6 +16,7 @@ import pytest
 
 from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
 from runbrake.shared.messaging.producer import Producer
+from runbrake.worker.mcp_tasks import TaskHandle
 from tests.llm_mock import LlmMock
 from tests.mcp_task_helpers import Everything, everything_fixture  # noqa: F401 - the fixture
 from tests.test_mcp_tasks import recorded_task, research_run, tool_messages, tool_step
@@ -57,17 +58,25 @@ def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_wit
     assert any("Research Report" in text for text in tool_messages(llm_mock, "call_task_handed"))
 
 
+def _killed_mid_task(llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess],
+                     store: RunStore, producer: Producer, call_id: str) -> tuple[str, TaskHandle]:
+    """A run whose worker was killed (-9) once its task ``call_id`` was recorded, the server paused meanwhile (the
+    task stands still until it is resumed); the run's id and its task."""
+    doomed = start_worker(**FAST)
+    run_id = research_run(producer, llm_mock, everything, call_id)
+    handle = recorded_task(store, run_id, call_id)
+    everything.pause()
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    return run_id, handle
+
+
 def test_kill_9_mid_task_the_worker_that_takes_the_run_up_polls_the_same_task_with_no_second_tools_call(
     llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
     producer: Producer,
 ) -> None:
-    doomed = start_worker(**FAST)
-    run_id = research_run(producer, llm_mock, everything, "call_task_killed")
-    handle = recorded_task(store, run_id, "call_task_killed")
-    everything.pause()  # the task stands still until the next worker polls it
+    run_id, handle = _killed_mid_task(llm_mock, everything, start_worker, store, producer, "call_task_killed")
 
-    doomed.process.send_signal(signal.SIGKILL)
-    doomed.process.wait(timeout=10)
     survivor = start_worker(**FAST)
     everything.resume()
     record = wait_for_run(store, run_id, timeout=WAIT_S)
@@ -86,12 +95,7 @@ def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and
     llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
     producer: Producer,
 ) -> None:
-    doomed = start_worker(**FAST)
-    run_id = research_run(producer, llm_mock, everything, "call_task_forgot")
-    handle = recorded_task(store, run_id, "call_task_forgot")
-    everything.pause()  # the task cannot complete before the server forgets it
-    doomed.process.send_signal(signal.SIGKILL)
-    doomed.process.wait(timeout=10)
+    run_id, handle = _killed_mid_task(llm_mock, everything, start_worker, store, producer, "call_task_forgot")
     everything.restart()  # every session and task forgotten
     start_worker(**FAST)
 
