@@ -47,7 +47,7 @@ class _Records:
     def __init__(self) -> None:
         self.tasks: dict[str, str | None] = {}
         self.recorded: dict[str, anyio.Event] = {}
-        self.handing_over = False
+        self.leaves_tasks_running = False
         self.last_recorded = 0.0
         """When the last task was recorded (``time.perf_counter``)."""
 

@@ -8,9 +8,10 @@ once the task ends. What stops the wait decides what becomes of the task:
 
 - a cancel, a steer, a budget or a deadline (the call's interrupt scope) sends ``tasks/cancel``; the server's
   answer is recorded: ``cancelled``, or the real result when the task completed anyway;
-- a hand-over leaves the task running and the MCP session open (:class:`~shared.errors.TaskHandedOver`); the
-  next worker finds the recorded task and polls it instead of calling the tool again, as it does after a lost
-  worker (worker/reclaim.py);
+- a hand-over (or the loss of the run's lease) leaves the task running and the MCP session open
+  (:class:`~shared.errors.TaskHandedOver`): never cancelled by a worker that is no longer the run's; the next
+  worker finds the recorded task and polls it instead of calling the tool again, as it does after a lost worker
+  (worker/reclaim.py);
 - a task (or session) the server no longer knows is lost (:class:`~shared.errors.TaskUnknown`), like a call cut
   off by a lost worker: the tool's ``on_worker_lost`` says what follows.
 
@@ -93,8 +94,9 @@ class TaskRecords(Protocol):
         """The task recorded for ``call_id``, None when there is none."""
 
     @property
-    def handing_over(self) -> bool:
-        """The worker shuts down: a task in flight is left running for the next worker."""
+    def leaves_tasks_running(self) -> bool:
+        """The run's calls are cut off because the worker hands the run over (or lost it), not by a cancel or a
+        steer: a task in flight is left running for the next worker, never cancelled."""
 
 
 class TaskRpc:
@@ -271,7 +273,7 @@ class _Waiting:
             return ToolResult.error(f"call to {self._call.server}.{self._call.tool} timed out after {timeout_s:g} s")
         if task.status in TERMINAL:
             return await self._ended(task)
-        if interrupt.cancel_called and self._records.handing_over:
+        if interrupt.cancel_called and self._records.leaves_tasks_running:
             if self._connection.session is not None:
                 self._connection.session.keep = True  # the session (and its tasks) outlive this connection
             log.info("mcp_task_handed_over", server=self._call.server, tool=self._call.tool,

@@ -198,6 +198,11 @@ class RunHooks:
         return self._handle.handing_over
 
     @property
+    def leaves_tasks_running(self) -> bool:
+        handle = self._handle
+        return (handle.handing_over or handle.lost) and not handle.cancel_seen and handle.steer is None
+
+    @property
     def steering(self) -> bool:
         return self._handle.steer is not None and not self._handle.cancel_seen
 
