@@ -229,16 +229,18 @@ async def call_as_task(
     try:
         result = await waiting.run(handle, timeout_s, interrupt)
     except TaskUnknown as exc:
-        if handle is None:  # the server refused the call itself: an error of the call, not a lost task
-            return ToolResult.error(str(exc))
-        log.warning("mcp_task_lost", server=call.server, tool=call.tool, task_id=handle.task_id, error=str(exc))
-        await records.keep_task(call.id, None)
-        if lost(call) is OnWorkerLost.RETRY:  # made again, once, as a lost worker's call is
-            return await call_as_task(connection, call, records, timeout_s=timeout_s, interrupt=interrupt,
-                                      progress=progress, lost=lambda _call: OnWorkerLost.REPORT, answer=answer)
-        return replace(ToolResult.cancelled(LOST), task=(handle.task_id, LOST_STATUS))
+        if handle is None:  # not a task this run recorded before: an error of the call, not a lost task
+            result = waiting.stamped(ToolResult.error(str(exc)))
+        else:
+            log.warning("mcp_task_lost", server=call.server, tool=call.tool, task_id=handle.task_id, error=str(exc))
+            if lost(call) is OnWorkerLost.RETRY:  # made again, once, as a lost worker's call is
+                await records.keep_task(call.id, None)
+                return await call_as_task(connection, call, records, timeout_s=timeout_s, interrupt=interrupt,
+                                          progress=progress, lost=lambda _call: OnWorkerLost.REPORT, answer=answer)
+            result = replace(ToolResult.cancelled(LOST), task=(handle.task_id, LOST_STATUS))
     except ToolTransportError as exc:
-        return waiting.stamped(ToolResult.error(str(exc)))
+        result = waiting.stamped(ToolResult.error(str(exc)))
+    # Forgotten once the call has its result, whatever it came to: a later call of the same id starts afresh.
     await records.keep_task(call.id, None)
     return result
 
