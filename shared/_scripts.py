@@ -559,6 +559,13 @@ redis.call('HSET', KEYS[1], ARGV[2], seq)
 return 1
 """)
 
+# KEYS: run. ARGV: owner, field, value (none: the field is deleted). Answers 0 when the run is not the owner's.
+KEEP_TASK = _script("keep_task", """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if ARGV[3] then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) else redis.call('HDEL', KEYS[1], ARGV[2]) end
+return 1
+""")
+
 # KEYS: run, steps, leases, unclaimed, servers, servers this hour, tenants, run, steps, cancel, finished, outbox.
 # ARGV: run_id, lost worker, expected seq, mode ('requeue' | 'fail' for a running run, 'ended' for one that ended),
 #   pending_json, error, now, step count n,

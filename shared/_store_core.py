@@ -52,6 +52,7 @@ from runbrake.shared.records import (
     MAX_CALL_TOKENS,
     SENT_MODEL,
     SENT_PREFIX,
+    TASK_PREFIX,
     WORKER_LOST_NONE,
     WORKER_LOST_UNKNOWN,
     Appended,
@@ -1051,6 +1052,31 @@ def mark_sent(keys: Keys, run_id: str, *, owner: str, call_id: str | None, round
             raise CancelRequested(run_id)
 
     return _script(_scripts.MARK_SENT, (keys.run(run_id),), args, f"mark a call of run {run_id} sent", parse)
+
+
+def keep_task(keys: Keys, run_id: str, *, owner: str, call_id: str, task: str | None) -> Op[None]:
+    """Write (or, with ``task`` None, delete) the run's ``task:<call id>`` field, owner-guarded.
+
+    Raises:
+        OwnershipLost: the run is not this owner's any more (nothing written).
+    """
+    args: tuple[Arg, ...] = (Ident(owner), f"{TASK_PREFIX}{call_id}", *(() if task is None else (task,)))
+
+    def parse(answers: list[Any]) -> None:
+        if answers[0] == 0:
+            raise OwnershipLost(run_id)
+
+    return _script(_scripts.KEEP_TASK, (keys.run(run_id),), args, f"keep a task of run {run_id}", parse)
+
+
+def task_of(keys: Keys, run_id: str, call_id: str) -> Op[str | None]:
+    """The run's ``task:<call id>`` field, None when there is none."""
+    def parse(answers: list[Any]) -> str | None:
+        value = answers[0]
+        return None if value is None else value.decode() if isinstance(value, bytes) else str(value)
+
+    return Op(f"read a task of run {run_id}", (Command(("HGET", keys.run(run_id), f"{TASK_PREFIX}{call_id}")),),
+              parse)
 
 
 def lost_view(keys: Keys, run_id: str) -> Op[tuple[dict[str, str], tuple[RunStep, ...]]]:

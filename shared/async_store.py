@@ -209,6 +209,14 @@ class AsyncRunStore:
         await self.execute(core.mark_sent(self.keys, run_id, owner=owner, call_id=call_id,
                                                  round_number=round_number))
 
+    async def keep_task(self, run_id: str, *, owner: str, call_id: str, task: str | None) -> None:
+        """Record (or forget, with None) the MCP task of a call in flight (owner-guarded: :func:`core.keep_task`)."""
+        await self.execute(core.keep_task(self.keys, run_id, owner=owner, call_id=call_id, task=task))
+
+    async def task_of(self, run_id: str, call_id: str) -> str | None:
+        """The MCP task recorded for a call of the run, None when there is none."""
+        return await self.execute(core.task_of(self.keys, run_id, call_id))
+
     async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Appended:
         """Record a step and probe the cancel key, in one round trip (once per ``token``; refused with
         :class:`OwnershipLost` unless ``owner`` still holds the run)."""

@@ -361,6 +361,7 @@ class Catalog(SpecModel):
                    "on_worker_lost": server.on_worker_lost.value,
                    "tools_on_worker_lost": {tool: policy.value
                                             for tool, policy in server.tools_on_worker_lost.items()},
+                   "tasks": server.tasks.value,
                    **TRANSPORTS.of(server).describe(server, shown)}
             for name, server in self.mcp_servers.items()
         }

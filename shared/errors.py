@@ -32,13 +32,15 @@
      │                               an httpx2 StreamError too, which the MCP SDK catches around an answer)
      ├── ToolTransportError          an MCP call did not produce a result
      │    ├── ToolCallCancelled      it was cut off on purpose: the run was cancelled
-     │    └── ToolArgumentsRefused   the server refused the call's arguments (JSON-RPC -32602)
+     │    ├── ToolArgumentsRefused   the server refused the call's arguments (JSON-RPC -32602)
+     │    └── TaskUnknown            the server no longer knows an MCP task or its session (worker/mcp_tasks.py)
      └── ApiError                    the HTTP API answered an error status (broker/api.py, broker/client.py)
 
     BaseException
      ├── CancelRequested             internal control flow: the run's cancel key is set
      ├── SteerRequested              internal control flow: a steer cut the turn off (worker/steer.py)
-     └── OwnershipLost               internal control flow: the run is no longer this worker's
+     ├── OwnershipLost               internal control flow: the run is no longer this worker's
+     └── TaskHandedOver              internal control flow: a hand-over left a call's MCP task running
 
     Exception                        private to one module, never raised past it
      ├── _Stalled                    an events stream's client stopped reading (broker/events.py)
@@ -420,3 +422,18 @@ class CancelRequested(BaseException):
     def __init__(self, run_id: str) -> None:
         super().__init__(run_id)
         self.run_id = run_id
+
+
+class TaskUnknown(ToolTransportError):
+    """Raised when an MCP server no longer knows a task a run recorded (it restarted, its TTL passed, its session
+    ended): the call is lost, as a lost worker's is (worker/mcp_tasks.py)."""
+
+
+class TaskHandedOver(BaseException):
+    """Raised by a tool call whose MCP task a hand-over left running: the call goes to the next worker, which polls
+    the same task (docs/usage.md, "Long tool calls as MCP tasks"). A ``BaseException`` for the reason
+    ``CancelRequested`` is one."""
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(f"the MCP task of call {call_id} was left running for the next worker")
+        self.call_id = call_id

@@ -37,6 +37,9 @@ SENT_PREFIX: Final = "sent:"
 sequence (docs/leases.md, "Lost workers")."""
 SENT_MODEL: Final = "sent:model"
 """A run hash field ``"<round> <sequence>"``: the model call of that round was about to go out."""
+TASK_PREFIX: Final = "task:"
+"""The run's field naming an MCP task in flight (``task:<call id>``: its server, task id and MCP session, as JSON),
+written before anything waits on the task and deleted once its result is in (worker/mcp_tasks.py)."""
 
 log = structlog.get_logger(__name__)
 

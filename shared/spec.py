@@ -67,6 +67,7 @@ __all__ = [
     "ScriptedTurn",
     "ServerSpec",
     "StdioServerSpec",
+    "TaskUse",
     "TenantNames",
     "parse_label_filters",
     "run_spec_json_schema",
@@ -487,6 +488,24 @@ class OnWorkerLost(StrEnum):
     """The run ends ``failed``/``lease_lost`` with the call's step recorded: for calls a person must look at."""
 
 
+class TaskUse(StrEnum):
+    """Which tools of a catalog server are called as MCP tasks (its ``tasks``; docs/usage.md, "Long tool calls as
+    MCP tasks")."""
+
+    AUTO = "auto"
+    """The default: the tools whose ``execution.taskSupport`` is ``required``."""
+    PREFER = "prefer"
+    """Also the tools that say ``optional``."""
+    OFF = "off"
+    """None: a tool that requires a task is refused to the model as an invalid call."""
+
+    def as_task(self, support: str | None) -> bool | None:
+        """Whether a tool whose ``taskSupport`` is ``support`` is called as a task; None: it cannot be called."""
+        if support == "required":
+            return None if self is TaskUse.OFF else True
+        return support == "optional" and self is TaskUse.PREFER
+
+
 DEFAULT_CANCEL_GRACE_S: Final = 30.0
 MAX_CANCEL_GRACE_S: Final = 3_600.0
 
@@ -525,6 +544,10 @@ class ServerSpec(SpecModel):
     told), ``retry`` (made again), ``fail`` (the run fails) (docs/leases.md, "Lost workers")."""
     tools_on_worker_lost: SkipJsonSchema[dict[_NonEmpty, OnWorkerLost]] = Field(default_factory=dict)
     """Catalog only: ``on_worker_lost`` per tool of this server, over the server's own (``{get-sum = "retry"}``)."""
+    tasks: SkipJsonSchema[TaskUse] = TaskUse.AUTO
+    """Catalog only: which tools are called as MCP tasks: ``auto`` (those that require it), ``prefer`` (also those
+    that offer it), ``off`` (none; a tool that requires it is refused) (docs/usage.md, "Long tool calls as MCP
+    tasks")."""
 
     @field_validator("name", mode="before")
     @classmethod
@@ -535,7 +558,7 @@ class ServerSpec(SpecModel):
 
     # check_fields=False: 'headers' belongs to the HTTP server only.
     @field_validator("tools", "max_concurrency", "timeout_s", "on_cancel", "cancel_grace_s", "tools_on_cancel",
-                     "tenants", "on_worker_lost", "tools_on_worker_lost", "headers", mode="before",
+                     "tenants", "on_worker_lost", "tools_on_worker_lost", "tasks", "headers", mode="before",
                      check_fields=False)
     @classmethod
     def _catalog_only(cls, value: object, info: ValidationInfo) -> object:

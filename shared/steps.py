@@ -122,7 +122,8 @@ class RunStep:
             call_id=call_id,
             detail=({} if arguments is None else {"arguments": dict(arguments)})
             | ({"failure": result.failure.value} if result.failure is Failure.ARGUMENTS else {})
-            | ({"side_effects": result.side_effects.value} if result.side_effects is not None else {}),
+            | ({"side_effects": result.side_effects.value} if result.side_effects is not None else {})
+            | ({} if result.task is None else {"task_id": result.task[0], "task_status": result.task[1]}),
             duration_ms=duration_ms,
             recorded_at=recorded_at,
         )

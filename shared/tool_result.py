@@ -53,6 +53,9 @@ class ToolResult:
     """Whose mistake a failed call was (the server's, or the arguments'); None unless failed."""
     side_effects: SideEffects | None = None
     """What the server may have done, for a call cut off: None unless cancelled."""
+    task: tuple[str, str] | None = None
+    """For a call made as an MCP task: its task id and the last status the server gave it (``detail.task_id``,
+    ``detail.task_status``; worker/mcp_tasks.py)."""
 
     def __post_init__(self) -> None:
         if self.outcome is not ToolOutcome.OK and (self.artifacts or self.write_target is not None):

@@ -28,6 +28,7 @@ from runbrake.shared.errors import (
     RetriedAttempt,
     RunBoundReached,
     SteerRequested,
+    TaskHandedOver,
 )
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.status import TerminationReason
@@ -377,10 +378,12 @@ class ToolLoop:
                 state.messages.extend(turn.results[i] for i in sorted(turn.results))
             raise turn.stopped_by
         state.messages.extend(turn.messages())
-        if turn.started < len(turn.calls):  # the hand-over came first: the next worker makes the others
-            state.pending_calls = calls[turn.started:]
-            if turn.started:  # an approved call was among those made
-                state.approved_call_id = None
+        if turn.detached or turn.started < len(turn.calls):
+            # The hand-over came first: the next worker makes the calls not started, and polls the MCP tasks
+            # the hand-over left running (worker/mcp_tasks.py).
+            state.pending_calls = [turn.calls[i] for i in sorted(turn.detached)] + calls[turn.started:]
+            if turn.started and state.approved_call_id not in {c.id for c in state.pending_calls}:
+                state.approved_call_id = None  # an approved call was among those made
             return LoopEnd(LoopEndKind.HANDOFF, state=state)
         state.approved_call_id = None
         if waits < len(calls):
@@ -424,6 +427,8 @@ class ToolLoop:
                 return  # the run ends otherwise (a bound, the store, the lease): nothing more is written
             turn.results[index] = Message(role="tool", content=step.content, tool_call_id=call.id)
             await self._hooks.record(step)
+        except TaskHandedOver:
+            turn.detached.add(index)  # its task runs on: the next worker polls it
         except (CancelRequested, SteerRequested, OwnershipLost, Exception) as exc:  # noqa: BLE001 - raised after the turn
             turn.stop(exc)
         finally:
@@ -472,6 +477,8 @@ class _Turn:
     """The grace timers of ``finish`` calls a cancel reached."""
     stopped_by: BaseException | None = None
     """The first thing that ended the run while the calls ran; raised once every call is back."""
+    detached: set[int] = field(default_factory=set)
+    """The calls whose MCP task a hand-over left running, unrecorded: they go to the next worker."""
 
     def stop(self, exc: BaseException) -> None:
         """Keep the first reason to stop and cut off the calls still in flight: a cancel found by one call's
@@ -496,8 +503,9 @@ class _Turn:
             timer.cancel()
 
     def messages(self) -> list[Message]:
-        """The tool messages of the calls started, in call order (not in the order they completed)."""
-        return [self.results[i] for i in range(self.started)]
+        """The tool messages of the calls started, in call order (not in the order they completed); a call handed
+        over with its task has none yet."""
+        return [self.results[i] for i in range(self.started) if i in self.results]
 
 
 def _attempts(attempts: int, retried: tuple[RetriedAttempt, ...]) -> dict[str, Any]:

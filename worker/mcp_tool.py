@@ -21,7 +21,7 @@ from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_transport import McpConnection
 
-__all__ = ["execute", "not_connected"]
+__all__ = ["execute", "finished", "from_answer", "not_connected"]
 
 
 async def execute(
@@ -58,7 +58,12 @@ async def execute(
     except ToolTransportError as exc:
         result = ToolResult.error(str(exc))
     else:
-        result = _from_answer(answer)
+        result = from_answer(answer)
+    return finished(result, call, max_chars)
+
+
+def finished(result: ToolResult, call: ToolCall, max_chars: int) -> ToolResult:
+    """``result`` as it leaves: scrubbed of secrets, then each channel bounded to ``max_chars``."""
     return _scrubbed(result, call).with_bounded_channels(max_chars)
 
 
@@ -83,7 +88,8 @@ def not_connected(call: ToolCall, *, max_chars: int, reason: str | None = None) 
     return ToolResult.error(message).with_bounded_channels(max_chars)
 
 
-def _from_answer(answer: CallToolResult) -> ToolResult:
+def from_answer(answer: CallToolResult) -> ToolResult:
+    """What a server's tool result came to: ok, or failed when it says ``isError``."""
     text = "\n".join(_describe(block) for block in answer.content)
     if answer.is_error:
         return ToolResult.error(text or "the tool reported an error without a message")

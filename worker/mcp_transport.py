@@ -38,7 +38,6 @@ from anyio.abc import TaskGroup
 from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
 from mcp.client import Transport
 from mcp.client.stdio import get_default_environment
-from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta
 from pydantic import ValidationError
@@ -52,9 +51,10 @@ from runbrake.shared.tracing import TRACEPARENT
 from runbrake.worker.bounded_bodies import bound_bodies
 from runbrake.worker.conversation import ToolInfo
 from runbrake.worker.mcp_progress import ProgressRoutes, ProgressTap
+from runbrake.worker.mcp_session import SessionHttp
 from runbrake.worker.mcp_stdio import bounded_stdio_client
 
-__all__ = ["McpConnection"]
+__all__ = ["MAX_MESSAGE_BYTES", "McpConnection", "is_transport_fault"]
 
 log = structlog.get_logger(__name__)
 
@@ -95,6 +95,10 @@ class McpConnection:
         self._closing = anyio.Event()
         self._progress = ProgressRoutes()
         self._tasks: TaskGroup | None = None
+        self.session: SessionHttp | None = None
+        """The HTTP transport's MCP session (worker/mcp_session.py); None over stdio."""
+        self.task_support: dict[str, str] = {}
+        """Each listed tool's ``execution.taskSupport`` (``forbidden``, ``optional``, ``required``), where it says."""
 
     @property
     def server(self) -> str:
@@ -149,7 +153,8 @@ class McpConnection:
             # client's own task groups are still open, which anyio refuses.
             with anyio.CancelScope(deadline=anyio.current_time() + connect_timeout_s) as connecting:
                 async with AsyncExitStack() as stack:
-                    client = await stack.enter_async_context(Client(_target(self.spec, self._progress)))
+                    transport, self.session = _target(self.spec, self._progress)
+                    client = await stack.enter_async_context(Client(transport))
                     connecting.deadline = math.inf
                     self._client = client
                     self._ready.set()
@@ -179,6 +184,8 @@ class McpConnection:
             try:
                 for _ in range(_MAX_TOOL_PAGES):
                     page = await client.list_tools(cursor=cursor)
+                    self.task_support.update((tool.name, tool.execution.task_support) for tool in page.tools
+                                             if tool.execution is not None and tool.execution.task_support)
                     tools.extend(
                         ToolInfo(
                             server=self.server,
@@ -192,7 +199,7 @@ class McpConnection:
                     if cursor is None:
                         return tools
             except Exception as exc:
-                if not _is_transport_fault(exc):
+                if not is_transport_fault(exc):
                     raise
                 raise self._error(exc, "listing tools failed") from exc
         if deadline.cancelled_caught:
@@ -249,7 +256,7 @@ class McpConnection:
                 sent = True
                 result = await client.call_tool(tool, dict(arguments), meta=meta)
         except Exception as exc:
-            if not _is_transport_fault(exc):
+            if not is_transport_fault(exc):
                 raise
             if isinstance(exc, MCPError) and exc.code == INVALID_PARAMS:
                 raise ToolArgumentsRefused(
@@ -268,6 +275,21 @@ class McpConnection:
         raise ToolTransportError(
             f"call to {self.server}.{tool} timed out after {timeout_s:g} s", server=self.server, tool=tool
         )
+
+    @property
+    def offers_tasks(self) -> bool:
+        """The server said it runs ``tools/call`` as tasks (2025-11-25 ``capabilities.tasks.requests.tools.call``)."""
+        client = self._client
+        if client is None:
+            return False
+        tasks = client.server_capabilities.tasks
+        return tasks is not None and tasks.requests is not None and tasks.requests.tools is not None \
+            and tasks.requests.tools.call is not None
+
+    @property
+    def protocol_version(self) -> str:
+        """The protocol version the handshake settled on ("" once closed)."""
+        return "" if self._client is None else self._client.protocol_version
 
     def _progress_meta(self, progress: ProgressFnT | None) -> AbstractContextManager[RequestParamsMeta | None]:
         """The call's request ``_meta``: a progress token routed to ``progress`` (worker/mcp_progress.py),
@@ -296,25 +318,25 @@ class McpConnection:
         )
 
 
-def _target(spec: McpServerSpec, progress: ProgressRoutes) -> Transport:
+def _target(spec: McpServerSpec, progress: ProgressRoutes) -> tuple[Transport, SessionHttp | None]:
     """What the SDK's client connects with: the implementation the server's transport entry names
     (shared/registry.py), its progress notifications for ``progress`` taken out where they come in
-    (worker/mcp_progress.py); one not implemented here fails the server's connect, never falls back."""
+    (worker/mcp_progress.py); one not implemented here fails the server's connect, never falls back. With it, the
+    HTTP transport's session, when it is one."""
     implementation: Callable[[McpServerSpec], Transport | StdioServerParameters] = TRANSPORTS.implementation(spec)
     target = implementation(spec)
     transport: Transport = bounded_stdio_client(target) if isinstance(target, StdioServerParameters) else target
-    return ProgressTap(transport, progress)
+    return ProgressTap(transport, progress), target if isinstance(target, SessionHttp) else None
 
 
-def http_target(spec: HttpServerSpec) -> Transport:
+def http_target(spec: HttpServerSpec) -> SessionHttp:
     """The ``http`` transport: streamable HTTP over this loop's shared client of the server's URL."""
     # Catalog headers are expanded here, in the worker, when it connects (docs/security.md).
     headers = {
         name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.headers.{name}")
         for name, value in spec.headers.items()
     }
-    return streamable_http_client(spec.url, http_client=_http_client(spec.url, headers),
-                                  max_sse_event_size=MAX_MESSAGE_BYTES)
+    return SessionHttp(spec.url, _http_client(spec.url, headers), max_sse_event_size=MAX_MESSAGE_BYTES)
 
 
 def stdio_target(spec: StdioServerSpec) -> StdioServerParameters:
@@ -378,11 +400,11 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def _is_transport_fault(exc: BaseException) -> bool:
+def is_transport_fault(exc: BaseException) -> bool:
     # The SDK's task groups report faults as ExceptionGroups: a group is a transport
     # fault when every exception in it is one.
     if isinstance(exc, BaseExceptionGroup):
-        return all(_is_transport_fault(inner) for inner in exc.exceptions)
+        return all(is_transport_fault(inner) for inner in exc.exceptions)
     return isinstance(exc, _TRANSPORT_FAULTS)
 
 

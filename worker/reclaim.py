@@ -6,7 +6,9 @@ the steps, and the marks each call leaves in the run's hash before its request g
 ``sent:model``; shared/_store_core.py ``mark_sent``). :func:`plan` reads them into what the run's record still
 lacks and where the conversation stands:
 
-- each call of the last model turn with no step gets one: ``cancelled``, ``detail.reason = "worker_lost"``,
+- a call whose MCP task the run recorded (``task:<call id>``) is not cut off: it goes to the pending turn, and
+  the next worker polls the same task instead of calling the tool again (worker/mcp_tasks.py);
+- each other call of the last model turn with no step gets one: ``cancelled``, ``detail.reason = "worker_lost"``,
   ``detail.side_effects`` ``unknown`` when its mark says the request went out, ``none`` when it never did;
 - a model call in flight (its mark names a round no later step answers) gets an ``interrupted`` step with the
   same reason, and is made again by the next worker;
@@ -24,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from runbrake.shared.records import SENT_MODEL, SENT_PREFIX
+from runbrake.shared.records import SENT_MODEL, SENT_PREFIX, TASK_PREFIX
 from runbrake.shared.spec import OnWorkerLost, RunSpec
 from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind, StepReason
@@ -65,6 +67,9 @@ def plan(fields: Mapping[str, str], steps: Sequence[RunStep], *, worker: str, ma
     if turn is not None:
         for call in turn.calls:
             if call.id in turn.results:
+                continue
+            if call.problem is None and fields.get(f"{TASK_PREFIX}{call.id}"):
+                state.pending_calls.append(call)  # its task runs on: the next worker polls it
                 continue
             sent = _mark(fields.get(f"{SENT_PREFIX}{call.id}")) >= turn.sequence
             chosen = OnWorkerLost.REPORT if call.problem is not None else policy(call)

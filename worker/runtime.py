@@ -171,6 +171,15 @@ class RunHooks:
                                                     round_number=round_number),
                       within_s=self._lease_s, what="mark_sent")
 
+    async def keep_task(self, call_id: str, task: str | None) -> None:
+        await durably(lambda: self._store.keep_task(self._handle.run_id, owner=self._handle.owner, call_id=call_id,
+                                                    task=task),
+                      within_s=self._lease_s, what="keep_task")
+
+    async def task_of(self, call_id: str) -> str | None:
+        return await durably(lambda: self._store.task_of(self._handle.run_id, call_id), within_s=self._lease_s,
+                             what="task_of")
+
     @property
     def run_id(self) -> str:
         return self._handle.run_id
@@ -187,6 +196,11 @@ class RunHooks:
     @property
     def handing_over(self) -> bool:
         return self._handle.handing_over
+
+    @property
+    def leaves_tasks_running(self) -> bool:
+        handle = self._handle
+        return (handle.handing_over or handle.lost) and not handle.cancel_seen and handle.steer is None
 
     @property
     def steering(self) -> bool:
@@ -501,7 +515,7 @@ class Runtime:
         spec = admitted.spec
         async with Toolbox.open(
             admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars,
-            calls=self.subscribers.tool_calls(hooks.run_id),
+            calls=self.subscribers.tool_calls(hooks.run_id), tasks=hooks,
         ) as toolbox:
             loop = ToolLoop(
                 provider, toolbox, hooks,

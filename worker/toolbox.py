@@ -12,7 +12,7 @@ import structlog
 from runbrake.shared.errors import ToolTransportError
 from runbrake.shared.spec import McpServerSpec
 from runbrake.shared.tool_result import Failure, ToolResult
-from runbrake.worker import mcp_tool
+from runbrake.worker import mcp_tasks, mcp_tool
 from runbrake.worker.conversation import ToolCall, ToolInfo
 from runbrake.worker.mcp_transport import McpConnection
 from runbrake.worker.subscribers import ToolCallEvents
@@ -46,9 +46,10 @@ class Toolbox:
 
     def __init__(
         self, servers: Mapping[str, McpServerSpec], *, timeout_s: float | None, max_chars: int,
-        calls: ToolCallEvents | None = None,
+        calls: ToolCallEvents | None = None, tasks: mcp_tasks.TaskRecords | None = None,
     ) -> None:
         self._servers = servers
+        self._tasks = tasks
         self._connections: dict[str, McpConnection] = {}
         self._unavailable: dict[str, str] = {}
         self._tools: list[ToolInfo] = []
@@ -61,7 +62,7 @@ class Toolbox:
     @asynccontextmanager
     async def open(
         cls, servers: Mapping[str, McpServerSpec], *, timeout_s: float | None, max_chars: int,
-        calls: ToolCallEvents | None = None,
+        calls: ToolCallEvents | None = None, tasks: mcp_tasks.TaskRecords | None = None,
     ) -> AsyncIterator[Toolbox]:
         """Connect to every server and list its tools; closes them all on exit, in this task.
 
@@ -71,8 +72,10 @@ class Toolbox:
             max_chars: the bound on each content channel of a result.
             calls: told when each call starts and ends and what progress its server reports (the worker's
                 subscribers, worker/subscribers.py; the progress of the call in flight is one).
+            tasks: where the run records the MCP tasks of its calls (worker/mcp_tasks.py); without it no call is
+                made as a task.
         """
-        toolbox = cls(servers, timeout_s=timeout_s, max_chars=max_chars, calls=calls)
+        toolbox = cls(servers, timeout_s=timeout_s, max_chars=max_chars, calls=calls, tasks=tasks)
         async with AsyncExitStack() as stack:
             for name, spec in servers.items():
                 try:
@@ -102,7 +105,18 @@ class Toolbox:
             return f"{call.server} does not allow the tool {call.tool!r}"
         if call.server in self._connections and (call.server, call.tool) not in self._offered:
             return f"{call.server} offers no tool {call.tool!r}"
+        if self._as_task(call) is None:
+            return (f"{call.server}.{call.tool} runs only as an MCP task, which this server's catalog entry turns "
+                    'off (tasks = "off")')
         return None
+
+    def _as_task(self, call: ToolCall) -> bool | None:
+        """Whether ``call`` is made as an MCP task (its server's ``tasks`` and the tool's ``taskSupport``); None: it
+        cannot be made at all."""
+        connection = self._connections.get(call.server)
+        if connection is None:
+            return False
+        return self._servers[call.server].tasks.as_task(connection.task_support.get(call.tool))
 
     def cancel_grace(self, call: ToolCall) -> float | None:
         """How long a cancel lets ``call`` go on: its server's or tool's ``on_cancel = "finish"`` grace."""
@@ -128,13 +142,17 @@ class Toolbox:
     ) -> ToolResult:
         limits = [t for t in (self._timeout_s, server.timeout_s) if t is not None]
         timeout_s = min(limits) if limits else DEFAULT_TIMEOUT_S
-        if self._calls is None:
-            return await mcp_tool.execute(
-                connection, call, timeout_s=timeout_s, interrupt=interrupt, max_chars=self._max_chars
-            )
+        progress = None if self._calls is None else self._calls.for_call(call)
         try:
+            if self._tasks is not None and self._as_task(call) and connection.offers_tasks:
+                result = await mcp_tasks.call_as_task(connection, call, self._tasks, timeout_s=timeout_s,
+                                                      interrupt=interrupt, progress=progress,
+                                                      lost=lambda c: server.worker_lost_policy(c.tool),
+                                                      answer=mcp_tool.from_answer)
+                return mcp_tool.finished(result, call, self._max_chars)
             return await mcp_tool.execute(connection, call, timeout_s=timeout_s, interrupt=interrupt,
-                                          max_chars=self._max_chars, progress=self._calls.for_call(call))
+                                          max_chars=self._max_chars, progress=progress)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._calls.call_ended(call)
+            if self._calls is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._calls.call_ended(call)

@@ -1,0 +1,110 @@
+"""An MCP task outlives its worker (docs/usage.md, "Long tool calls as MCP tasks"): a hand-over leaves the task
+running and the next worker polls the same task id; so does the worker that takes a run up after kill -9 of its
+worker; the server sees one ``tools/call``. A task the server forgot (it restarted) is recorded lost.
+
+Real worker processes, the npm ``server-everything`` behind a counting proxy (tests/mcp_task_helpers.py), PyPI
+``llm-mock-api`` as the model, real Redis and RabbitMQ. Lost-worker detection is shortened as in
+tests/chaos/test_worker_lost.py.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import pytest
+
+from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared.messaging.producer import Producer
+from runbrake.worker.mcp_tasks import TaskHandle
+from tests.llm_mock import LlmMock
+from tests.mcp_task_helpers import Everything, everything_fixture  # noqa: F401 - the fixture
+from tests.test_mcp_tasks import recorded_task, research_run, tool_messages, tool_step
+from tests.worker_helpers import WorkerProcess, wait_for_run
+
+pytestmark = pytest.mark.integration
+
+FAST = {"RUNBRAKE_WORKER_BEAT_S": "0.5", "RUNBRAKE_WORKER_LOST_S": "5"}
+WAIT_S = 60.0
+
+
+def _kinds(record: RunRecord) -> list[tuple[StepKind, ToolOutcome | None]]:
+    return [(s.kind, s.tool_outcome) for s in record.steps]
+
+
+def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_with_no_second_tools_call(
+    llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    first = start_worker(RUNBRAKE_DRAIN_S="1")
+    run_id = research_run(producer, llm_mock, everything, "call_task_handed")
+    handle = recorded_task(store, run_id, "call_task_handed")
+    everything.pause()  # the task stands still until the next worker polls it
+
+    first.process.send_signal(signal.SIGTERM)
+    assert first.process.wait(timeout=20) == 0
+    second = start_worker()
+    everything.resume()
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
+    assert _kinds(record) == [(StepKind.MODEL, None), (StepKind.HANDOFF, None), (StepKind.TOOL, ToolOutcome.OK),
+                              (StepKind.MODEL, None)]
+    step = tool_step(record)
+    assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "completed")
+    assert first.logged("mcp_task_handed_over", task_id=handle.task_id)
+    assert second.logged("mcp_task_reattached", task_id=handle.task_id)
+    assert everything.proxy.methods["tools/call"] == 1
+    assert any("Research Report" in text for text in tool_messages(llm_mock, "call_task_handed"))
+
+
+def _killed_mid_task(llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess],
+                     store: RunStore, producer: Producer, call_id: str) -> tuple[str, TaskHandle]:
+    """A run whose worker was killed (-9) once its task ``call_id`` was recorded, the server paused meanwhile (the
+    task stands still until it is resumed); the run's id and its task."""
+    doomed = start_worker(**FAST)
+    run_id = research_run(producer, llm_mock, everything, call_id)
+    handle = recorded_task(store, run_id, call_id)
+    everything.pause()
+    doomed.process.send_signal(signal.SIGKILL)
+    doomed.process.wait(timeout=10)
+    return run_id, handle
+
+
+def test_kill_9_mid_task_the_worker_that_takes_the_run_up_polls_the_same_task_with_no_second_tools_call(
+    llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    run_id, handle = _killed_mid_task(llm_mock, everything, start_worker, store, producer, "call_task_killed")
+
+    survivor = start_worker(**FAST)
+    everything.resume()
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
+    assert _kinds(record) == [(StepKind.MODEL, None), (StepKind.HANDOFF, None), (StepKind.TOOL, ToolOutcome.OK),
+                              (StepKind.MODEL, None)]
+    assert record.steps[1].detail["reason"] == "worker_lost"
+    step = tool_step(record)
+    assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "completed")
+    assert survivor.logged("mcp_task_reattached", task_id=handle.task_id)
+    assert everything.proxy.methods["tools/call"] == 1
+
+
+def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and_the_model_is_told(
+    llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    run_id, handle = _killed_mid_task(llm_mock, everything, start_worker, store, producer, "call_task_forgot")
+    everything.restart()  # every session and task forgotten
+    start_worker(**FAST)
+
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert record.status is RunStatus.COMPLETED
+    step = tool_step(record)
+    assert step.tool_outcome is ToolOutcome.CANCELLED
+    assert (step.detail["task_id"], step.detail["task_status"], step.detail["side_effects"]) == (
+        handle.task_id, "lost", "unknown")
+    assert any("no longer known" in text for text in tool_messages(llm_mock, "call_task_forgot"))
+    assert everything.proxy.methods["tools/call"] == 1

@@ -1,0 +1,379 @@
+"""Tool calls made as MCP tasks (protocol 2025-11-25): called, recorded, polled, cancelled, handed over
+(docs/usage.md, "Long tool calls as MCP tasks").
+
+A ``tools/call`` with ``task: {ttl}`` is answered at once with a task id; the task id, with the server's MCP
+session id, is written to the run's record (``task:<call id>``, shared/records.py) before anything waits on it.
+The worker then polls ``tasks/get`` (each status change reported like MCP progress) and fetches ``tasks/result``
+once the task ends. What stops the wait decides what becomes of the task:
+
+- a cancel, a steer, a budget or a deadline (the call's interrupt scope) sends ``tasks/cancel``; the server's
+  answer is recorded: ``cancelled``, or the real result when the task completed anyway;
+- a hand-over (or the loss of the run's lease) leaves the task running and the MCP session open
+  (:class:`~shared.errors.TaskHandedOver`): never cancelled by a worker that is no longer the run's; the next
+  worker finds the recorded task and polls it instead of calling the tool again, as it does after a lost worker
+  (worker/reclaim.py);
+- a task (or session) the server no longer knows is lost (:class:`~shared.errors.TaskUnknown`), like a call cut
+  off by a lost worker: the tool's ``on_worker_lost`` says what follows.
+
+The task requests go as plain JSON-RPC over the server's shared HTTP client with the recorded ``Mcp-Session-Id``:
+a worker that re-attaches has no SDK session of that id (the SDK would open a new one with ``initialize``).
+A task that asks for input (``input_required``) is cancelled and the call fails, saying so: runbrake answers no
+input request of a server, as it answers no sampling or elicitation request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Final, Protocol
+
+import anyio
+import anyio.lowlevel
+import httpx2
+import structlog
+from mcp.shared.dispatcher import ProgressFnT
+from mcp_types import CallToolResult
+from pydantic import ValidationError
+
+from runbrake.shared.errors import TaskHandedOver, TaskUnknown, ToolTransportError
+from runbrake.shared.spec import OnWorkerLost
+from runbrake.shared.tool_result import ToolResult
+from runbrake.worker.conversation import ToolCall
+from runbrake.worker.mcp_transport import MAX_MESSAGE_BYTES, McpConnection
+
+__all__ = ["TaskHandle", "TaskRecords", "TaskRpc", "call_as_task"]
+
+log = structlog.get_logger(__name__)
+
+TERMINAL: Final = frozenset({"completed", "failed", "cancelled"})
+"""The task statuses after which nothing changes (2025-11-25, "Task status")."""
+_POLL_S: Final = (0.05, 5.0)
+"""The bounds put on the interval a server asks polls at (``pollInterval``); 1 s when it asks none."""
+_CANCEL_WITHIN_S: Final = 10.0
+"""How long ``tasks/cancel`` and the result of a task that completed anyway may take once a brake came."""
+_TASK_NOT_FOUND: Final = ("not found", "unknown task", "no valid session")
+"""Words of the error a server gives for a task or session it does not know: the TypeScript SDK answers -32602
+(the code of any bad parameter) with "Task not found", and HTTP 400/404 for an unknown session."""
+LOST: Final = "the MCP task of the call is no longer known to its server (restarted, or its TTL passed)"
+"""The content of a lost task's step."""
+LOST_STATUS: Final = "lost"
+"""A lost task's ``detail.task_status`` (the others are the server's: ``working``, ``completed``, ``cancelled``…)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskHandle:
+    """What a worker needs to poll a task another worker started: kept in the run's record as JSON."""
+
+    server: str
+    task_id: str
+    session_id: str
+    protocol: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> TaskHandle | None:
+        """The handle ``text`` holds; None for anything else (a record no worker of this version wrote)."""
+        try:
+            data = json.loads(text)
+            return cls(**{name: str(data[name]) for name in ("server", "task_id", "session_id", "protocol")})
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+class TaskRecords(Protocol):
+    """Where a run keeps the tasks of its calls in flight (the runtime's hooks, worker/runtime.py)."""
+
+    async def keep_task(self, call_id: str, task: str | None) -> None:
+        """Record the task of ``call_id`` (None: forget it), owner-guarded and durably."""
+
+    async def task_of(self, call_id: str) -> str | None:
+        """The task recorded for ``call_id``, None when there is none."""
+
+    @property
+    def leaves_tasks_running(self) -> bool:
+        """The run's calls are cut off because the worker hands the run over (or lost it), not by a cancel or a
+        steer: a task in flight is left running for the next worker, never cancelled."""
+
+
+class TaskRpc:
+    """Plain JSON-RPC requests to one MCP session of an HTTP server (the module docstring says why not the SDK's)."""
+
+    def __init__(self, connection: McpConnection, session_id: str, protocol: str) -> None:
+        session = connection.session
+        if session is None:
+            raise ValueError(f"MCP server {connection.server!r} is not over HTTP: its tasks cannot be polled")
+        self._server = connection.server
+        self._url = session.url
+        self._http = session.http_client
+        self._headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+                         "mcp-session-id": session_id, **({"mcp-protocol-version": protocol} if protocol else {})}
+        self._next_id = 0
+
+    async def request(self, method: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The result of ``method``.
+
+        Raises:
+            TaskUnknown: the server does not know the session or the task.
+            ToolTransportError: anything else went wrong (the server's error, the HTTP exchange, the answer).
+        """
+        self._next_id += 1
+        request_id = f"runbrake-task-{self._next_id}"
+        body = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": dict(params)}
+        try:
+            async with self._http.stream("POST", self._url, json=body, headers=self._headers) as response:
+                if response.status_code in (400, 404):
+                    text = (await response.aread()).decode(errors="replace")
+                    raise self._error(method, f"HTTP {response.status_code}: {text[:300]}")
+                response.raise_for_status()
+                message = await _answer(response, request_id)
+        except httpx2.HTTPError as exc:
+            raise ToolTransportError(f"MCP server {self._server!r}: {method} failed: {exc}",
+                                     server=self._server) from exc
+        error = message.get("error")
+        if isinstance(error, dict):
+            raise self._error(method, f"{error.get('code')}: {error.get('message')}")
+        result = message.get("result")
+        if not isinstance(result, dict):
+            raise ToolTransportError(f"MCP server {self._server!r}: {method} answered no result", server=self._server)
+        return result
+
+    def _error(self, method: str, what: str) -> ToolTransportError:
+        kind = TaskUnknown if any(words in what.lower() for words in _TASK_NOT_FOUND) else ToolTransportError
+        return kind(f"MCP server {self._server!r}: {method}: {what}", server=self._server)
+
+
+async def _answer(response: httpx2.Response, request_id: str) -> dict[str, Any]:
+    """The JSON-RPC message answering ``request_id``: the JSON body, or the event of an event stream that holds it;
+    read within :data:`~worker.mcp_transport.MAX_MESSAGE_BYTES`."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return _message(await response.aread())
+    data: list[str] = []
+    read = 0
+    async for line in response.aiter_lines():
+        read += len(line) + 1
+        if read > MAX_MESSAGE_BYTES:
+            raise ToolTransportError(f"an MCP task answer past {MAX_MESSAGE_BYTES} bytes")
+        if line.startswith("data:"):
+            data.append(line[5:].strip())
+        elif not line and data:
+            message = _message("\n".join(data).encode())
+            data = []
+            if message.get("id") == request_id:
+                return message
+    raise ToolTransportError("the MCP server's event stream ended without the answer")
+
+
+def _message(raw: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        raise ToolTransportError(f"an MCP task answer that is not JSON: {exc}") from exc
+    return message if isinstance(message, dict) else {}
+
+
+@dataclass
+class _Task:
+    """One task being waited on: its handle, the last status the server gave, how often to poll."""
+
+    handle: TaskHandle
+    status: str = "working"
+    message: str = ""
+    poll_s: float = 1.0
+
+    def seen(self, task: Mapping[str, Any]) -> bool:
+        """Take the server's view of the task (a ``Task`` object); True when its status or message changed."""
+        status, message = str(task.get("status") or self.status), str(task.get("statusMessage") or "")
+        interval = task.get("pollInterval")
+        if isinstance(interval, int | float) and interval > 0:
+            self.poll_s = min(max(interval / 1000, _POLL_S[0]), _POLL_S[1])
+        changed = (status, message) != (self.status, self.message)
+        self.status, self.message = status, message
+        return changed
+
+
+async def call_as_task(
+    connection: McpConnection,
+    call: ToolCall,
+    records: TaskRecords,
+    *,
+    timeout_s: float,
+    interrupt: anyio.CancelScope,
+    progress: ProgressFnT | None,
+    lost: Callable[[ToolCall], OnWorkerLost],
+    answer: Callable[[CallToolResult], ToolResult],
+) -> ToolResult:
+    """Make ``call`` as a task of ``connection``'s server, or poll the task the run recorded for it, and say what it
+    came to (not yet scrubbed nor bounded: worker/mcp_tool.py does both).
+
+    Args:
+        records: where the task is recorded before anything waits on it.
+        timeout_s: how long the task may take, from this worker's first request; past it the task is cancelled.
+        interrupt: the call's scope (worker/loop.py): cancelled, it stops the wait (the module docstring says what
+            becomes of the task).
+        progress: told each status change.
+        lost: the call's ``on_worker_lost``, for a task the server no longer knows.
+        answer: what a ``CallToolResult`` came to.
+
+    Raises:
+        TaskHandedOver: a hand-over stopped the wait; the task runs on, for the next worker.
+    """
+    recorded = await records.task_of(call.id)
+    handle = None if recorded is None else TaskHandle.from_json(recorded)
+    if handle is not None and handle.server != connection.server:
+        handle = None
+    waiting = _Waiting(connection, call, records, progress, answer)
+    try:
+        result = await waiting.run(handle, timeout_s, interrupt)
+    except TaskUnknown as exc:
+        if handle is None:  # not a task this run recorded before: an error of the call, not a lost task
+            result = waiting.stamped(ToolResult.error(str(exc)))
+        else:
+            log.warning("mcp_task_lost", server=call.server, tool=call.tool, task_id=handle.task_id, error=str(exc))
+            if lost(call) is OnWorkerLost.RETRY:  # made again, once, as a lost worker's call is
+                await records.keep_task(call.id, None)
+                return await call_as_task(connection, call, records, timeout_s=timeout_s, interrupt=interrupt,
+                                          progress=progress, lost=lambda _call: OnWorkerLost.REPORT, answer=answer)
+            result = replace(ToolResult.cancelled(LOST), task=(handle.task_id, LOST_STATUS))
+    except ToolTransportError as exc:
+        result = waiting.stamped(ToolResult.error(str(exc)))
+    # Forgotten once the call has its result, whatever it came to: a later call of the same id starts afresh.
+    await records.keep_task(call.id, None)
+    return result
+
+
+@dataclass
+class _Waiting:
+    """The wait of one call on its task (:func:`call_as_task`)."""
+
+    _connection: McpConnection
+    _call: ToolCall
+    _records: TaskRecords
+    _progress: ProgressFnT | None
+    _answer: Callable[[CallToolResult], ToolResult]
+    _task: _Task | None = None
+    _rpc: TaskRpc | None = None
+    _sent: bool = False
+    """Whether the ``tools/call`` may have reached the server."""
+
+    async def run(self, handle: TaskHandle | None, timeout_s: float, interrupt: anyio.CancelScope) -> ToolResult:
+        with interrupt, anyio.move_on_after(timeout_s) as deadline:
+            if handle is None:
+                await anyio.lowlevel.checkpoint()  # a scope cancelled already: nothing is sent
+                handle = await self._start(timeout_s)
+            else:
+                self._attach(handle)
+            await self._until_ended()
+        task = self._task
+        if task is None:  # stopped before the server answered the call: it may have started a task, or not
+            if interrupt.cancel_called:
+                return ToolResult.cancelled(f"call to {self._call.server}.{self._call.tool} was cancelled",
+                                            sent=self._sent)
+            return ToolResult.error(f"call to {self._call.server}.{self._call.tool} timed out after {timeout_s:g} s")
+        if task.status in TERMINAL:
+            return await self._ended(task)
+        if interrupt.cancel_called and self._records.leaves_tasks_running:
+            if self._connection.session is not None:
+                self._connection.session.keep = True  # the session (and its tasks) outlive this connection
+            log.info("mcp_task_handed_over", server=self._call.server, tool=self._call.tool,
+                     task_id=task.handle.task_id)
+            raise TaskHandedOver(self._call.id)
+        if task.status == "input_required":
+            why = ("the task asked for input (input_required); runbrake answers no input request of a server, "
+                   "so it was cancelled")
+        elif deadline.cancelled_caught and not interrupt.cancel_called:
+            why = f"the task did not end within {timeout_s:g} s, so it was cancelled"
+        else:
+            why = ""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_WITHIN_S):
+            await self._cancel(task)
+        if task.status in ("completed", "failed"):  # it ended before the cancel reached it: its real result
+            return await self._ended(task)
+        if why:
+            return self.stamped(ToolResult.error(why))
+        return self.stamped(ToolResult.cancelled(
+            f"call to {self._call.server}.{self._call.tool} was cancelled (its MCP task: {task.status})"))
+
+    async def _start(self, timeout_s: float) -> TaskHandle:
+        session = self._connection.session
+        if session is None or not session.session_id:
+            raise ToolTransportError(f"MCP server {self._call.server!r} gave no MCP session: its tasks cannot be "
+                                     "handed over", server=self._call.server, tool=self._call.tool)
+        rpc = self._rpc = TaskRpc(self._connection, session.session_id, self._connection.protocol_version)
+        self._sent = True
+        created = await rpc.request("tools/call", {"name": self._call.tool, "arguments": dict(self._call.arguments),
+                                                   "task": {"ttl": math.ceil(timeout_s * 1000)}})
+        task = created.get("task")
+        if not isinstance(task, dict) or not task.get("taskId"):
+            raise ToolTransportError(f"MCP server {self._call.server!r} answered a task call without a task",
+                                     server=self._call.server, tool=self._call.tool)
+        handle = TaskHandle(self._call.server, str(task["taskId"]), session.session_id,
+                            self._connection.protocol_version)
+        # Recorded before anything waits on it, and whole: a cancel now must not leave the task unrecorded.
+        with anyio.CancelScope(shield=True):
+            await self._records.keep_task(self._call.id, handle.to_json())
+            self._task = _Task(handle)
+            await self._seen(task)
+        return handle
+
+    def _attach(self, handle: TaskHandle) -> None:
+        self._rpc = TaskRpc(self._connection, handle.session_id, handle.protocol)
+        self._task = _Task(handle)
+        log.info("mcp_task_reattached", server=handle.server, tool=self._call.tool, task_id=handle.task_id)
+
+    async def _until_ended(self) -> None:
+        task = self._task
+        assert task is not None
+        while True:
+            await self._seen(await self._request("tasks/get"))
+            if task.status in TERMINAL or task.status == "input_required":
+                return
+            await anyio.sleep(task.poll_s)
+
+    async def _seen(self, answer: Mapping[str, Any]) -> None:
+        task = self._task
+        assert task is not None
+        if task.seen(answer) and self._progress is not None:
+            await self._progress(0, None, f"task {task.status}" + (f": {task.message}" if task.message else ""))
+
+    async def _cancel(self, task: _Task) -> None:
+        """``tasks/cancel``; the status the server answers. A task that ended meanwhile refuses the cancel: its
+        status is read again."""
+        try:
+            await self._seen(await self._request("tasks/cancel"))
+        except TaskUnknown:
+            raise
+        except ToolTransportError as exc:
+            log.info("mcp_task_cancel_refused", server=self._call.server, task_id=task.handle.task_id, error=str(exc))
+            await self._seen(await self._request("tasks/get"))
+
+    async def _ended(self, task: _Task) -> ToolResult:
+        if task.status == "cancelled":
+            return self.stamped(ToolResult.cancelled(
+                f"call to {self._call.server}.{self._call.tool} was cancelled by its server (its MCP task: "
+                "cancelled)"))
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_WITHIN_S) as late:
+            payload = await self._request("tasks/result")
+        if late.cancelled_caught:
+            raise ToolTransportError(f"MCP server {self._call.server!r}: tasks/result took over "
+                                     f"{_CANCEL_WITHIN_S:g} s", server=self._call.server, tool=self._call.tool)
+        try:
+            result = CallToolResult.model_validate(payload)
+        except ValidationError as exc:
+            raise ToolTransportError(f"MCP server {self._call.server!r}: tasks/result is no tool result: {exc}",
+                                     server=self._call.server, tool=self._call.tool) from exc
+        return self.stamped(self._answer(result))
+
+    def stamped(self, result: ToolResult) -> ToolResult:
+        """``result`` with the task's id and last status, once there is a task."""
+        task = self._task
+        return result if task is None else replace(result, task=(task.handle.task_id, task.status))
+
+    def _request(self, method: str) -> Awaitable[dict[str, Any]]:
+        assert self._rpc is not None
+        assert self._task is not None
+        return self._rpc.request(method, {"taskId": self._task.handle.task_id})
+
