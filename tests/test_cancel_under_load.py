@@ -1,5 +1,6 @@
-"""The cancel path under load (issue 29; docs/benchmarks.md, "Saturation"): a cancel never queues behind the
-MCP progress of the runs beside it, and their progress still reaches their records (worker/progress.py)."""
+"""The cancel path under load (issue 29; docs/benchmarks.md, "Saturation: where a cancel's time went"): a cancel
+never queues behind the MCP progress of the runs beside it, and their progress still reaches their records
+(worker/progress.py)."""
 
 from __future__ import annotations
 

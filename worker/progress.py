@@ -8,7 +8,8 @@ entry: no round trip, no await) and writes what it holds every :data:`FLUSH_INTE
 and each announced on ``<ns>:events``. A call's end awaits nothing: its report still held is dropped, and the
 append of its step forgets the stored one and closes the call to a write still on its way (APPEND_STEP and
 SET_PROGRESS in shared/), so a cancelled call's step never waits behind a progress write, the per-report
-lock or the connection pool it used to share with them. Measured: docs/benchmarks.md, "Saturation".
+lock or the connection pool it used to share with them (docs/benchmarks.md, "Saturation: where a cancel's time
+went").
 Progress is a courtesy: a failed write is logged, never a reason to fail the call.
 :class:`ProgressSubscriber` is how the worker's subscriber list (worker/subscribers.py) reaches the writer.
 """
