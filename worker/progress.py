@@ -11,12 +11,16 @@ SET_PROGRESS in shared/), so a cancelled call's step never waits behind a progre
 lock or the connection pool it used to share with them (docs/benchmarks.md, "Saturation: where a cancel's time
 went").
 Progress is a courtesy: a failed write is logged, never a reason to fail the call.
-:class:`ProgressSubscriber` is how the worker's subscriber list (worker/subscribers.py) reaches the writer.
+:class:`ProgressSubscriber` is how the worker's subscriber list (worker/subscribers.py) reaches the writer; it
+also keeps each call's last :data:`HISTORY_REPORTS` reports and puts them in the call's tool step
+(``detail.progress_history``), so the history rides the step's own append: no round trip of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import math
 import time
 from typing import Any, Final
@@ -24,6 +28,7 @@ from typing import Any, Final
 import structlog
 
 from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.subscribers import Subscriber
 
@@ -35,6 +40,12 @@ BATCH_RUNS: Final = 100
 """The most runs' reports one round trip writes: a flush of thousands is several round trips, and the loop runs
 other callbacks (a cancel's) between them instead of encoding every report at once."""
 MAX_MESSAGE_CHARS: Final = 500
+HISTORY_REPORTS: Final = 50
+"""The reports of a call its step keeps (the latest ones)."""
+HISTORY_MESSAGE_CHARS: Final = 100
+"""A message as the history keeps it: 50 reports stay within about 10 KB of the step."""
+ENDED_KEPT: Final = 4096
+"""Histories of ended calls held for their steps at most (:class:`ProgressSubscriber`)."""
 
 
 def _number(value: float | None) -> float | None:
@@ -84,14 +95,20 @@ class ProgressWriter:
 
 
 class ProgressSubscriber(Subscriber):
-    """Hands each run's progress reports to the process's :class:`ProgressWriter`, as a subscriber of the
-    worker's list (worker/subscribers.py). The calls of a turn run at once: the run's ``progress`` field holds
-    the latest report of any of them."""
+    """Hands each run's progress reports to the process's :class:`ProgressWriter`, and each call's history to its
+    step, as a subscriber of the worker's list (worker/subscribers.py). The calls of a turn run at once: the
+    run's ``progress`` field holds the latest report of any of them."""
 
     def __init__(self, store: AsyncRunStore) -> None:
         self.writer = ProgressWriter(store)
         self._started: dict[tuple[str, str], float] = {}
         """(run id, call id) → when that call in flight started (epoch seconds)."""
+        self._history: dict[tuple[str, str], collections.deque[dict[str, Any]]] = {}
+        """(run id, call id) → the last reports of that call in flight."""
+        self._ended: collections.OrderedDict[tuple[str, str], collections.deque[dict[str, Any]]] = (
+            collections.OrderedDict())
+        """The histories of calls that ended, until their steps take them (the next boundary); at most
+        :data:`ENDED_KEPT`, the oldest dropped: a call whose run ended otherwise (a bound, a lost lease) has none."""
 
     def before_tool_call(self, run_id: str, call: ToolCall) -> None:
         self._started[run_id, call.id] = time.time()
@@ -102,13 +119,31 @@ class ProgressSubscriber(Subscriber):
         started_at = self._started.get((run_id, call.id))
         if started_at is None:  # the call ended: a report delivered after its end is not written
             return
+        now, text = time.time(), None if message is None else str(message)
         self.writer.post(run_id, {
             "tool_server": call.server, "tool_name": call.tool, "tool_call_id": call.id,
             "progress": _number(progress), "total": _number(total),
-            "message": None if message is None else str(message)[:MAX_MESSAGE_CHARS],
-            "started_at": started_at, "updated_at": time.time(),
+            "message": None if text is None else text[:MAX_MESSAGE_CHARS],
+            "started_at": started_at, "updated_at": now,
         })
+        history = self._history.setdefault((run_id, call.id), collections.deque(maxlen=HISTORY_REPORTS))
+        history.append({"at": now, "progress": _number(progress), "total": _number(total),
+                        "message": None if text is None else text[:HISTORY_MESSAGE_CHARS]})
 
     async def after_tool_call(self, run_id: str, call: ToolCall) -> None:
         self._started.pop((run_id, call.id), None)
         self.writer.call_ended(run_id, call.id)
+        history = self._history.pop((run_id, call.id), None)
+        if history:
+            self._ended[run_id, call.id] = history
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+
+    def before_step(self, run_id: str, step: RunStep) -> RunStep:
+        """A call's tool step carries the call's history (``detail.progress_history``), when it reported any."""
+        if step.kind is not StepKind.TOOL or step.tool_call_id is None:
+            return step
+        history = self._ended.pop((run_id, step.tool_call_id), None)
+        if not history:
+            return step
+        return dataclasses.replace(step, detail={**step.detail, "progress_history": list(history)})
