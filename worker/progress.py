@@ -76,21 +76,22 @@ class ProgressWriter:
             del self._held[run_id]
 
     def _start(self) -> None:
-        self._flush = asyncio.get_running_loop().create_task(self.flush())
+        self._flush = asyncio.get_running_loop().create_task(self._write_held())
 
-    async def flush(self) -> None:
-        """Write every report held, :data:`BATCH_RUNS` runs a round trip; then wait for the next ones."""
+    async def _write_held(self) -> None:
+        """Write the reports held now, :data:`BATCH_RUNS` runs a round trip; those that come meanwhile wait for
+        the next flush. A report of a call that ended meanwhile is refused by its step's append (module docstring)."""
+        held, self._held = list(self._held.items()), {}
         try:
-            while self._held:
-                runs = list(self._held)[:BATCH_RUNS]
-                batch = {run_id: self._held.pop(run_id) for run_id in runs}
+            for start in range(0, len(held), BATCH_RUNS):
+                batch = dict(held[start:start + BATCH_RUNS])
                 try:
                     await self._store.set_progress(batch)
                 except Exception as exc:  # noqa: BLE001 - a report must never fail the call it reports on
                     log.warning("progress_write_failed", runs=len(batch), error=repr(exc))
         finally:
             self._flush = None
-            if self._held:  # reports that came during the last round trip
+            if self._held:  # reports that came during the round trips
                 self._flush = asyncio.get_running_loop().call_later(self._interval_s, self._start)
 
 
@@ -100,7 +101,7 @@ class ProgressSubscriber(Subscriber):
     run's ``progress`` field holds the latest report of any of them."""
 
     def __init__(self, store: AsyncRunStore) -> None:
-        self.writer = ProgressWriter(store)
+        self._writer = ProgressWriter(store)
         self._started: dict[tuple[str, str], float] = {}
         """(run id, call id) → when that call in flight started (epoch seconds)."""
         self._history: dict[tuple[str, str], collections.deque[dict[str, Any]]] = {}
@@ -120,7 +121,7 @@ class ProgressSubscriber(Subscriber):
         if started_at is None:  # the call ended: a report delivered after its end is not written
             return
         now, text = time.time(), None if message is None else str(message)
-        self.writer.post(run_id, {
+        self._writer.post(run_id, {
             "tool_server": call.server, "tool_name": call.tool, "tool_call_id": call.id,
             "progress": _number(progress), "total": _number(total),
             "message": None if text is None else text[:MAX_MESSAGE_CHARS],
@@ -132,7 +133,7 @@ class ProgressSubscriber(Subscriber):
 
     async def after_tool_call(self, run_id: str, call: ToolCall) -> None:
         self._started.pop((run_id, call.id), None)
-        self.writer.call_ended(run_id, call.id)
+        self._writer.call_ended(run_id, call.id)
         history = self._history.pop((run_id, call.id), None)
         if history:
             self._ended[run_id, call.id] = history
