@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from runbrake.shared._scripts import Script, _script
 
-# KEYS: run.  ARGV: progress_json, run_id, events channel
+# KEYS: run.  ARGV: progress_json, run_id, call id, events channel
 # The latest MCP progress notification of the call in flight (docs/http-api.md, "Events"), written only
-# while the run is running (worker/progress.py orders it before the clear when the call ends).
+# while the run is running and the call's step is not recorded yet: the append of a tool step names its call
+# in 'progress_closed' (APPEND_STEP), so a write that was on its way when the call ended lands as nothing
+# (worker/progress.py writes without waiting for the call's end, and the end without waiting for a write).
 SET_PROGRESS = _script("set_progress", """
 if redis.call('HGET', KEYS[1], 'status') ~= '$status_running' then return 0 end
-redis.call('HSET', KEYS[1], 'progress', ARGV[1])
-redis.call('PUBLISH', ARGV[3], '{"event":"progress","run_id":"' .. ARGV[2] .. '","progress":' .. ARGV[1] .. '}')
+if redis.call('HGET', KEYS[1], 'progress_closed') == ARGV[3] then return 0 end
+redis.call('HSET', KEYS[1], 'progress', ARGV[1], 'progress_call', ARGV[3])
+redis.call('PUBLISH', ARGV[4], '{"event":"progress","run_id":"' .. ARGV[2] .. '","progress":' .. ARGV[1] .. '}')
 return 1
 """)
 

@@ -424,7 +424,9 @@ return {seq, 0}
 #   step is not a worker's, e.g. a denial; otherwise the claim's owner token, the fence against a worker
 #   whose run was reaped or taken over: its writes are refused with {0, 0, 'owner'}), model calls (1 for a
 #   model step that answered, else 0), input tokens, output tokens, cost in USD ('' when the model has
-#   no prices), retention_s, events channel
+#   no prices), the call id of a tool step ('' for other steps), retention_s, events channel
+# A tool step forgets its call's MCP progress and closes the call to later progress writes (SET_PROGRESS in
+# shared/_api_scripts.py): the step and the end of its progress are one round trip.
 # The run's usage (hash fields model_calls, input_tokens, output_tokens, cost_usd) is summed here, with the
 # step: a
 # step appended once counts once, whichever segment or worker appends it and however often it is retried.
@@ -459,6 +461,12 @@ if ARGV[3] ~= '' then
   redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
   redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
   redis.call('EXPIRE', KEYS[5], 691200)
+end
+if ARGV[11] ~= '' then
+  redis.call('HSET', KEYS[1], 'progress_closed', ARGV[11])
+  if redis.call('HGET', KEYS[1], 'progress_call') == ARGV[11] then
+    redis.call('HDEL', KEYS[1], 'progress', 'progress_call')
+  end
 end
 return {seq, redis.call('EXISTS', KEYS[4])}
 """)

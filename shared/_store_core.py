@@ -868,7 +868,8 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
          keys.servers_hour(recorded_at, keys.shard(run_id)), keys.outbox_of(run_id)),
         (body, recorded_at, counter, Ident(run_id), Ident(token or uuid.uuid4().hex), Ident(owner),
-         1 if answered else 0, *tokens, _cost(usage), keys.retention_s, Ident(keys.events)),
+         1 if answered else 0, *tokens, _cost(usage), step.tool_call_id or "", keys.retention_s,
+         Ident(keys.events)),
         f"append a step to run {run_id}", parse,
     )
 
@@ -1346,15 +1347,17 @@ def approve_once(keys: Keys, run_id: str) -> Op[tuple[Transition, bool]]:
                            (time.time(), Ident(run_id)), f"approve run {run_id}", parse))
 
 
-def set_progress(keys: Keys, run_id: str, progress: Mapping[str, Any]) -> Op[bool]:
-    """Keep the latest progress of the call in flight in the run's ``progress`` field and announce it;
-    refused (False) when the run is no longer running. Fail-soft: progress is a courtesy, never a
-    reason to fail a call. The report (an MCP server's words) is scrubbed like every value a script writes
-    (:func:`wire`), and spliced into the announcement as the JSON it is stored as."""
-    return Op(f"record progress of run {run_id}", (ScriptCall(
-        _api_scripts.SET_PROGRESS, (keys.run(run_id),), (progress, Ident(run_id), Ident(keys.events))),),
-        lambda answers: bool(answers[0]), fallback=False, fallback_event="progress_write_failed",
-        context={"run_id": run_id})
+def set_progress(keys: Keys, reports: Mapping[str, Mapping[str, Any]]) -> Op[int]:
+    """Keep the latest progress of each run's call in flight (run id → report) in the run's ``progress`` field
+    and announce it, in one round trip; answers how many were kept. A run no longer running, or whose call's
+    step was recorded meanwhile, refuses its report. Fail-soft: progress is a courtesy, never a reason to fail
+    a call. A report (an MCP server's words) is scrubbed like every value a script writes (:func:`wire`), and
+    spliced into the announcement as the JSON it is stored as."""
+    calls = tuple(ScriptCall(_api_scripts.SET_PROGRESS, (keys.run(run_id),),
+                             (report, Ident(run_id), str(report.get("tool_call_id") or ""), Ident(keys.events)))
+                  for run_id, report in reports.items())
+    return Op(f"record progress of {len(calls)} runs", calls, lambda answers: sum(bool(a) for a in answers),
+              fallback=0, fallback_event="progress_write_failed")
 
 
 def publish_delta(keys: Keys, run_id: str, delta: Mapping[str, Any]) -> Op[bool]:
@@ -1365,13 +1368,6 @@ def publish_delta(keys: Keys, run_id: str, delta: Mapping[str, Any]) -> Op[bool]
         _api_scripts.PUBLISH_DELTA, (keys.run(run_id),), (delta, Ident(run_id), Ident(keys.events))),),
         lambda answers: bool(answers[0]), fallback=False, fallback_event="delta_publish_failed",
         context={"run_id": run_id})
-
-
-def clear_progress(keys: Keys, run_id: str) -> Op[None]:
-    """Forget the progress of a call whose step was recorded. Fail-soft (readers ignore stale progress)."""
-    return Op(f"clear progress of run {run_id}", (Command(("HDEL", keys.run(run_id), "progress")),),
-              lambda _answers: None, fallback=None, fallback_event="progress_clear_failed",
-              context={"run_id": run_id})
 
 
 def index_after(keys: Keys, cursor: tuple[float, str] | None, *, count: int, since: float | None = None,

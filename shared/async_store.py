@@ -271,16 +271,14 @@ class AsyncRunStore:
 
     # -- what the HTTP API and progress reports need (docs/http-api.md) -------------------------
 
-    async def set_progress(self, run_id: str, progress: Mapping[str, Any]) -> bool:
-        """Keep and announce the call in flight's latest progress (refused unless the run is running)."""
-        return await self.execute(core.set_progress(self.keys, run_id, progress))
+    async def set_progress(self, reports: Mapping[str, Mapping[str, Any]]) -> int:
+        """Keep and announce the latest progress of each run's call in flight (run id → report), in one round
+        trip; answers how many were kept (a run no longer running, or whose call's step is recorded, refuses)."""
+        return await self.execute(core.set_progress(self.keys, reports)) if reports else 0
 
     async def publish_delta(self, run_id: str, delta: Mapping[str, Any]) -> bool:
         """Announce a model call's streamed text since the last delta (refused unless the run is running)."""
         return await self.execute(core.publish_delta(self.keys, run_id, delta))
-
-    async def clear_progress(self, run_id: str) -> None:
-        await self.execute(core.clear_progress(self.keys, run_id))
 
     async def get(self, run_id: str) -> RunRecord:
         """The run with its steps and cancel request (RunNotFound when absent)."""

@@ -236,7 +236,7 @@ def test_nothing_reaches_a_script_but_through_the_one_serialiser_and_plain_comma
         core.Ident("has spaces")
     with pytest.raises(ValueError, match="reads or deletes"):
         core.Command(("HSET", "k", "f", secret))
-    call = core.set_progress(core.Keys("ns"), "a" * 32, {"message": f"token {secret}", "progress": math.inf})
+    call = core.set_progress(core.Keys("ns"), {"a" * 32: {"message": f"token {secret}", "progress": math.inf}})
     assert all(secret not in arg for c in call.calls if isinstance(c, core.ScriptCall) for arg in c.args)
     assert strict_json(call.calls[0].args[0])["progress"] == "Infinity"  # type: ignore[union-attr]
 

@@ -46,7 +46,7 @@ def test_on_a_cluster_every_script_of_a_run_touches_one_slot() -> None:
         core.cancel(keys, run_id, reason="r", requested_by="me"), core.append_step(keys, run_id, step),
         core.complete(keys, run_id, step, owner="w"), core.renew_leases(keys, {run_id: "w"}, lease_s=60),
         core.reap(keys, run_id), core.take_redrive(keys, run_id, cutoff=0.0), core.get(keys, run_id),
-        core.set_progress(keys, run_id, {}), core.hand_over(keys, run_id, step, owner="w", pending={}),
+        core.set_progress(keys, {run_id: {}}), core.hand_over(keys, run_id, step, owner="w", pending={}),
         core.steer(keys, run_id, steer), core.apply_steer(keys, run_id, steer, step, owner="w", token="t"),
     ]
 

@@ -431,8 +431,8 @@ def test_each_step_expands_to_what_it_saw_and_did_and_the_timeline_draws_the_ste
 ) -> None:
     from playwright.sync_api import expect
 
-    # One turn asks for two calls at once (one takes a second), the next answers: two tool lanes side by side.
-    llm_mock.server.when("sum").reply(reply(tools=[("toolbox__slow", {"seconds": 1}, "call_1"),
+    # One turn asks for two calls at once (one takes 2.5 s), the next answers: two tool lanes side by side.
+    llm_mock.server.when("sum").reply(reply(tools=[("toolbox__slow", {"seconds": 2.5}, "call_1"),
                                                    ("toolbox__get-sum", {"a": 2, "b": 3}, "call_2")],
                                             usage=(120, 20))).times(1)
     llm_mock.server.when_tool_result("call_2").reply(reply("It is 5.", usage=(160, 5)))
@@ -484,6 +484,11 @@ def test_each_step_expands_to_what_it_saw_and_did_and_the_timeline_draws_the_ste
     expect(tool.get_by_test_id("step-result")).to_have_text("5")
     expect(tool.get_by_test_id("step-duration")).to_have_text(  # milliseconds below a second
         f"{summed.duration_ms} ms" if summed.duration_ms < 1000 else ELAPSED)
+    # The slow call's step keeps the progress it reported (at 1 and 2 s), shown though the page never saw it live.
+    page.locator(f"[data-testid=step-row][data-seq='{slow.sequence}']").get_by_test_id("expand").click()
+    reported = page.locator(f"[data-testid=step-detail][data-seq='{slow.sequence}']").get_by_test_id("step-progress")
+    expect(reported.locator("li")).to_have_count(len(slow.detail["progress_history"]))
+    expect(reported.locator("li").last).to_contain_text("2/2.5")
     # The first model call was sent the opening only; its row keeps its node across the redraws.
     page.locator(f"[data-testid=step-row][data-seq='{first_model.sequence}']").get_by_test_id("expand").click()
     first = page.locator(f"[data-testid=step-detail][data-seq='{first_model.sequence}']")
@@ -502,7 +507,7 @@ def test_each_step_expands_to_what_it_saw_and_did_and_the_timeline_draws_the_ste
         left, width = bars[step.sequence]
         assert abs(left - (step.recorded_at - step.duration_ms / 1000 - start) / span * 100) < 0.5, step
         assert abs(width - step.duration_ms / 1000 / span * 100) < 0.5, step
-    assert bars[slow.sequence][1] > 2 * bars[summed.sequence][1]  # a second against a sum
+    assert bars[slow.sequence][1] > 2 * bars[summed.sequence][1]  # 2.5 s against a sum
     drawn = chart.get_by_test_id("bar").evaluate_all("bars => bars.map(b => b.getBoundingClientRect().width)")
     assert max(drawn) > 100  # drawn to the sizes, not left at the stylesheet's minimum
     screenshot(page, "runs-page-debug-en.png")

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
+import anyio
 import pytest
+import redis.asyncio
 
-from runbrake.shared import AsyncRunStore, RunStatus, RunStep, RunStore, Settings, StepKind
+from runbrake.shared import AsyncRunStore, RunStatus, RunStep, RunStore, Settings, StepKind, ToolResult
 from runbrake.shared.messaging.producer import Producer
 from runbrake.worker.conversation import ToolCall
-from runbrake.worker.progress import ProgressReporter
+from runbrake.worker.progress import ProgressSubscriber
 from tests.mcp_helpers import Toolbox, wait_for_event
+from tests.polling import poll_until_async
 from tests.test_cli import runbrake, valid_spec
 from tests.worker_helpers import WorkerProcess, call, spec, wait_for_run
 
@@ -50,38 +54,84 @@ def test_progress_of_the_call_in_flight_is_kept_shown_and_forgotten_when_its_ste
 
 
 @pytest.mark.anyio
-async def test_progress_writes_are_rate_limited_per_call_and_none_lands_after_the_call_ended(
+async def test_only_the_latest_report_of_each_run_is_written_and_none_lands_after_its_calls_step(
     store: RunStore, settings: Settings
 ) -> None:
-    run_id = store.create(valid_spec()).run_id
-    store.claim(run_id, "w", lease_s=60)
-    now = [100.0]
+    first, second = (store.create(valid_spec()).run_id for _ in range(2))
+    for run_id in (first, second):
+        store.claim(run_id, "w", lease_s=60)
+    call_1, call_2 = ToolCall(id="c1", server="s", tool="t"), ToolCall(id="c2", server="s", tool="t")
     async_store = AsyncRunStore.connect(settings)
     subscriber = store.redis.pubsub(ignore_subscribe_messages=True)
     subscriber.subscribe(store.keys.events)
+    progress = ProgressSubscriber(async_store)
     try:
-        reporter = ProgressReporter(async_store, run_id, clock=lambda: now[0])
-        report = reporter.for_call(ToolCall(id="c1", server="s", tool="t"))
-        for done in range(1, 6):  # five reports inside one 2 s window: one write
-            await report(done, 10, f"step {done}")
-        first = store.get(run_id).progress
-        now[0] += 2.05
-        await report(6, 10, None)
-        second = store.get(run_id).progress
-        await reporter.call_ended()
-        now[0] += 1
-        await report(7, 10, "too late")
+        progress.before_tool_call(first, call_1)
+        progress.before_tool_call(second, call_2)
+        for done in range(1, 6):  # five reports of each run before a flush: each run's latest is written once
+            await progress.on_tool_progress(first, call_1, done, 10, f"step {done}")
+            await progress.on_tool_progress(second, call_2, done * 2, 20, None)
+        written = await poll_until_async(lambda: all(store.get(r).progress for r in (first, second)), timeout=10,
+                                         failure=lambda: "the reports never reached the records")
+        # A report on its way when its call's step is recorded lands as nothing: the step closed the call.
+        await progress.on_tool_progress(first, call_1, 6, 10, "on its way")
+        await progress.on_tool_progress(second, call_2, 12, 20, None)
+        store.append_step(first, RunStep.tool(round=1, server="s", name="t", result=ToolResult.ok("x"),
+                                              call_id="c1"))
+        await poll_until_async(lambda: (store.get(second).progress or {}).get("progress") == 12, timeout=10,
+                               failure=lambda: "the second run's report never reached its record")
         messages = _progress_messages(subscriber)
+        await progress.after_tool_call(second, call_2)
+        await progress.on_tool_progress(second, call_2, 13, 20, "after its end")
     finally:
         subscriber.close()
         await async_store.aclose()
 
-    assert first is not None
-    assert (first["progress"], first["message"]) == (1, "step 1")
-    assert second is not None
-    assert (second["progress"], second["message"]) == (6, None)
-    assert store.get(run_id).progress is None
-    assert [m["progress"]["progress"] for m in messages] == [1, 6]
+    assert written
+    assert [(m["run_id"], m["progress"]["progress"]) for m in messages] == [(first, 5), (second, 10), (second, 12)]
+    assert messages[0]["progress"]["message"] == "step 5"
+    assert store.get(first).progress is None
+    assert store.get(second).progress["progress"] == 12  # type: ignore[index]
+
+
+@pytest.mark.anyio
+async def test_a_calls_end_waits_for_no_round_trip_even_with_every_connection_of_the_store_busy(
+    store: RunStore, settings: Settings
+) -> None:
+    """The end of a cut-off call comes before its step's append, on the cancel's path: it must not queue for a
+    connection behind progress writes (issue 29). Here the store's only connection is held by a BLPOP."""
+    run_id = store.create(valid_spec()).run_id
+    store.claim(run_id, "w", lease_s=60)
+    name = f"runbrake-test-{uuid.uuid4().hex[:12]}"
+    pool = redis.asyncio.BlockingConnectionPool.from_url(settings.redis_url, max_connections=1, timeout=30,
+                                                         client_name=name)
+    client = redis.asyncio.Redis.from_pool(pool)
+    one = AsyncRunStore(client, settings.namespace)
+    progress = ProgressSubscriber(one)
+    tool_call = ToolCall(id="c1", server="s", tool="t")
+    held = f"{settings.namespace}:test-held"
+    try:
+        progress.before_tool_call(run_id, tool_call)
+        await progress.on_tool_progress(run_id, tool_call, 1, 10, None)
+        await poll_until_async(lambda: store.get(run_id).progress, timeout=10,
+                               failure=lambda: "the report never reached the record")
+        async with anyio.create_task_group() as tasks:
+            async def hold() -> None:
+                await client.blpop([held], 30)
+
+            tasks.start_soon(hold)
+            await poll_until_async(lambda: any(c["name"] == name and c["cmd"] == "blpop"
+                                               for c in store.redis.client_list()), timeout=10,
+                                   failure=lambda: "the BLPOP never took the store's connection")
+            with anyio.fail_after(10):
+                await progress.after_tool_call(run_id, tool_call)
+            still_held = any(c["name"] == name and c["cmd"] == "blpop" for c in store.redis.client_list())
+            store.redis.rpush(held, "go")
+    finally:
+        store.redis.delete(held)
+        await one.aclose()
+
+    assert still_held
 
 
 def _progress_messages(subscriber: Any, *, quiet_s: float = 0.5) -> list[dict[str, Any]]:

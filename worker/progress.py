@@ -1,116 +1,150 @@
-"""MCP progress notifications of the call in flight, kept for the API, the page and ``runbrake show``
-(docs/http-api.md, "Events").
+"""MCP progress notifications of the calls in flight, kept for the API, the page and ``runbrake show``
+(docs/http-api.md, "Events"), coalesced so that they never stand in a cancel's way (issue 29;
+docs/messaging.md, "MCP progress at the transport").
 
-A :class:`ProgressReporter` belongs to one segment of one run, on the worker's event loop. For each
-tool call it hands the MCP SDK a progress callback (:meth:`ProgressReporter.for_call`) that stores
-the latest report in the run's ``progress`` field and announces it on ``<ns>:events``
-(``AsyncRunStore.set_progress``), at most one write per call per :data:`MIN_INTERVAL_S`: a report
-inside the window is superseded by the next one after it. When the call ends, :meth:`ProgressReporter.
-call_ended` forgets the report (one HDEL, only for calls that reported), before the call's step is
-recorded. A lock orders the writes: a report still being written when the call ends lands before the
-clear, and none is written after it. Progress is a courtesy: a failed write is logged, never a reason
-to fail the call. :class:`ProgressSubscriber` is how the worker's subscriber list (worker/subscribers.py)
-reaches a reporter per call.
+One :class:`ProgressWriter` per worker process's event loop keeps the latest report of each run (a dict
+entry: no round trip, no await) and writes what it holds every :data:`FLUSH_INTERVAL_S`, the reports of up to
+:data:`BATCH_RUNS` runs in one round trip (``AsyncRunStore.set_progress``), each run's at most once a flush
+and each announced on ``<ns>:events``. A call's end awaits nothing: its report still held is dropped, and the
+append of its step forgets the stored one and closes the call to a write still on its way (APPEND_STEP and
+SET_PROGRESS in shared/), so a cancelled call's step never waits behind a progress write, the per-report
+lock or the connection pool it used to share with them (docs/benchmarks.md, "Saturation: where a cancel's time
+went").
+Progress is a courtesy: a failed write is logged, never a reason to fail the call.
+:class:`ProgressSubscriber` is how the worker's subscriber list (worker/subscribers.py) reaches the writer; it
+also keeps each call's last :data:`HISTORY_REPORTS` reports and puts them in the call's tool step
+(``detail.progress_history``), so the history rides the step's own append: no round trip of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import dataclasses
 import math
 import time
-from collections.abc import Callable
 from typing import Any, Final
 
-import anyio
 import structlog
-from mcp.shared.dispatcher import ProgressFnT
 
 from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.subscribers import Subscriber
 
 log = structlog.get_logger(__name__)
 
-MIN_INTERVAL_S: Final = 2.0
+FLUSH_INTERVAL_S: Final = 1.0
+"""How often the reports held are written: a run's progress is at most this old, and written at most this often."""
+BATCH_RUNS: Final = 100
+"""The most runs' reports one round trip writes: a flush of thousands is several round trips, and the loop runs
+other callbacks (a cancel's) between them instead of encoding every report at once."""
 MAX_MESSAGE_CHARS: Final = 500
+HISTORY_REPORTS: Final = 50
+"""The reports of a call its step keeps (the latest ones)."""
+HISTORY_MESSAGE_CHARS: Final = 100
+"""A message as the history keeps it: 50 reports stay within about 10 KB of the step."""
+ENDED_KEPT: Final = 4096
+"""Histories of ended calls held for their steps at most (:class:`ProgressSubscriber`)."""
+
 
 def _number(value: float | None) -> float | None:
     return value if isinstance(value, int | float) and math.isfinite(value) else None
 
 
-class ProgressReporter:
-    """The progress of one tool call of a segment (:class:`ProgressSubscriber` makes one per call)."""
+class ProgressWriter:
+    """The latest progress report of each run of one event loop, written in batches (module docstring)."""
 
-    def __init__(self, store: AsyncRunStore, run_id: str, *, min_interval_s: float = MIN_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: AsyncRunStore, *, interval_s: float = FLUSH_INTERVAL_S) -> None:
         self._store = store
-        self._run_id = run_id
-        self._min_interval_s = min_interval_s
-        self._clock = clock
-        self._lock = anyio.Lock()
-        self._open: str | None = None
-        """The call whose reports are written; None once it ended."""
-        self._written = False
-        self._last_write = -math.inf
+        self._interval_s = interval_s
+        self._held: dict[str, dict[str, Any]] = {}
+        """Run id → its latest report not written yet."""
+        self._flush: asyncio.TimerHandle | asyncio.Task[None] | None = None
+        """The flush to come (a timer) or under way (a task); None while nothing is held."""
 
-    def for_call(self, call: ToolCall) -> ProgressFnT:
-        """The callback for ``call``'s reports; the call is in flight from now until :meth:`call_ended`."""
-        self._open, self._written, self._last_write = call.id, False, -math.inf
-        started_at = time.time()
+    def post(self, run_id: str, report: dict[str, Any]) -> None:
+        """Keep ``report`` as ``run_id``'s latest (it supersedes one held); written at the next flush. On the loop."""
+        self._held[run_id] = report
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._interval_s, self._start)
 
-        async def report(progress: float, total: float | None, message: str | None) -> None:
-            now = self._clock()
-            if self._open != call.id or now - self._last_write < self._min_interval_s:
-                return
-            self._last_write = now
-            body: dict[str, Any] = {
-                "tool_server": call.server, "tool_name": call.tool, "tool_call_id": call.id,
-                "progress": _number(progress), "total": _number(total),
-                "message": None if message is None else str(message)[:MAX_MESSAGE_CHARS],
-                "started_at": started_at, "updated_at": time.time(),
-            }
-            async with self._lock:
-                if self._open != call.id:
-                    return
+    def call_ended(self, run_id: str, call_id: str) -> None:
+        """``call_id`` ended: its report still held is not written (the step's append forgets a stored one)."""
+        held = self._held.get(run_id)
+        if held is not None and held["tool_call_id"] == call_id:
+            del self._held[run_id]
+
+    def _start(self) -> None:
+        self._flush = asyncio.get_running_loop().create_task(self._write_held())
+
+    async def _write_held(self) -> None:
+        """Write the reports held now, :data:`BATCH_RUNS` runs a round trip; those that come meanwhile wait for
+        the next flush. A report of a call that ended meanwhile is refused by its step's append (module docstring)."""
+        held, self._held = list(self._held.items()), {}
+        try:
+            for start in range(0, len(held), BATCH_RUNS):
+                batch = dict(held[start:start + BATCH_RUNS])
                 try:
-                    written = await self._store.set_progress(self._run_id, body)
+                    await self._store.set_progress(batch)
                 except Exception as exc:  # noqa: BLE001 - a report must never fail the call it reports on
-                    log.warning("progress_write_failed", error=repr(exc))
-                    return
-                self._written = self._written or written
-
-        return report
-
-    async def call_ended(self) -> None:
-        """The call in flight ended: no more reports for it, and the one stored is forgotten."""
-        async with self._lock:
-            self._open = None
-            if self._written:
-                self._written = False
-                await self._store.clear_progress(self._run_id)
+                    log.warning("progress_write_failed", runs=len(batch), error=repr(exc))
+        finally:
+            self._flush = None
+            if self._held:  # reports that came during the round trips
+                self._flush = asyncio.get_running_loop().call_later(self._interval_s, self._start)
 
 
 class ProgressSubscriber(Subscriber):
-    """Keeps the progress of each run's call in flight (a :class:`ProgressReporter` per call), as a
-    subscriber of the worker's list (worker/subscribers.py)."""
+    """Hands each run's progress reports to the process's :class:`ProgressWriter`, and each call's history to its
+    step, as a subscriber of the worker's list (worker/subscribers.py). The calls of a turn run at once: the
+    run's ``progress`` field holds the latest report of any of them."""
 
     def __init__(self, store: AsyncRunStore) -> None:
-        self._store = store
-        self._open: dict[tuple[str, str], tuple[ProgressReporter, ProgressFnT]] = {}
-        """(run id, call id) → the reporter of that call in flight and its callback. The calls of a turn run
-        at once: the run's ``progress`` field holds the latest report of any of them."""
+        self._writer = ProgressWriter(store)
+        self._started: dict[tuple[str, str], float] = {}
+        """(run id, call id) → when that call in flight started (epoch seconds)."""
+        self._history: dict[tuple[str, str], collections.deque[dict[str, Any]]] = {}
+        """(run id, call id) → the last reports of that call in flight."""
+        self._ended: collections.OrderedDict[tuple[str, str], collections.deque[dict[str, Any]]] = (
+            collections.OrderedDict())
+        """The histories of calls that ended, until their steps take them (the next boundary); at most
+        :data:`ENDED_KEPT`, the oldest dropped: a call whose run ended otherwise (a bound, a lost lease) has none."""
 
     def before_tool_call(self, run_id: str, call: ToolCall) -> None:
-        reporter = ProgressReporter(self._store, run_id)
-        self._open[run_id, call.id] = (reporter, reporter.for_call(call))
+        self._started[run_id, call.id] = time.time()
 
     async def on_tool_progress(
         self, run_id: str, call: ToolCall, progress: float, total: float | None, message: str | None
     ) -> None:
-        opened = self._open.get((run_id, call.id))
-        if opened is not None:
-            await opened[1](progress, total, message)
+        started_at = self._started.get((run_id, call.id))
+        if started_at is None:  # the call ended: a report delivered after its end is not written
+            return
+        now, text = time.time(), None if message is None else str(message)
+        self._writer.post(run_id, {
+            "tool_server": call.server, "tool_name": call.tool, "tool_call_id": call.id,
+            "progress": _number(progress), "total": _number(total),
+            "message": None if text is None else text[:MAX_MESSAGE_CHARS],
+            "started_at": started_at, "updated_at": now,
+        })
+        history = self._history.setdefault((run_id, call.id), collections.deque(maxlen=HISTORY_REPORTS))
+        history.append({"at": now, "progress": _number(progress), "total": _number(total),
+                        "message": None if text is None else text[:HISTORY_MESSAGE_CHARS]})
 
     async def after_tool_call(self, run_id: str, call: ToolCall) -> None:
-        opened = self._open.pop((run_id, call.id), None)
-        if opened is not None:
-            await opened[0].call_ended()
+        self._started.pop((run_id, call.id), None)
+        self._writer.call_ended(run_id, call.id)
+        history = self._history.pop((run_id, call.id), None)
+        if history:
+            self._ended[run_id, call.id] = history
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+
+    def before_step(self, run_id: str, step: RunStep) -> RunStep:
+        """A call's tool step carries the call's history (``detail.progress_history``), when it reported any."""
+        if step.kind is not StepKind.TOOL or step.tool_call_id is None:
+            return step
+        history = self._ended.pop((run_id, step.tool_call_id), None)
+        if not history:
+            return step
+        return dataclasses.replace(step, detail={**step.detail, "progress_history": list(history)})

@@ -111,6 +111,7 @@ class RunHooks:
     async def record(self, step: RunStep) -> None:
         if self._budget is not None:
             step = self._budget.priced(step)
+        step = self._subscribers.before_step(self._handle.run_id, step)
         token = uuid.uuid4().hex
         appended = await durably(
             lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner),

@@ -41,6 +41,11 @@ class Subscriber:
         """This worker moved the run to a status that is not terminal: ``running`` (claimed, or resumed),
         ``waiting_for_approval`` (suspended), ``queued`` (handed over at shutdown)."""
 
+    def before_step(self, run_id: str, step: RunStep) -> RunStep:
+        """A step of the run is about to be recorded; answers it as it should be (a subscriber may add to its
+        ``detail``: the progress history of a tool step, worker/progress.py)."""
+        return step
+
     async def after_step(self, run_id: str, step: RunStep) -> None:
         """A step of the run was recorded (``step`` as stored: with its ``sequence`` and ``recorded_at``)."""
 
@@ -60,7 +65,7 @@ class Subscriber:
         """``call`` ended, however it did; its step is recorded after this."""
 
 
-_HOOKS = ("after_skip", "after_admit", "after_status", "after_step", "after_settle", "before_tool_call",
+_HOOKS = ("after_skip", "after_admit", "after_status", "before_step", "after_step", "after_settle", "before_tool_call",
           "on_tool_progress", "after_tool_call")
 
 
@@ -79,6 +84,7 @@ class Subscribers:
         self._skip = by_hook["after_skip"]
         self._admit = by_hook["after_admit"]
         self._status = by_hook["after_status"]
+        self._before_step = by_hook["before_step"]
         self._step = by_hook["after_step"]
         self._settle = by_hook["after_settle"]
         self._call_started = by_hook["before_tool_call"]
@@ -105,6 +111,14 @@ class Subscribers:
                 subscriber.after_status(run_id, status)
             except Exception:  # noqa: BLE001 - a subscriber never fails a run
                 _failed(subscriber, "after_status")
+
+    def before_step(self, run_id: str, step: RunStep) -> RunStep:
+        for subscriber in self._before_step:
+            try:
+                step = subscriber.before_step(run_id, step)
+            except Exception:  # noqa: BLE001 - a subscriber never fails a run
+                _failed(subscriber, "before_step")
+        return step
 
     async def step(self, run_id: str, step: RunStep) -> None:
         for subscriber in self._step:

@@ -639,7 +639,8 @@ function runView(runId) {
       fact("step.child", d.child_run_id ? el("a", { href: "#/runs/" + d.child_run_id }, el("code", {}, d.child_run_id)) : null);
       block("step.arguments", el("pre", { dir: "ltr" }, user(call ? JSON.stringify(call.arguments, null, 2) : "-")), "step-arguments");
       block("step.result", user(step.content), "step-result");
-      const seen = state.progressLog.get(step.tool_call_id) || [];
+      const kept = (d.progress_history || []).map((p) => Object.assign({}, p, { updated_at: p.at }));
+      const seen = kept.length ? kept : state.progressLog.get(step.tool_call_id) || [];
       if (seen.length) {
         block("step.progress", el("ol", {}, seen.map((p) => el("li", {}, when(p.updated_at), " · ",
           p.progress + (p.total ? "/" + p.total : ""), p.message ? [" · ", user(p.message)] : null))), "step-progress");
