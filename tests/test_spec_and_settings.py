@@ -73,6 +73,8 @@ def test_settings_defaults_for_the_bounds() -> None:
         ("RUNBRAKE_MAX_TOOL_CALLS_PER_TURN", "4", "max_tool_calls_per_turn", 4),
         ("RUNBRAKE_MAX_PARALLEL_TOOL_CALLS", "1", "max_parallel_tool_calls", 1),
         ("RUNBRAKE_MAX_STEPS_CAP", "50", "max_steps_cap", 50),
+        ("RUNBRAKE_MAX_AGENT_DEPTH", "2", "max_agent_depth", 2),
+        ("RUNBRAKE_MAX_AGENT_CALLS", "4", "max_agent_calls", 4),
         ("RUNBRAKE_RETENTION_S", "0", "retention_s", 0),
         ("RUNBRAKE_REDRIVE_S", "5", "redrive_s", 5),
         ("RUNBRAKE_DRAIN_S", "2", "drain_s", 2),
