@@ -12,7 +12,6 @@ a loop of agents calling each other (:func:`check_agents`), and admission bounds
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
 from pydantic import Field
@@ -24,7 +23,7 @@ from runbrake.shared.spec import (
     SpecModel,
 )
 
-__all__ = ["AGENT_INPUT_SCHEMA", "AgentSpec", "TreeLink", "check_agents", "child_request", "height"]
+__all__ = ["AGENT_INPUT_SCHEMA", "AgentSpec", "check_agents", "child_request", "height"]
 
 AGENT_INPUT_SCHEMA: Final[Mapping[str, Any]] = {
     "type": "object",
@@ -116,18 +115,6 @@ def height(names: tuple[str, ...], agents: Mapping[str, AgentSpec]) -> int:
         return memo[name]
 
     return max((of(name) for name in names), default=0)
-
-
-@dataclass(frozen=True, slots=True)
-class TreeLink:
-    """Where a child run sits in its tree: the run whose call made it, the tree's first run, and its depth
-    (the first run's is 0)."""
-
-    caller_run_id: str
-    root_run_id: str
-    depth: int
-    ancestors: tuple[str, ...]
-    """Every run above it, its caller first: each counts the child's usage against its own budget."""
 
 
 def child_request(agent: AgentSpec, text: str, *, key: str, deadline_s: float | None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -25,12 +25,15 @@ from runbrake.shared.records import (
     Appended,
     CancelRequest,
     Claim,
+    Created,
     FeedPage,
     OutboxEntry,
+    Quota,
     RunRecord,
     RunSearch,
     SteerRequest,
     Transition,
+    TreeLink,
     read_cancel_request,
     read_record,
     read_step,
@@ -237,8 +240,33 @@ class AsyncRunStore:
                                               termination=termination))
 
     async def budget_use(self, run_id: str) -> tuple[float, int, float | None] | None:
-        """(created_at, total tokens, cost in USD or None) of a run; None when there is no such run."""
+        """(created_at, total tokens, cost in USD or None) of a run, its agent tree's runs below it counted; None
+        when there is no such run."""
         return await self.execute(core.budget_use(self.keys, run_id))
+
+    # -- agent trees (docs/usage.md, "Agent trees") --------------------------------------------
+
+    async def create(self, request: Mapping[str, Any], *, idempotency_key: str | None, tenant: str | None = None,
+                     quota: Quota | None = None, tree: TreeLink | None = None) -> Created:
+        """Write a queued child run (shared/store.py, ``RunStore.create``)."""
+        return await self.execute(core.create(self.keys, request, idempotency_key=idempotency_key, tenant=tenant,
+                                              quota=quota, tree=tree))
+
+    async def add_child(self, caller_run_id: str, call_id: str, child_run_id: str) -> None:
+        """Record the child run a call of the caller started, before the caller waits for it."""
+        await self.execute(core.add_child(self.keys, caller_run_id, call_id, child_run_id))
+
+    async def children(self, run_id: str) -> list[str]:
+        """The child runs of ``run_id``."""
+        return (await self.execute(core.children(self.keys, [run_id])))[0]
+
+    async def add_below(self, ancestors: Sequence[str], tokens: int, cost_usd: float) -> None:
+        """Count a child run's model step against every run above it."""
+        await self.execute(core.add_below(self.keys, ancestors, tokens, cost_usd))
+
+    async def below_use(self, run_id: str) -> tuple[int, float]:
+        """(tokens, cost in USD) the runs below ``run_id`` used."""
+        return await self.execute(core.below_use(self.keys, run_id))
 
     async def settle(self, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str,
                      error: str = "", final: RunStep | None = None) -> Transition:
