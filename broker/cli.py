@@ -363,11 +363,15 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
               help="Only runs with this label; repeat it: a run must carry every label given.")
 @click.option("--thread", "thread", type=RUN_ID, default=None,
               help="List the thread RUN_ID is in instead (its first run and every continuation), oldest first.")
+@click.option("--root", "root", type=RUN_ID, default=None,
+              help="List the agent tree whose first run is RUN_ID instead (it and every run below it), level by "
+                   "level.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @user_errors
-def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None, limit: int, as_json: bool) -> None:
-    """List recent runs, newest first (filters look at the last 1000 runs), or one thread."""
+def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None, root: str | None, limit: int,
+         as_json: bool) -> None:
+    """List recent runs, newest first (filters look at the last 1000 runs), one thread or one agent tree."""
     from runbrake.broker.render import render_runs, run_summary
     from runbrake.shared.spec import parse_label_filters
 
@@ -379,6 +383,8 @@ def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None,
     with open_store(settings_from_env()) as store:
         if thread is not None:
             records = store.thread(thread, limit=limit, status=wanted, labels=labels)
+        elif root is not None:
+            records = store.tree(root, limit=limit, status=wanted, labels=labels)
         else:
             records = store.recent(limit=limit, status=wanted, labels=labels)
     if as_json:

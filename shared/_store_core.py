@@ -915,22 +915,33 @@ def _cost(usage: object) -> Ident:
     return Ident("")
 
 
-def budget_use(keys: Keys, run_id: str) -> Op[tuple[float, int, float | None] | None]:
-    """What a run used so far, for its budget: (created_at, total tokens, cost in USD or None), the runs below it
-    in an agent tree counted (``below_tokens``, ``below_cost_usd``: :func:`add_below`); None when there is no
-    such run."""
-    def parse(answers: list[Any]) -> tuple[float, int, float | None] | None:
+def budget_use(keys: Keys, run_id: str) -> Op[BudgetUse | None]:
+    """What a run used so far, for its budget, and what the runs below it in an agent tree used (``below_tokens``,
+    ``below_cost_usd``: :func:`add_below`); None when there is no such run."""
+    def parse(answers: list[Any]) -> BudgetUse | None:
         created, tokens_in, tokens_out, cost, below_tokens, below_cost = answers[0]
         if created is None:
             return None
-        tokens = _tokens_of(tokens_in) + _tokens_of(tokens_out) + _tokens_of(below_tokens)
-        costs = [float(c) for c in (cost, below_cost) if c is not None]
-        return float(created), tokens, sum(costs) if costs else None
+        return BudgetUse(float(created), _tokens_of(tokens_in) + _tokens_of(tokens_out),
+                         None if cost is None else float(cost), _tokens_of(below_tokens),
+                         float(below_cost) if below_cost else 0.0)
 
     return Op(f"read the budget use of run {run_id}",
               (Command(("HMGET", keys.run(run_id), "created_at", "input_tokens", "output_tokens", "cost_usd",
                         "below_tokens", "below_cost_usd")),),
               parse)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetUse:
+    """What a run used of its budget (:func:`budget_use`)."""
+
+    created_at: float
+    tokens: int
+    cost_usd: float | None
+    below_tokens: int = 0
+    """Tokens the runs below it in its agent tree used."""
+    below_cost_usd: float = 0.0
 
 
 def below_use(keys: Keys, run_id: str) -> Op[tuple[int, float]]:
@@ -961,11 +972,10 @@ def add_child(keys: Keys, caller_run_id: str, call_id: str, child_run_id: str) -
                            lambda _answers: None))
 
 
-def children(keys: Keys, run_ids: Sequence[str]) -> Op[list[list[str]]]:
-    """The child runs of each of ``run_ids`` (in call id order)."""
-    def parse(answers: list[Any]) -> list[list[str]]:
-        return [[_text(found[call]) for call in sorted(found)] for found in
-                ({_text(k): v for k, v in (a or {}).items()} for a in answers)]
+def children(keys: Keys, run_ids: Sequence[str]) -> Op[list[dict[str, str]]]:
+    """The child runs of each of ``run_ids``, by the id of the call that started each."""
+    def parse(answers: list[Any]) -> list[dict[str, str]]:
+        return [{_text(call): _text(child) for call, child in (found or {}).items()} for found in answers]
 
     return Op("read children", tuple(Command(("HGETALL", keys.children(i))) for i in run_ids), parse)
 

@@ -239,9 +239,9 @@ class AsyncRunStore:
         return await self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by,
                                               termination=termination))
 
-    async def budget_use(self, run_id: str) -> tuple[float, int, float | None] | None:
-        """(created_at, total tokens, cost in USD or None) of a run, its agent tree's runs below it counted; None
-        when there is no such run."""
+    async def budget_use(self, run_id: str) -> core.BudgetUse | None:
+        """What a run used of its budget, and what the runs below it in its agent tree used; None when there is
+        no such run."""
         return await self.execute(core.budget_use(self.keys, run_id))
 
     # -- agent trees (docs/usage.md, "Agent trees") --------------------------------------------
@@ -252,12 +252,16 @@ class AsyncRunStore:
         return await self.execute(core.create(self.keys, request, idempotency_key=idempotency_key, tenant=tenant,
                                               quota=quota, tree=tree))
 
+    async def status(self, run_id: str) -> RunStatus:
+        """The run's status alone (RunNotFound when absent)."""
+        return await self.execute(core.status(self.keys, run_id))
+
     async def add_child(self, caller_run_id: str, call_id: str, child_run_id: str) -> None:
         """Record the child run a call of the caller started, before the caller waits for it."""
         await self.execute(core.add_child(self.keys, caller_run_id, call_id, child_run_id))
 
-    async def children(self, run_id: str) -> list[str]:
-        """The child runs of ``run_id``."""
+    async def children(self, run_id: str) -> dict[str, str]:
+        """The child runs of ``run_id``, by the id of the call that started each."""
         return (await self.execute(core.children(self.keys, [run_id])))[0]
 
     async def add_below(self, ancestors: Sequence[str], tokens: int, cost_usd: float) -> None:

@@ -122,7 +122,8 @@ class RunStep:
             call_id=call_id,
             detail=({} if arguments is None else {"arguments": dict(arguments)})
             | ({"failure": result.failure.value} if result.failure is Failure.ARGUMENTS else {})
-            | ({"side_effects": result.side_effects.value} if result.side_effects is not None else {}),
+            | ({"side_effects": result.side_effects.value} if result.side_effects is not None else {})
+            | ({"child_run_id": result.child_run_id} if result.child_run_id is not None else {}),
             duration_ms=duration_ms,
             recorded_at=recorded_at,
         )

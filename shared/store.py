@@ -404,7 +404,8 @@ class RunStore:
         found: list[str] = []
         level = [run_id]
         while level and len(found) < limit:
-            level = [child for children in self.execute(core.children(self.keys, level)) for child in children]
+            level = [children[call] for children in self.execute(core.children(self.keys, level))
+                     for call in sorted(children)]
             found += level
         return found[:limit]
 

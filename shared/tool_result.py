@@ -53,6 +53,8 @@ class ToolResult:
     """Whose mistake a failed call was (the server's, or the arguments'); None unless failed."""
     side_effects: SideEffects | None = None
     """What the server may have done, for a call cut off: None unless cancelled."""
+    child_run_id: str | None = None
+    """The child run an agent call started (its step's ``detail.child_run_id``; docs/usage.md, "Agent trees")."""
 
     def __post_init__(self) -> None:
         if self.outcome is not ToolOutcome.OK and (self.artifacts or self.write_target is not None):
