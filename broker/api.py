@@ -560,6 +560,9 @@ def _routes(app: FastAPI) -> None:
                             description="KEY:VALUE; repeat it: a run must carry every label given")] = None,
                         thread: Annotated[str | None, Query(
                             description="A run id: list the thread it is in, oldest first, in one page")] = None,
+                        root: Annotated[str | None, Query(
+                            description="A run id: list the agent tree it is the first run of, level by level, "
+                                        "in one page")] = None,
                         q: Annotated[str | None, Query(
                             description="Text the run id, the start of the input, the model, a label (KEY=VALUE) "
                                         "or the error holds, in any case")] = None,
@@ -572,7 +575,8 @@ def _routes(app: FastAPI) -> None:
         """Runs newest first, one page at a time; ``next_cursor`` is null on the last page. Filtered by
         ``status``, by ``label=KEY:VALUE`` (repeatable: all must match), by text (``q``) and by creation time
         (``since``, ``until``). A tenant's token lists only its tenant's runs. ``thread=ROOT_ID`` lists a thread
-        instead: its first run and every continuation, oldest first (docs/http-api.md, "Threads")."""
+        instead: its first run and every continuation, oldest first (docs/http-api.md, "Threads"); ``root=ID`` an
+        agent tree: the run and every run below it, level by level (docs/usage.md, "Agent trees")."""
         labels = _label_filter(label or [])
         search = _search(q, since, until)
         if who.tenant is not None:
@@ -592,6 +596,12 @@ def _routes(app: FastAPI) -> None:
                 raise ApiError.answer(422, "invalid thread", errors=[{"loc": ["query", "thread"], "msg": (
                     "a run id (32 lowercase hex characters); a thread is listed in one page, without a cursor")}])
             found = await _state(request).store.thread(thread, limit=limit, status=wanted, labels=labels)
+            return {"runs": [run_summary(r) for r in found if search.admits(r)], "next_cursor": None}
+        if root is not None:
+            if not RUN_ID.fullmatch(root) or cursor:
+                raise ApiError.answer(422, "invalid root", errors=[{"loc": ["query", "root"], "msg": (
+                    "a run id (32 lowercase hex characters); a tree is listed in one page, without a cursor")}])
+            found = await _state(request).store.tree(root, limit=limit, status=wanted, labels=labels)
             return {"runs": [run_summary(r) for r in found if search.admits(r)], "next_cursor": None}
         records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor),
                                                              labels=labels, search=search)

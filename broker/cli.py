@@ -369,7 +369,7 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @user_errors
-def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None, root: str | None, limit: int,
+def runs(*, status: str | None, label_filters: tuple[str, ...], thread: str | None, root: str | None, limit: int,
          as_json: bool) -> None:
     """List recent runs, newest first (filters look at the last 1000 runs), one thread or one agent tree."""
     from runbrake.broker.render import render_runs, run_summary

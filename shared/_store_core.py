@@ -1483,6 +1483,17 @@ def thread_root(record: RunRecord | None, run_id: str) -> str:
     return run_id if record is None else record.thread
 
 
+def next_level(level: list[dict[str, str]]) -> list[str]:
+    """The runs one level below, from the ``children`` of the level above (call id order)."""
+    return [children[call] for children in level for call in sorted(children)]
+
+
+def in_tree(records: Sequence[RunRecord | None], *, limit: int, status: RunStatus | None,
+            labels: Mapping[str, str] | None) -> list[RunRecord]:
+    """The runs of an agent tree among ``records`` that match ``status`` and ``labels``, at most ``limit``."""
+    return [r for r in records if r is not None and matches(r, status, labels)][:limit]
+
+
 def in_thread(records: Sequence[RunRecord | None], root: str, *, limit: int, status: RunStatus | None,
               labels: Mapping[str, str] | None) -> list[RunRecord]:
     """The runs of the thread ``root`` among ``records`` that match ``status`` and ``labels``, at most ``limit``."""

@@ -360,6 +360,16 @@ class AsyncRunStore:
         records = await self.execute(core.summaries(self.keys, ids))
         return core.in_thread(records, root, limit=limit, status=status, labels=labels)
 
+    async def tree(self, run_id: str, *, limit: int = 1000, status: RunStatus | None = None,
+                   labels: Mapping[str, str] | None = None) -> list[RunRecord]:
+        """The agent tree whose first run is ``run_id``, level by level (``RunStore.tree``)."""
+        ids, level = [run_id], [run_id]
+        while level and len(ids) <= limit:
+            level = core.next_level(await self.execute(core.children(self.keys, level)))
+            ids += level
+        records = await self.execute(core.summaries(self.keys, ids))
+        return core.in_tree(records, limit=limit, status=status, labels=labels)
+
     async def page(
         self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,
         labels: Mapping[str, str] | None = None, search: RunSearch = ANY_RUN, scan: int = 1000,

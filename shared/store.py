@@ -404,8 +404,7 @@ class RunStore:
         found: list[str] = []
         level = [run_id]
         while level and len(found) < limit:
-            level = [children[call] for children in self.execute(core.children(self.keys, level))
-                     for call in sorted(children)]
+            level = core.next_level(self.execute(core.children(self.keys, level)))
             found += level
         return found[:limit]
 
@@ -414,7 +413,7 @@ class RunStore:
         """The agent tree whose first run is ``run_id``: it and every run below it (without steps), level by
         level; filtered by status and labels (all must match)."""
         records = self.execute(core.summaries(self.keys, [run_id, *self.descendants(run_id, limit=limit)]))
-        return [r for r in records if r is not None and core.matches(r, status, labels)][:limit]
+        return core.in_tree(records, limit=limit, status=status, labels=labels)
 
     def server_outcomes(self, *, since: float | None = None) -> dict[str, dict[str, int]]:
         """Tool calls per server and outcome; with ``since`` (epoch seconds), those of the hours since then."""

@@ -101,7 +101,8 @@ def _ask(agent: str, text: str) -> dict[str, Any]:
 
 def _children(store: RunStore, run_id: str, count: int) -> list[str]:
     return poll_until(lambda: (found := store.get(run_id).children) and len(found) >= count and
-                      [found[c] for c in sorted(found)], timeout=WAIT_S, what=f"{count} children of {run_id}")
+                      [found[c] for c in sorted(found)], timeout=WAIT_S,
+                      failure=lambda: f"run {run_id} has not {count} children: {store.get(run_id).children}")
 
 
 def _cancelled_tree(store: RunStore, ids: list[str]) -> list[RunRecord]:
@@ -208,7 +209,7 @@ def test_a_steer_of_the_caller_cancels_its_childs_call_with_reason_steered(
     wait_for_event(toolbox_http.events, "started", tool="slow", timeout=WAIT_S)
     [child] = _children(store, run.run_id, 1)
 
-    assert runbrake("steer", run.run_id, "--input", "never mind").returncode == 0
+    assert runbrake("steer", run.run_id, "never mind").returncode == 0
 
     below = wait_for_run(store, child, timeout=WAIT_S)
     assert below.status is RunStatus.CANCELLED

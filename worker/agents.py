@@ -171,6 +171,12 @@ class AgentCalls:
         if isinstance(started, ToolResult):
             return started
         record = await self._wait(started)
+        if record.status is RunStatus.CANCELLED and (
+                self._caller.handle.cancel_seen or await self._runs.store.cancel_requested(self._caller.run_id)):
+            # The cancel of the tree reached the child before the caller's wake-up reached this call: it is the
+            # caller's own cancel, and the call is cut off by it, not failed.
+            return replace(ToolResult.cancelled(f"the call of the agent {call.tool!r} was cut off"),
+                           child_run_id=started)
         return self._answer(call, record)
 
     async def _start(self, call: ToolCall, agent: AgentSpec, text: str, child: list[str]) -> str | ToolResult:
