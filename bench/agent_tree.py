@@ -30,12 +30,12 @@ import sys
 import time
 from typing import Any
 
-import httpx2
 from llm_mock_api import MockServer, MockServerOptions
 from llm_mock_api.types.reply import ReplyObject
 from llm_mock_api.types.reply import ToolCall as MockToolCall
 
 from bench._harness import Bench, BenchError, free_port, machine, print_machine, summary_ms, wait_until
+from bench._harness import _listening as listening
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.outcome import ToolOutcome
@@ -64,14 +64,6 @@ def serve(port: int, fanout: int) -> None:
     asyncio.run(main())
 
 
-def _listening(url: str) -> bool:
-    try:
-        httpx2.get(url, timeout=1)
-    except httpx2.HTTPError:
-        return False
-    return True
-
-
 class TreeBench:
     def __init__(self, bench: Bench, fanout: int) -> None:
         self.bench = bench
@@ -83,7 +75,7 @@ class TreeBench:
                                  env=bench.env, stdout=subprocess.DEVNULL,
                                  stderr=(bench.workdir / "model.log").open("wb"))
         bench.on_close(lambda: (model.terminate(), model.wait(timeout=10)))
-        wait_until(lambda: _listening(f"http://127.0.0.1:{port}"), timeout=30, what="llm-mock-api to listen")
+        wait_until(lambda: listening(port), timeout=30, what="llm-mock-api to listen")
         bench.start_everything(SERVER)
         with bench.catalog.open("a", encoding="utf-8") as catalog:
             catalog.write(f'[models.mock]\nprovider = "openai"\nbase_url = "http://127.0.0.1:{port}/v1"\n'

@@ -591,17 +591,15 @@ def _routes(app: FastAPI) -> None:
             wanted = RunStatus(status)
         if not 1 <= limit <= 1000:
             raise ApiError.answer(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
-        if thread is not None:
-            if not RUN_ID.fullmatch(thread) or cursor:
-                raise ApiError.answer(422, "invalid thread", errors=[{"loc": ["query", "thread"], "msg": (
-                    "a run id (32 lowercase hex characters); a thread is listed in one page, without a cursor")}])
-            found = await _state(request).store.thread(thread, limit=limit, status=wanted, labels=labels)
-            return {"runs": [run_summary(r) for r in found if search.admits(r)], "next_cursor": None}
-        if root is not None:
-            if not RUN_ID.fullmatch(root) or cursor:
-                raise ApiError.answer(422, "invalid root", errors=[{"loc": ["query", "root"], "msg": (
-                    "a run id (32 lowercase hex characters); a tree is listed in one page, without a cursor")}])
-            found = await _state(request).store.tree(root, limit=limit, status=wanted, labels=labels)
+        store = _state(request).store
+        for name, run_id, what, listed in (("thread", thread, "a thread", store.thread),
+                                           ("root", root, "a tree", store.tree)):
+            if run_id is None:
+                continue
+            if not RUN_ID.fullmatch(run_id) or cursor:
+                raise ApiError.answer(422, f"invalid {name}", errors=[{"loc": ["query", name], "msg": (
+                    f"a run id (32 lowercase hex characters); {what} is listed in one page, without a cursor")}])
+            found = await listed(run_id, limit=limit, status=wanted, labels=labels)
             return {"runs": [run_summary(r) for r in found if search.admits(r)], "next_cursor": None}
         records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor),
                                                              labels=labels, search=search)

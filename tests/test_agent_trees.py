@@ -34,6 +34,10 @@ def _agent(description: str, **fields: Any) -> dict[str, Any]:
     return {"description": description, "model": "mock", **fields}
 
 
+RESEARCHER = _agent("Finds things out", mcp_servers=["toolbox"])
+"""An agent whose model (llm-mock-api, by the rules each test sets) calls the toolbox."""
+
+
 # -- the catalog and the spec -----------------------------------------------------------------------
 
 
@@ -117,8 +121,7 @@ def test_a_caller_with_two_agents_in_long_tool_calls_cancelled_cancels_every_cal
     llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
     publisher: CancelPublisher,
 ) -> None:
-    _tree_catalog(llm_mock, toolbox_http, researcher=_agent("Finds things out", mcp_servers=["toolbox"]),
-                  coder=_agent("Writes code", mcp_servers=["toolbox"]))
+    _tree_catalog(llm_mock, toolbox_http, researcher=RESEARCHER, coder=_agent("Writes code", mcp_servers=["toolbox"]))
     llm_mock.server.when("research slowly").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_r")]))
     llm_mock.server.when("code slowly").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_c")]))
     run = producer.enqueue(_caller([{"tool_calls": [_ask("researcher", "research slowly"),
@@ -154,8 +157,7 @@ def test_a_three_level_tree_cancelled_at_the_root_is_cancelled_to_its_leaf(
     llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
     publisher: CancelPublisher,
 ) -> None:
-    _tree_catalog(llm_mock, toolbox_http, planner=_agent("Plans", agents=["researcher"]),
-                  researcher=_agent("Finds things out", mcp_servers=["toolbox"]))
+    _tree_catalog(llm_mock, toolbox_http, planner=_agent("Plans", agents=["researcher"]), researcher=RESEARCHER)
     llm_mock.server.when("plan it").reply(reply(tools=[("agent__researcher", {"input": "dig deep"}, "call_p")]))
     llm_mock.server.when("dig deep").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_d")]))
     run = producer.enqueue(_caller([{"tool_calls": [_ask("planner", "plan it")]}, {"content": "never"}], ["planner"]))
@@ -202,7 +204,7 @@ def test_an_agents_answer_is_the_callers_tool_result_and_show_names_the_tree(
 def test_a_steer_of_the_caller_cancels_its_childs_call_with_reason_steered(
     llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
 ) -> None:
-    _tree_catalog(llm_mock, toolbox_http, researcher=_agent("Finds things out", mcp_servers=["toolbox"]))
+    _tree_catalog(llm_mock, toolbox_http, researcher=RESEARCHER)
     llm_mock.server.when("research slowly").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_r")]))
     run = producer.enqueue(_caller([{"tool_calls": [_ask("researcher", "research slowly")]},
                                     {"content": "steered on"}], ["researcher"]))
@@ -227,8 +229,7 @@ def test_a_steer_of_the_caller_cancels_its_childs_call_with_reason_steered(
 def test_a_token_budget_spent_by_grandchildren_stops_the_whole_tree(
     llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
 ) -> None:
-    _tree_catalog(llm_mock, toolbox_http, planner=_agent("Plans", agents=["researcher"]),
-                  researcher=_agent("Finds things out", mcp_servers=["toolbox"]))
+    _tree_catalog(llm_mock, toolbox_http, planner=_agent("Plans", agents=["researcher"]), researcher=RESEARCHER)
     llm_mock.server.when("plan it").reply(reply(tools=[("agent__researcher", {"input": "dig deep"}, "call_p")],
                                                 usage=(10, 10)))
     llm_mock.server.when("dig deep").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_d")],
