@@ -14,9 +14,11 @@ trees").
 4. hands the child's answer back as the tool result (``output``, or ``output_json`` as JSON), a failed or
    cancelled child as a failed result the model can act on, each with ``child_run_id``.
 
-A call cut off by a cancel, a steer or a hand-over cancels its child (each level's worker cancels the level
-below, and an operator's cancel fences the whole tree at once: shared/messaging/cancel.py), but for a lost
-lease: the run is no longer this worker's.
+A call cut off by a cancel or a steer cancels its child (each level's worker cancels the level below, and an
+operator's cancel fences the whole tree at once: shared/messaging/cancel.py). One cut off by a hand-over is left
+unrecorded and made again by the next worker (worker/loop.py, ``_Turn.again``), as one cut off by a lost worker
+is (its ``on_worker_lost`` is ``retry``: worker/liveness.py): either finds the child it started and waits for
+it. A lost lease cancels nothing: the run is no longer this worker's.
 """
 
 from __future__ import annotations
@@ -254,8 +256,10 @@ class AgentCalls:
         result = ToolResult.cancelled(f"the call of the agent {call.tool!r} was cut off", sent=child is not None)
         if child is None or handle.lost:
             return result
-        why = ("steered" if handle.steer is not None and not handle.cancel_seen
-               else "worker_shutdown" if handle.handing_over and not handle.cancel_seen else "cancelled")
+        if handle.handing_over and not handle.cancel_seen and handle.steer is None:
+            # Handed over, not stopped: the next worker makes the call again and re-attaches (worker/loop.py).
+            return replace(result, child_run_id=child)
+        why = "steered" if handle.steer is not None and not handle.cancel_seen else "cancelled"
         with anyio.CancelScope(shield=True):
             await self._runs.cancel(child, reason=f"{why}: its caller, run {self._caller.run_id}, was {why}",
                                     requested_by=f"run {self._caller.run_id}")

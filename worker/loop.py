@@ -377,8 +377,8 @@ class ToolLoop:
                 state.messages.extend(turn.results[i] for i in sorted(turn.results))
             raise turn.stopped_by
         state.messages.extend(turn.messages())
-        if turn.started < len(turn.calls):  # the hand-over came first: the next worker makes the others
-            state.pending_calls = calls[turn.started:]
+        if turn.started < len(turn.calls) or turn.again:  # the hand-over came first: the next worker makes the others
+            state.pending_calls = [turn.calls[i] for i in sorted(turn.again)] + calls[turn.started:]
             if turn.started:  # an approved call was among those made
                 state.approved_call_id = None
             return LoopEnd(LoopEndKind.HANDOFF, state=state)
@@ -414,6 +414,9 @@ class ToolLoop:
                         turn.release(interrupt)
                 step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result,
                                     call_id=call.id, duration_ms=_ms(self._clock() - started))
+                if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over and result.child_run_id:
+                    turn.again.add(index)  # an agent call: the next worker makes it again and finds its child
+                    return
                 if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
                     # Cut off by the hand-over, not by a cancel (a cancel found by the append's probe still wins).
                     result = ToolResult.cancelled("the call was cut off: the worker executing the run shut down")
@@ -472,6 +475,9 @@ class _Turn:
     """The grace timers of ``finish`` calls a cancel reached."""
     stopped_by: BaseException | None = None
     """The first thing that ended the run while the calls ran; raised once every call is back."""
+    again: set[int] = field(default_factory=set)
+    """The calls a hand-over cut off that the next worker makes again, unrecorded (an agent call re-attaches to
+    its child: worker/agents.py)."""
 
     def stop(self, exc: BaseException) -> None:
         """Keep the first reason to stop and cut off the calls still in flight: a cancel found by one call's
@@ -497,7 +503,7 @@ class _Turn:
 
     def messages(self) -> list[Message]:
         """The tool messages of the calls started, in call order (not in the order they completed)."""
-        return [self.results[i] for i in range(self.started)]
+        return [self.results[i] for i in range(self.started) if i not in self.again]
 
 
 def _attempts(attempts: int, retried: tuple[RetriedAttempt, ...]) -> dict[str, Any]:
