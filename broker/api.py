@@ -610,7 +610,7 @@ def _routes(app: FastAPI) -> None:
         """The run and its steps: the object ``runbrake show --json`` prints."""
         state = _state(request)
         await _visible(state, who, run_id)
-        return run_json(await state.store.get(run_id))
+        return run_json(await state.store.waiting_below(await state.store.get(run_id)))
 
     @app.get("/v1/runs/{run_id}/steps/{sequence}/messages", tags=["runs"], responses=_STEP_ERRORS)
     async def step_messages(request: Request, who: Reader, run_id: RunId,

@@ -349,7 +349,7 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
     from runbrake.broker.render import render_run, run_json
 
     with open_store(settings_from_env()) as store:
-        record = store.get(run_id)
+        record = store.waiting_below(store.get(run_id))
     if as_json:
         emit_json(run_json(record))
     else:

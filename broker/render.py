@@ -152,6 +152,8 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
     if record.children:
         lines.append(f"  {label('run.children', lang)}: "
                      + ", ".join(record.children[call] for call in sorted(record.children)))
+    if record.waiting_below:
+        lines.append(f"  {label('run.waiting_below', lang)}: {', '.join(record.waiting_below)}")
     if record.cancel is not None:
         lines.append(
             f"  {label('run.cancel', lang)}: {record.cancel.reason!r} {label('run.by', lang)} "

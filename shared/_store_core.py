@@ -1488,6 +1488,12 @@ def next_level(level: list[dict[str, str]]) -> list[str]:
     return [children[call] for children in level for call in sorted(children)]
 
 
+def waiting_in(record: RunRecord, tree: Sequence[RunRecord]) -> RunRecord:
+    """``record`` with the runs of its ``tree`` (below it) that wait for approval (``waiting_below``)."""
+    waiting = tuple(r.run_id for r in tree if r.run_id != record.run_id and r.status is RunStatus.WAITING_FOR_APPROVAL)
+    return dataclasses.replace(record, waiting_below=waiting)
+
+
 def in_tree(records: Sequence[RunRecord | None], *, limit: int, status: RunStatus | None,
             labels: Mapping[str, str] | None) -> list[RunRecord]:
     """The runs of an agent tree among ``records`` that match ``status`` and ``labels``, at most ``limit``."""

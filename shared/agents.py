@@ -57,6 +57,9 @@ class AgentSpec(SpecModel):
     """What each of its runs may spend; a child's ``deadline_s`` is also at most what its caller has left."""
     max_rounds: Annotated[int, Field(ge=1, le=1000)] = DEFAULT_MAX_ROUNDS
     """Model calls each of its runs may make."""
+    approval_required: _Names = ()
+    """Tools (``<server>.<tool>``) whose calls in its runs wait for ``runbrake approve``; the tree's first run
+    shows which of its runs waits (docs/usage.md, "Agent trees")."""
 
 
 def check_agents(agents: Mapping[str, AgentSpec], *, models: Mapping[str, object],
@@ -133,6 +136,8 @@ def child_request(agent: AgentSpec, text: str, *, key: str, deadline_s: float | 
         spec["model_settings"] = agent.model_settings.model_dump(mode="json", exclude_none=True)
     if agent.output_schema is not None:
         spec["output_schema"] = agent.output_schema
+    if agent.approval_required:
+        spec["approval_required"] = list(agent.approval_required)
     budget = {} if agent.budget is None else agent.budget.model_dump(mode="json", exclude_none=True)
     if deadline_s is not None:
         budget["deadline_s"] = min(deadline_s, budget.get("deadline_s", deadline_s))

@@ -370,6 +370,10 @@ class AsyncRunStore:
         records = await self.execute(core.summaries(self.keys, ids))
         return core.in_tree(records, limit=limit, status=status, labels=labels)
 
+    async def waiting_below(self, record: RunRecord) -> RunRecord:
+        """``record`` with the runs below it in its agent tree that wait for approval (``RunStore.waiting_below``)."""
+        return core.waiting_in(record, await self.tree(record.run_id)) if record.children else record
+
     async def page(
         self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,
         labels: Mapping[str, str] | None = None, search: RunSearch = ANY_RUN, scan: int = 1000,

@@ -249,6 +249,9 @@ class RunRecord:
     """Levels below its tree's first run (0 for the first run)."""
     children: Mapping[str, str] = field(default_factory=dict)
     """The child runs its agent calls started, by the calling tool call's id (read with the run, not listed)."""
+    waiting_below: tuple[str, ...] = ()
+    """The runs below it in its agent tree waiting for approval, where the reader looked (``show``,
+    ``GET /v1/runs/{id}``: ``RunStore.waiting_below``); never stored."""
 
     @property
     def root(self) -> str:
@@ -325,6 +328,7 @@ class RunRecord:
             "root_run_id": self.root,
             "depth": self.depth,
             "children": [self.children[call] for call in sorted(self.children)],
+            "waiting_below": list(self.waiting_below),
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -337,7 +341,7 @@ class RunRecord:
 
 
 _NOT_IN_A_LISTING: Final = frozenset({"steps", "input", "instructions", "output", "output_json", "budget",
-                                      "budget_use", "children"})
+                                      "budget_use", "children", "waiting_below"})
 
 
 MAX_SEARCH_CHARS: Final = 200

@@ -415,6 +415,11 @@ class RunStore:
         records = self.execute(core.summaries(self.keys, [run_id, *self.descendants(run_id, limit=limit)]))
         return core.in_tree(records, limit=limit, status=status, labels=labels)
 
+    def waiting_below(self, record: RunRecord) -> RunRecord:
+        """``record`` with the runs below it in its agent tree that wait for approval (none read without
+        children)."""
+        return core.waiting_in(record, self.tree(record.run_id)) if record.children else record
+
     def server_outcomes(self, *, since: float | None = None) -> dict[str, dict[str, int]]:
         """Tool calls per server and outcome; with ``since`` (epoch seconds), those of the hours since then."""
         return self.execute(core.server_outcomes(self.keys, since=since))

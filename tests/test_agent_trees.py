@@ -267,3 +267,26 @@ def test_a_childs_deadline_is_at_most_what_its_caller_has_left(
     root = wait_for_run(store, run.run_id, timeout=WAIT_S)
     assert (root.status, root.termination_reason) == (RunStatus.CANCELLED, TerminationReason.DEADLINE_EXCEEDED)
     assert matching_events(toolbox_http.events, "finished", tool="slow") == []
+
+
+@pytest.mark.integration
+def test_a_child_waiting_for_approval_is_shown_at_the_root_and_its_approval_completes_the_tree(
+    llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
+) -> None:
+    _tree_catalog(llm_mock, toolbox_http, researcher={**RESEARCHER, "approval_required": ["toolbox.get-sum"]})
+    llm_mock.server.when("add them").reply(reply(tools=[("toolbox__get-sum", {"a": 2, "b": 3}, "call_sum")])).times(1)
+    llm_mock.server.when_tool_result("call_sum").reply(reply("5"))
+    run = producer.enqueue(_caller([{"tool_calls": [_ask("researcher", "add them")]}, {"content": "done"}],
+                                   ["researcher"]))
+    [child] = _children(store, run.run_id, 1)
+    wait_for_run(store, child, lambda r: r.status is RunStatus.WAITING_FOR_APPROVAL, timeout=WAIT_S)
+
+    shown = json.loads(runbrake("show", run.run_id, "--json").stdout)
+    assert (shown["status"], shown["waiting_below"]) == ("running", [child])
+    assert f"Darunter wartet auf Freigabe: {child}" in runbrake("show", run.run_id, "--lang", "de").stdout
+    assert runbrake("approve", child).returncode == 0
+
+    record = wait_for_run(store, run.run_id, timeout=WAIT_S)
+    assert (record.status, [s.content for s in record.steps if s.kind is StepKind.TOOL]) == (
+        RunStatus.COMPLETED, ["5"])
+    assert json.loads(runbrake("show", run.run_id, "--json").stdout)["waiting_below"] == []
