@@ -635,9 +635,14 @@ def _user_line(name: str, user: dict[str, Any]) -> str:
     return f"rabbitmq user {name}: tenant {user['tenant']}"
 
 
+def _agent_line(name: str, agent: dict[str, Any]) -> str:
+    calls = [*agent.get("mcp_servers", []), *(f"agent {a}" for a in agent.get("agents", []))]
+    return f"agent {name}: model {agent['model']}" + (f"  calls: {', '.join(calls)}" if calls else "")
+
+
 CATALOG_LINES: Final[dict[str, Callable[[str, dict[str, Any]], str]]] = {
     "mcp_servers": _server_line, "models": _model_line, "webhooks": _webhook_line, "tenants": _tenant_line,
-    "rabbitmq_users": _user_line,
+    "rabbitmq_users": _user_line, "agents": _agent_line,
 }
 """How ``catalog check`` shows one entry of each section of :meth:`Catalog.describe`, in this order: every
 section it describes (tests/test_cli.py checks that none is left out)."""
