@@ -109,9 +109,6 @@ class ChildRuns:
             publisher = self._local.publisher = CancelPublisher(self.settings)
         publisher.publish(run_id)
 
-    def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
-
 
 @dataclass(frozen=True, slots=True)
 class Caller:
