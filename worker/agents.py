@@ -94,6 +94,10 @@ class ChildRuns:
             log.warning("child_run_cancel_failed", child_run_id=run_id, error=str(exc))
             return
         if not transition.won:
+            # Fenced already (a cancel of the tree fences every run below before it wakes their workers): a child
+            # this process executes is cut off here at once rather than when its wake-up comes.
+            if transition.found is RunStatus.CANCELLED:
+                self.registry.interrupt(run_id)
             return
         log.info("child_run_cancelled", child_run_id=run_id, reason=reason)
         if self.registry.interrupt(run_id):
