@@ -259,7 +259,7 @@ class AgentCalls:
             return result
         if handle.handing_over and not handle.cancel_seen and handle.steer is None:
             # Handed over, not stopped: the next worker makes the call again and re-attaches (worker/loop.py).
-            return replace(result, child_run_id=child)
+            return replace(result, child_run_id=child, again=True)
         why = "steered" if handle.steer is not None and not handle.cancel_seen else "cancelled"
         with anyio.CancelScope(shield=True):
             await self._runs.cancel(child, reason=f"{why}: its caller, run {self._caller.run_id}, was {why}",

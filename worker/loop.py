@@ -414,7 +414,7 @@ class ToolLoop:
                         turn.release(interrupt)
                 step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result,
                                     call_id=call.id, duration_ms=_ms(self._clock() - started))
-                if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over and result.child_run_id:
+                if result.again and self._hooks.handing_over:
                     turn.again.add(index)  # an agent call: the next worker makes it again and finds its child
                     return
                 if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
