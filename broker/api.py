@@ -560,6 +560,9 @@ def _routes(app: FastAPI) -> None:
                             description="KEY:VALUE; repeat it: a run must carry every label given")] = None,
                         thread: Annotated[str | None, Query(
                             description="A run id: list the thread it is in, oldest first, in one page")] = None,
+                        root: Annotated[str | None, Query(
+                            description="A run id: list the agent tree it is the first run of, level by level, "
+                                        "in one page")] = None,
                         q: Annotated[str | None, Query(
                             description="Text the run id, the start of the input, the model, a label (KEY=VALUE) "
                                         "or the error holds, in any case")] = None,
@@ -572,7 +575,8 @@ def _routes(app: FastAPI) -> None:
         """Runs newest first, one page at a time; ``next_cursor`` is null on the last page. Filtered by
         ``status``, by ``label=KEY:VALUE`` (repeatable: all must match), by text (``q``) and by creation time
         (``since``, ``until``). A tenant's token lists only its tenant's runs. ``thread=ROOT_ID`` lists a thread
-        instead: its first run and every continuation, oldest first (docs/http-api.md, "Threads")."""
+        instead: its first run and every continuation, oldest first (docs/http-api.md, "Threads"); ``root=ID`` an
+        agent tree: the run and every run below it, level by level (docs/usage.md, "Agent trees")."""
         labels = _label_filter(label or [])
         search = _search(q, since, until)
         if who.tenant is not None:
@@ -587,11 +591,15 @@ def _routes(app: FastAPI) -> None:
             wanted = RunStatus(status)
         if not 1 <= limit <= 1000:
             raise ApiError.answer(422, "invalid limit", errors=[{"loc": ["query", "limit"], "msg": "from 1 to 1000"}])
-        if thread is not None:
-            if not RUN_ID.fullmatch(thread) or cursor:
-                raise ApiError.answer(422, "invalid thread", errors=[{"loc": ["query", "thread"], "msg": (
-                    "a run id (32 lowercase hex characters); a thread is listed in one page, without a cursor")}])
-            found = await _state(request).store.thread(thread, limit=limit, status=wanted, labels=labels)
+        store = _state(request).store
+        for name, run_id, what, listed in (("thread", thread, "a thread", store.thread),
+                                           ("root", root, "a tree", store.tree)):
+            if run_id is None:
+                continue
+            if not RUN_ID.fullmatch(run_id) or cursor:
+                raise ApiError.answer(422, f"invalid {name}", errors=[{"loc": ["query", name], "msg": (
+                    f"a run id (32 lowercase hex characters); {what} is listed in one page, without a cursor")}])
+            found = await listed(run_id, limit=limit, status=wanted, labels=labels)
             return {"runs": [run_summary(r) for r in found if search.admits(r)], "next_cursor": None}
         records, position = await _state(request).store.page(limit=limit, status=wanted, after=_cursor(cursor),
                                                              labels=labels, search=search)
@@ -602,7 +610,7 @@ def _routes(app: FastAPI) -> None:
         """The run and its steps: the object ``runbrake show --json`` prints."""
         state = _state(request)
         await _visible(state, who, run_id)
-        return run_json(await state.store.get(run_id))
+        return run_json(await state.store.waiting_below(await state.store.get(run_id)))
 
     @app.get("/v1/runs/{run_id}/steps/{sequence}/messages", tags=["runs"], responses=_STEP_ERRORS)
     async def step_messages(request: Request, who: Reader, run_id: RunId,

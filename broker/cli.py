@@ -350,7 +350,7 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
     from runbrake.broker.render import render_run, run_json
 
     with open_store(settings_from_env()) as store:
-        record = store.get(run_id)
+        record = store.waiting_below(store.get(run_id))
     if as_json:
         emit_json(run_json(record))
     else:
@@ -364,11 +364,15 @@ def show(run_id: str, as_json: bool, lang: str) -> None:
               help="Only runs with this label; repeat it: a run must carry every label given.")
 @click.option("--thread", "thread", type=RUN_ID, default=None,
               help="List the thread RUN_ID is in instead (its first run and every continuation), oldest first.")
+@click.option("--root", "root", type=RUN_ID, default=None,
+              help="List the agent tree whose first run is RUN_ID instead (it and every run below it), level by "
+                   "level.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 @user_errors
-def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None, limit: int, as_json: bool) -> None:
-    """List recent runs, newest first (filters look at the last 1000 runs), or one thread."""
+def runs(*, status: str | None, label_filters: tuple[str, ...], thread: str | None, root: str | None, limit: int,
+         as_json: bool) -> None:
+    """List recent runs, newest first (filters look at the last 1000 runs), one thread or one agent tree."""
     from runbrake.broker.render import render_runs, run_summary
     from runbrake.shared.spec import parse_label_filters
 
@@ -380,6 +384,8 @@ def runs(status: str | None, label_filters: tuple[str, ...], thread: str | None,
     with open_store(settings_from_env()) as store:
         if thread is not None:
             records = store.thread(thread, limit=limit, status=wanted, labels=labels)
+        elif root is not None:
+            records = store.tree(root, limit=limit, status=wanted, labels=labels)
         else:
             records = store.recent(limit=limit, status=wanted, labels=labels)
     if as_json:
@@ -630,9 +636,14 @@ def _user_line(name: str, user: dict[str, Any]) -> str:
     return f"rabbitmq user {name}: tenant {user['tenant']}"
 
 
+def _agent_line(name: str, agent: dict[str, Any]) -> str:
+    calls = [*agent.get("mcp_servers", []), *(f"agent {a}" for a in agent.get("agents", []))]
+    return f"agent {name}: model {agent['model']}" + (f"  calls: {', '.join(calls)}" if calls else "")
+
+
 CATALOG_LINES: Final[dict[str, Callable[[str, dict[str, Any]], str]]] = {
     "mcp_servers": _server_line, "models": _model_line, "webhooks": _webhook_line, "tenants": _tenant_line,
-    "rabbitmq_users": _user_line,
+    "rabbitmq_users": _user_line, "agents": _agent_line,
 }
 """How ``catalog check`` shows one entry of each section of :meth:`Catalog.describe`, in this order: every
 section it describes (tests/test_cli.py checks that none is left out)."""

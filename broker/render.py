@@ -146,6 +146,14 @@ def render_run(record: RunRecord, lang: Lang = "en") -> str:
     if record.parent_run_id is not None:
         lines.append(f"  {label('run.parent', lang)}: {record.parent_run_id}   {label('run.thread', lang)}: "
                      f"{record.thread}")
+    if record.caller_run_id is not None:
+        lines.append(f"  {label('run.caller', lang)}: {record.caller_run_id}   {label('run.root', lang)}: "
+                     f"{record.root} ({label('run.depth', lang)} {record.depth})")
+    if record.children:
+        lines.append(f"  {label('run.children', lang)}: "
+                     + ", ".join(record.children[call] for call in sorted(record.children)))
+    if record.waiting_below:
+        lines.append(f"  {label('run.waiting_below', lang)}: {', '.join(record.waiting_below)}")
     if record.cancel is not None:
         lines.append(
             f"  {label('run.cancel', lang)}: {record.cancel.reason!r} {label('run.by', lang)} "

@@ -59,6 +59,8 @@ local function outbox(run_id, event)
   entry[#entry + 1] = '*'
   entry[#entry + 1] = 'run'
   entry[#entry + 1] = run_id
+  local root = redis.call('HGET', KEYS[1], 'root_run_id')
+  if root and root ~= '' then event = '{"root_run_id":"' .. root .. '",' .. string.sub(event, 2) end
   entry[#entry + 1] = 'event'
   entry[#entry + 1] = event
   local labels = redis.call('HGET', KEYS[1], 'labels')
@@ -81,7 +83,8 @@ ARGV before the channel, seconds; 0 keeps them as long as runs are kept: forever
 (``MINID ~``). The run's labels (its hash's ``labels`` field, JSON, where it has one) travel with the
 entry for the relay's headers (worker/relay.py). The PUBLISH also names the run's tenant (``"tenant"``, "" for
 none; a name of label-key characters, broker/auth.py, so it needs no escaping): the API hands a tenant's
-``GET /v1/events`` only its tenant's runs."""
+``GET /v1/events`` only its tenant's runs. A run below the first of an agent tree (its hash has
+``root_run_id``, a hex id) says so in each event (``"root_run_id"``; docs/usage.md, "Agent trees")."""
 
 _ANNOUNCE = _OUTBOX + """
 local function announce(run_id, status, reason)
@@ -160,7 +163,8 @@ end
 #   (per tenant: "<minute> <count>"), thread index (a dummy key for a first run), outbox.
 # ARGV: run_id, request_json, now, has_idempotency_key ('1'/'0'), idempotency_key, request digest,
 #   labels_json, model, input preview, tenant ('' = none), max_runs_in_flight (0 = no bound),
-#   max_enqueues_per_minute (0 = no bound), parent run id ('' = a first run), thread root, retention_s,
+#   max_enqueues_per_minute (0 = no bound), parent run id ('' = a first run), thread root, caller run id ('' =
+#   no agent call made it), root run id, depth, ancestors ("/"-separated, the caller first), retention_s,
 #   events channel
 # The labels, the model's name and the start of the input are kept beside the request as fields of their
 # own, so that a listing reads them without the request, which can be large (shared/_store_core.py,
@@ -211,6 +215,10 @@ if ARGV[4] == '1' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[6]) end
 if ARGV[13] ~= '' then
   redis.call('HSET', KEYS[1], 'parent_run_id', ARGV[13], 'thread', ARGV[14])
   redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
+end
+if ARGV[15] ~= '' then
+  redis.call('HSET', KEYS[1], 'caller_run_id', ARGV[15], 'root_run_id', ARGV[16], 'depth', ARGV[17],
+    'ancestors', ARGV[18])
 end
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
@@ -735,7 +743,28 @@ else
 end
 return 1
 """)
+# KEYS: children (the caller's hash: call id -> child run id), the caller's run.  ARGV: call id, child run id
+ADD_CHILD = _script("add_child", """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local ttl = redis.call('PTTL', KEYS[2])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+""")
+"""A caller records the child run its agent call started before it waits for it (docs/usage.md, "Agent
+trees"); the hash expires with the caller's run once that has a retention expiry, and goes with it when swept."""
+
+# KEYS: an ancestor's run.  ARGV: tokens, cost in USD ('' = none)
+ADD_BELOW = _script("add_below", """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[1] ~= '0' then redis.call('HINCRBY', KEYS[1], 'below_tokens', ARGV[1]) end
+if ARGV[2] ~= '' then redis.call('HINCRBYFLOAT', KEYS[1], 'below_cost_usd', ARGV[2]) end
+return 1
+""")
+"""A model step of a run below counts against each run above it in its agent tree, whose budget reads it
+(shared/_store_core.py, ``budget_use``)."""
+
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
-       STEER, STEER_WAITING, STEER_APPLY, REAP, BEAT, LAPSE, RESTAMP, MARK_SENT, RECLAIM, REDRIVE, OUTBOX_GROUP,
+       ADD_CHILD, ADD_BELOW, STEER, STEER_WAITING, STEER_APPLY, REAP, BEAT, LAPSE, RESTAMP, MARK_SENT, RECLAIM, REDRIVE,
+       OUTBOX_GROUP,
        OUTBOX_TRIM, RELAY_LEASE, RELAY_RELEASE, WEBHOOK_QUEUE, WEBHOOK_RESULT)
 """Every script, for loading them all after Redis lost its script cache (a restart, SCRIPT FLUSH)."""

@@ -66,11 +66,13 @@ from runbrake.shared.records import (
     RunRecord,
     SteerRequest,
     Transition,
+    TreeLink,
     read_cancel_request,
     read_json_field,
     read_record,
     read_steer_request,
     read_step,
+    read_tree,
 )
 from runbrake.shared.redaction import scrub, scrub_value, strip_bidi
 from runbrake.shared.run_end import answer_members
@@ -182,6 +184,11 @@ class Keys:
 
     def cancel(self, run_id: str) -> str:
         return f"{self.run(run_id)}:cancel"
+
+    def children(self, run_id: str) -> str:
+        """The child runs its agent calls started (docs/usage.md, "Agent trees"): a hash, call id → child run
+        id, in the run's own slot."""
+        return f"{self.run(run_id)}:children"
 
     def steer(self, run_id: str) -> str:
         """The steer waiting to be applied (docs/cancellation.md, "Steer"): at most one, deleted when applied."""
@@ -552,14 +559,15 @@ INPUT_PREVIEW_CHARS: Final = 200
 
 
 def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | None, tenant: str | None = None,
-           quota: Quota | None = None, link: ThreadLink | None = None) -> Op[Created]:
+           quota: Quota | None = None, link: ThreadLink | None = None, tree: TreeLink | None = None) -> Op[Created]:
     """Write a queued run with its request; the same idempotency key answers the run it created.
 
     The request is a validated spec's (shared/spec.py): its labels, its model's name (a catalog name, or an
     inline model's provider) and the start of its input are also kept as fields of their own. A ``tenant``'s
     run also carries the label ``tenant``, and counts against the tenant's ``quota``: over one, nothing is
     written and the answer says which (``Created.quota``). A continuation (``link``) keeps its parent and its
-    thread's root, and joins the thread's index, in the same script."""
+    thread's root, and joins the thread's index, in the same script; a child run (``tree``) keeps its caller,
+    its tree's first run, its depth and its ancestors (docs/usage.md, "Agent trees")."""
     run_id = keys.new_run_id(idempotency_key, tenant)
     shard = keys.shard(run_id)
     quota = quota or Quota()
@@ -594,7 +602,8 @@ def create(keys: Keys, request: Mapping[str, Any], *, idempotency_key: str | Non
          Ident(digest), labels, _model_name(request), str(request.get("input", ""))[:INPUT_PREVIEW_CHARS],
          Ident(tenant or ""), quota.max_runs_in_flight or 0, quota.max_enqueues_per_minute or 0,
          Ident(link.parent_run_id if link else ""), Ident(link.thread if link else ""),
-         keys.retention_s, Ident(keys.events)),
+         Ident(tree.caller_run_id if tree else ""), Ident(tree.root_run_id if tree else ""), tree.depth if tree else 0,
+         Ident("/".join(tree.ancestors) if tree else ""), keys.retention_s, Ident(keys.events)),
         "create a run", parse,
     ))
 
@@ -630,7 +639,7 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
 
     def parse(answers: list[Any]) -> Claim:
         transition = _read_transition(name, run_id, answers[0])
-        request, pending, tenant = answers[1]
+        request, pending, tenant, ancestors, root, depth = answers[1]
         return Claim(
             won=transition.won, found=transition.found, exists=transition.exists,
             owner_mismatch=transition.owner_mismatch,
@@ -638,13 +647,14 @@ def claim(keys: Keys, run_id: str, owner: str, *, lease_s: float, resume: bool =
             pending=read_json_field(pending) if transition.won else None,
             steer=read_steer_request(answers[2]) if transition.won else None,
             tenant=_text(tenant) if transition.won and tenant else None,
+            tree=read_tree(ancestors, root, depth) if transition.won else None,
         )
 
     return Op(f"{name} run {run_id}", (
         ScriptCall(script, (keys.run(run_id), *keys.waiting_lists(run_id), keys.outbox_of(run_id)),
                    (Ident(owner), float(lease_s), Ident(run_id), Ident(worker), keys.retention_s,
                     Ident(keys.events))),
-        Command(("HMGET", keys.run(run_id), "request", "pending", "tenant")),
+        Command(("HMGET", keys.run(run_id), "request", "pending", "tenant", "ancestors", "root_run_id", "depth")),
         Command(("GET", keys.steer(run_id))),
     ), parse)
 
@@ -706,6 +716,14 @@ def settle(keys: Keys, run_id: str, status: RunStatus, reason: TerminationReason
 CANCEL_REASONS: Final = frozenset({TerminationReason.CANCELLED, TerminationReason.BUDGET_EXCEEDED,
                                    TerminationReason.DEADLINE_EXCEEDED})
 """The termination reasons a cancel ends a run with: an operator's, or the run's own budget's."""
+
+
+def cancel_all(keys: Keys, run_ids: Sequence[str], *, reason: str, requested_by: str) -> Op[list[Transition]]:
+    """The cancel fence of each of ``run_ids`` in one round trip (an agent tree's runs below a cancelled one:
+    docs/usage.md, "Agent trees"); each is its own script, refused where its run is terminal already."""
+    fences = [cancel(keys, run_id, reason=reason, requested_by=requested_by) for run_id in run_ids]
+    return durable(Op(f"cancel {len(run_ids)} runs", tuple(call for fence in fences for call in fence.calls),
+                      lambda answers: [fence.parse([answer]) for fence, answer in zip(fences, answers, strict=True)]))
 
 
 def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str,
@@ -899,18 +917,69 @@ def _cost(usage: object) -> Ident:
     return Ident("")
 
 
-def budget_use(keys: Keys, run_id: str) -> Op[tuple[float, int, float | None] | None]:
-    """What a run used so far, for its budget: (created_at, total tokens, cost in USD or None); None when
-    there is no such run."""
-    def parse(answers: list[Any]) -> tuple[float, int, float | None] | None:
-        created, tokens_in, tokens_out, cost = answers[0]
+def budget_use(keys: Keys, run_id: str) -> Op[BudgetUse | None]:
+    """What a run used so far, for its budget, and what the runs below it in an agent tree used (``below_tokens``,
+    ``below_cost_usd``: :func:`add_below`); None when there is no such run."""
+    def parse(answers: list[Any]) -> BudgetUse | None:
+        created, tokens_in, tokens_out, cost, below_tokens, below_cost = answers[0]
         if created is None:
             return None
-        return float(created), _tokens_of(tokens_in) + _tokens_of(tokens_out), None if cost is None else float(cost)
+        return BudgetUse(float(created), _tokens_of(tokens_in) + _tokens_of(tokens_out),
+                         None if cost is None else float(cost), _tokens_of(below_tokens),
+                         float(below_cost) if below_cost else 0.0)
 
     return Op(f"read the budget use of run {run_id}",
-              (Command(("HMGET", keys.run(run_id), "created_at", "input_tokens", "output_tokens", "cost_usd")),),
+              (Command(("HMGET", keys.run(run_id), "created_at", "input_tokens", "output_tokens", "cost_usd",
+                        "below_tokens", "below_cost_usd")),),
               parse)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetUse:
+    """What a run used of its budget (:func:`budget_use`)."""
+
+    created_at: float
+    tokens: int
+    cost_usd: float | None
+    below_tokens: int = 0
+    """Tokens the runs below it in its agent tree used."""
+    below_cost_usd: float = 0.0
+
+
+def below_use(keys: Keys, run_id: str) -> Op[tuple[int, float]]:
+    """What the runs below ``run_id`` in its agent tree used: (tokens, cost in USD)."""
+    def parse(answers: list[Any]) -> tuple[int, float]:
+        tokens, cost = answers[0]
+        return _tokens_of(tokens), float(cost) if cost else 0.0
+
+    return Op(f"read the use below run {run_id}",
+              (Command(("HMGET", keys.run(run_id), "below_tokens", "below_cost_usd")),), parse)
+
+
+def add_below(keys: Keys, ancestors: Sequence[str], tokens: int, cost_usd: float) -> Op[None]:
+    """Count a child run's model step against every run above it (docs/usage.md, "Agent trees"): each
+    ancestor's ``below_tokens`` and ``below_cost_usd``, which its budget reads (:func:`budget_use`). Each is a
+    key of its own slot, so no script spans them; an ancestor that no longer exists is left alone."""
+    cost = repr(cost_usd) if cost_usd else ""
+    return Op("count a child's use above it", tuple(
+        ScriptCall(_scripts.ADD_BELOW, (keys.run(run_id),), (tokens, cost)) for run_id in ancestors),
+        lambda _answers: None)
+
+
+def add_child(keys: Keys, caller_run_id: str, call_id: str, child_run_id: str) -> Op[None]:
+    """Record the child run a call of the caller started (call id → child run id), before the caller waits for
+    it: whoever takes the caller up next re-attaches to it, and a cancel of the caller reaches it."""
+    return durable(_script(_scripts.ADD_CHILD, (keys.children(caller_run_id), keys.run(caller_run_id)),
+                           (call_id, Ident(child_run_id)), f"record the child of run {caller_run_id}",
+                           lambda _answers: None))
+
+
+def children(keys: Keys, run_ids: Sequence[str]) -> Op[list[dict[str, str]]]:
+    """The child runs of each of ``run_ids``, by the id of the call that started each."""
+    def parse(answers: list[Any]) -> list[dict[str, str]]:
+        return [{_text(call): _text(child) for call, child in (found or {}).items()} for found in answers]
+
+    return Op("read children", tuple(Command(("HGETALL", keys.children(i))) for i in run_ids), parse)
 
 
 def _tokens_of(value: str | bytes | None) -> int:
@@ -1140,16 +1209,17 @@ def reclaim(keys: Keys, run_id: str, *, worker: str, seq: int, steps: Sequence[R
 def get(keys: Keys, run_id: str) -> Op[RunRecord]:
     """The run with its steps and cancel request, read in one transaction; :class:`RunNotFound` when absent."""
     def parse(answers: list[Any]) -> RunRecord:
-        fields, raw_steps, raw_cancel = answers
+        fields, raw_steps, raw_cancel, children = answers
         if not fields:
             raise RunNotFound(run_id)
         steps = tuple(read_step(run_id, raw) for raw in raw_steps)
-        return read_record(run_id, fields, steps, read_cancel_request(raw_cancel))
+        return read_record(run_id, fields, steps, read_cancel_request(raw_cancel), children=children)
 
     return Op(f"read run {run_id}", (
         Command(("HGETALL", keys.run(run_id))),
         Command(("LRANGE", keys.steps(run_id), 0, -1)),
         Command(("GET", keys.cancel(run_id))),
+        Command(("HGETALL", keys.children(run_id))),
     ), parse, transaction=True)
 
 
@@ -1295,7 +1365,8 @@ def forget(keys: Keys, runs: Mapping[str, str], threads: Mapping[str, str] | Non
     calls: list[Call] = [Command(("ZREM", keys.thread(root, keys.shard(run_id)), run_id))
                          for run_id, root in (threads or {}).items() if root]
     for run_id, idempotency_key in runs.items():
-        doomed = [keys.run(run_id), keys.steps(run_id), keys.cancel(run_id), keys.steer(run_id)]
+        doomed = [keys.run(run_id), keys.steps(run_id), keys.cancel(run_id), keys.steer(run_id),
+                  keys.children(run_id)]
         if idempotency_key:
             doomed.append(keys.idempotency(idempotency_key, keys.shard(run_id)))
         calls += [Command(("DEL", *doomed))]
@@ -1331,7 +1402,7 @@ def ping() -> Op[None]:
 SUMMARY_FIELDS: Final = ("status", "termination_reason", "created_at", "started_at", "finished_at", "owner",
                          "lease_expires_at", "error", "segments", "labels", "model", "input_preview", "model_calls",
                          "input_tokens", "output_tokens", "cost_usd", "parent_run_id", "thread",
-                         "worker_losses", "lost_worker")
+                         "worker_losses", "lost_worker", "caller_run_id", "root_run_id", "depth")
 """The hash fields a run listing reads: not the request or the pending turn, which can be large."""
 
 
@@ -1432,6 +1503,23 @@ def thread_ids(keys: Keys, root: str, *, count: int) -> Op[Sequence[str]]:
 def thread_root(record: RunRecord | None, run_id: str) -> str:
     """The first run of the thread ``run_id`` is in (its own id when it is a first run, or gone)."""
     return run_id if record is None else record.thread
+
+
+def next_level(level: list[dict[str, str]]) -> list[str]:
+    """The runs one level below, from the ``children`` of the level above (call id order)."""
+    return [children[call] for children in level for call in sorted(children)]
+
+
+def waiting_in(record: RunRecord, tree: Sequence[RunRecord]) -> RunRecord:
+    """``record`` with the runs of its ``tree`` (below it) that wait for approval (``waiting_below``)."""
+    waiting = tuple(r.run_id for r in tree if r.run_id != record.run_id and r.status is RunStatus.WAITING_FOR_APPROVAL)
+    return dataclasses.replace(record, waiting_below=waiting)
+
+
+def in_tree(records: Sequence[RunRecord | None], *, limit: int, status: RunStatus | None,
+            labels: Mapping[str, str] | None) -> list[RunRecord]:
+    """The runs of an agent tree among ``records`` that match ``status`` and ``labels``, at most ``limit``."""
+    return [r for r in records if r is not None and matches(r, status, labels)][:limit]
 
 
 def in_thread(records: Sequence[RunRecord | None], root: str, *, limit: int, status: RunStatus | None,

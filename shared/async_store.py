@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -25,12 +25,15 @@ from runbrake.shared.records import (
     Appended,
     CancelRequest,
     Claim,
+    Created,
     FeedPage,
     OutboxEntry,
+    Quota,
     RunRecord,
     RunSearch,
     SteerRequest,
     Transition,
+    TreeLink,
     read_cancel_request,
     read_record,
     read_step,
@@ -244,9 +247,38 @@ class AsyncRunStore:
         return await self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by,
                                               termination=termination))
 
-    async def budget_use(self, run_id: str) -> tuple[float, int, float | None] | None:
-        """(created_at, total tokens, cost in USD or None) of a run; None when there is no such run."""
+    async def budget_use(self, run_id: str) -> core.BudgetUse | None:
+        """What a run used of its budget, and what the runs below it in its agent tree used; None when there is
+        no such run."""
         return await self.execute(core.budget_use(self.keys, run_id))
+
+    # -- agent trees (docs/usage.md, "Agent trees") --------------------------------------------
+
+    async def create(self, request: Mapping[str, Any], *, idempotency_key: str | None, tenant: str | None = None,
+                     quota: Quota | None = None, tree: TreeLink | None = None) -> Created:
+        """Write a queued child run (shared/store.py, ``RunStore.create``)."""
+        return await self.execute(core.create(self.keys, request, idempotency_key=idempotency_key, tenant=tenant,
+                                              quota=quota, tree=tree))
+
+    async def status(self, run_id: str) -> RunStatus:
+        """The run's status alone (RunNotFound when absent)."""
+        return await self.execute(core.status(self.keys, run_id))
+
+    async def add_child(self, caller_run_id: str, call_id: str, child_run_id: str) -> None:
+        """Record the child run a call of the caller started, before the caller waits for it."""
+        await self.execute(core.add_child(self.keys, caller_run_id, call_id, child_run_id))
+
+    async def children(self, run_id: str) -> dict[str, str]:
+        """The child runs of ``run_id``, by the id of the call that started each."""
+        return (await self.execute(core.children(self.keys, [run_id])))[0]
+
+    async def add_below(self, ancestors: Sequence[str], tokens: int, cost_usd: float) -> None:
+        """Count a child run's model step against every run above it."""
+        await self.execute(core.add_below(self.keys, ancestors, tokens, cost_usd))
+
+    async def below_use(self, run_id: str) -> tuple[int, float]:
+        """(tokens, cost in USD) the runs below ``run_id`` used."""
+        return await self.execute(core.below_use(self.keys, run_id))
 
     async def settle(self, run_id: str, status: RunStatus, reason: TerminationReason, *, owner: str,
                      error: str = "", final: RunStep | None = None) -> Transition:
@@ -333,6 +365,20 @@ class AsyncRunStore:
         ids = await self.execute(core.thread_ids(self.keys, root, count=limit))
         records = await self.execute(core.summaries(self.keys, ids))
         return core.in_thread(records, root, limit=limit, status=status, labels=labels)
+
+    async def tree(self, run_id: str, *, limit: int = 1000, status: RunStatus | None = None,
+                   labels: Mapping[str, str] | None = None) -> list[RunRecord]:
+        """The agent tree whose first run is ``run_id``, level by level (``RunStore.tree``)."""
+        ids, level = [run_id], [run_id]
+        while level and len(ids) <= limit:
+            level = core.next_level(await self.execute(core.children(self.keys, level)))
+            ids += level
+        records = await self.execute(core.summaries(self.keys, ids))
+        return core.in_tree(records, limit=limit, status=status, labels=labels)
+
+    async def waiting_below(self, record: RunRecord) -> RunRecord:
+        """``record`` with the runs below it in its agent tree that wait for approval (``RunStore.waiting_below``)."""
+        return core.waiting_in(record, await self.tree(record.run_id)) if record.children else record
 
     async def page(
         self, *, limit: int, status: RunStatus | None = None, after: tuple[float, str] | None = None,

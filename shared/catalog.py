@@ -44,6 +44,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from runbrake.shared import redaction
+from runbrake.shared.agents import AgentSpec, check_agents, height
 from runbrake.shared.budget import NO_BUDGET, Budget, Prices
 from runbrake.shared.errors import ConfigError, FieldProblem, SpecError
 from runbrake.shared.records import Quota
@@ -51,6 +52,7 @@ from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Registry
 from runbrake.shared.schema_check import SCHEMA_CHECKS
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import (
+    AGENT_SERVER,
     LABEL_KEY,
     MAX_BUDGET_TOKENS,
     VARIABLE_PATTERN,
@@ -213,6 +215,8 @@ class Catalog(SpecModel):
     it reaches nothing)."""
     webhooks: dict[str, WebhookSpec] = Field(default_factory=dict)
     """The webhooks a spec may name in ``notify`` (docs/webhooks.md)."""
+    agents: dict[str, AgentSpec] = Field(default_factory=dict)
+    """The agents a spec may name in ``agents``: each call of one is a child run (docs/usage.md, "Agent trees")."""
     policies: SkipJsonSchema[dict[str, ModelPolicy]] = Field(default_factory=dict)
     """Per model: the ``defaults``, ``caps``, prices and ``tenants`` of its entry (read apart from its provider's
     fields)."""
@@ -314,6 +318,7 @@ class Catalog(SpecModel):
         names = [f"mcp_servers.{n}" for n in catalog.mcp_servers if not _plain(n)]
         names += [f"models.{n}" for n in catalog.models if not _plain(n)]
         names += [f"webhooks.{n}" for n in catalog.webhooks if not _plain(n)]
+        names += [f"agents.{n}" for n in catalog.agents if not _plain(n)]
         if names:
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: names use 1 to 64 letters, digits, '-' or '_' "
                                                   f"(no '__'): {', '.join(names)}")
@@ -324,6 +329,12 @@ class Catalog(SpecModel):
         if tenants:
             raise ConfigError("RUNBRAKE_CATALOG", f"{where}: a tenant is 1 to 63 of a-z, 0-9, '_', '.', '-' and a "
                                                   f"RabbitMQ user 1 to 255 characters: {', '.join(tenants)}")
+        agents = check_agents(catalog.agents, models=catalog.models, servers=catalog.mcp_servers)
+        if catalog.agents and AGENT_SERVER in catalog.mcp_servers:
+            agents.append(f"mcp_servers.{AGENT_SERVER}: the name is the agents' tools' (agent__<name>) while the "
+                          "catalog defines agents")
+        if agents:
+            raise ConfigError("RUNBRAKE_CATALOG", f"{where}: {'; '.join(agents)}")
         servers = {name: server.model_copy(update={"name": name}) for name, server in catalog.mcp_servers.items()}
         return catalog.model_copy(update={"mcp_servers": servers})
 
@@ -373,8 +384,9 @@ class Catalog(SpecModel):
                     for name, hook in self.webhooks.items()}
         tenants = {name: policy.model_dump(exclude_none=True) for name, policy in self.tenants.items()}
         users = {user: {"tenant": entry.tenant} for user, entry in self.rabbitmq_users.items()}
+        agents = {name: agent.model_dump(mode="json", exclude_none=True) for name, agent in self.agents.items()}
         return {"mcp_servers": servers, "models": models, "tenants": tenants, "rabbitmq_users": users,
-                "webhooks": webhooks}
+                "webhooks": webhooks, "agents": agents}
 
 
     def _policy(self, model: str) -> dict[str, Any]:
@@ -558,6 +570,7 @@ class Admission:
     max_argument_chars: int = _DEFAULTS.max_argument_chars
     max_tool_calls_per_turn: int = _DEFAULTS.max_tool_calls_per_turn
     max_steps_cap: int = _DEFAULTS.max_steps_cap
+    max_agent_depth: int = _DEFAULTS.max_agent_depth
 
     @classmethod
     def from_settings(cls, settings: Settings, catalog: Catalog | None = None) -> Admission:
@@ -577,6 +590,7 @@ class Admission:
             max_argument_chars=settings.max_argument_chars,
             max_tool_calls_per_turn=settings.max_tool_calls_per_turn,
             max_steps_cap=settings.max_steps_cap,
+            max_agent_depth=settings.max_agent_depth,
         )
 
     @property
@@ -618,6 +632,7 @@ class Admission:
         catalog = self.catalog
         servers = self._servers(spec, catalog, tenant, refuse)
         model = self._model(spec, catalog, tenant, refuse)
+        self._agents(spec, catalog, servers, refuse)
         for i, name in enumerate(spec.notify):
             if name not in catalog.webhooks or not open_to(catalog.tenants_of("webhooks", name), tenant):
                 refuse(("notify", i), _unusable(catalog, "webhooks", name, tenant, "is not a webhook of the catalog"))
@@ -649,6 +664,20 @@ class Admission:
         name = spec.model if isinstance(spec.model, str) else model.provider
         return AdmittedRun(spec=spec, servers=servers, model=model, model_settings=settings, model_name=name,
                            budget=budget)
+
+    def _agents(self, spec: RunSpec, catalog: Catalog, servers: Mapping[str, ServerSpec], refuse: Any) -> None:
+        """The agents a spec names are the catalog's, the tree their calls can make is at most
+        RUNBRAKE_MAX_AGENT_DEPTH deep, and no server of the run takes their tools' name."""
+        for i, name in enumerate(spec.agents):
+            if name not in catalog.agents:
+                refuse(("agents", i), f"{name!r} is not an agent of the catalog ({_known(catalog.agents)})")
+        depth = height(spec.agents, catalog.agents)
+        if depth > self.max_agent_depth:
+            refuse(("agents",), f"make a tree {depth} levels deep; the limit is {self.max_agent_depth} "
+                                "(RUNBRAKE_MAX_AGENT_DEPTH)")
+        if spec.agents and AGENT_SERVER in servers:
+            refuse(("mcp_servers",), f"a server named {AGENT_SERVER!r} would take the agents' tools' name "
+                                     "(agent__<name>)")
 
     def output_schema_problem(self, schema: Mapping[str, Any]) -> str | None:
         """What refuses ``schema`` as a spec's ``output_schema`` (None: nothing): its size past

@@ -107,6 +107,18 @@ class Transition:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeLink:
+    """Where a child run sits in its tree: the run whose call made it, the tree's first run, and its depth
+    (the first run's is 0)."""
+
+    caller_run_id: str
+    root_run_id: str
+    depth: int
+    ancestors: tuple[str, ...]
+    """Every run above it, its caller first: each counts the child's usage against its own budget."""
+
+
+@dataclass(frozen=True, slots=True)
 class Claim(Transition):
     """A claim (queued → running, or an approved resume): the transition, and when it was won, what the
     segment needs to start, read in the same round trip: the run's request and its pending turn.
@@ -120,6 +132,8 @@ class Claim(Transition):
     """A steer waiting to be applied (a steered approval resumes, or the last worker died or handed over first)."""
     tenant: str | None = None
     """The run's tenant (None: of no tenant), whose catalog entries admission allows again at claim."""
+    tree: TreeLink | None = None
+    """Where the run sits in an agent tree, when an agent call made it (docs/usage.md, "Agent trees")."""
 
     @property
     def request(self) -> Mapping[str, Any] | None:
@@ -230,6 +244,22 @@ class RunRecord:
     lost_worker: str | None = None
     """The worker process whose loss sent the run back to the queue, until another worker claims it (None
     otherwise): the run is "worker lost, resuming"."""
+    caller_run_id: str | None = None
+    """The run whose agent call started this one (docs/usage.md, "Agent trees"); None for a tree's first run."""
+    root_run_id: str | None = None
+    """The first run of the agent tree this one is in, as stored (None for a first run: see :attr:`root`)."""
+    depth: int = 0
+    """Levels below its tree's first run (0 for the first run)."""
+    children: Mapping[str, str] = field(default_factory=dict)
+    """The child runs its agent calls started, by the calling tool call's id (read with the run, not listed)."""
+    waiting_below: tuple[str, ...] = ()
+    """The runs below it in its agent tree waiting for approval, where the reader looked (``show``,
+    ``GET /v1/runs/{id}``: ``RunStore.waiting_below``); never stored."""
+
+    @property
+    def root(self) -> str:
+        """The id of the agent tree's first run, which ``GET /v1/runs?root=`` lists: a first run's own id."""
+        return self.root_run_id or self.run_id
 
     @property
     def thread(self) -> str:
@@ -297,6 +327,11 @@ class RunRecord:
             "thread": self.thread,
             "worker_losses": self.worker_losses,
             "lost_worker": self.lost_worker if self.status is RunStatus.QUEUED else None,
+            "caller_run_id": self.caller_run_id,
+            "root_run_id": self.root,
+            "depth": self.depth,
+            "children": [self.children[call] for call in sorted(self.children)],
+            "waiting_below": list(self.waiting_below),
             "steps": [step.to_dict() for step in self.steps],
         }
 
@@ -309,7 +344,7 @@ class RunRecord:
 
 
 _NOT_IN_A_LISTING: Final = frozenset({"steps", "input", "instructions", "output", "output_json", "budget",
-                                      "budget_use"})
+                                      "budget_use", "children", "waiting_below"})
 
 
 MAX_SEARCH_CHARS: Final = 200
@@ -404,8 +439,8 @@ def read_json_field(value: str | None) -> Mapping[str, Any] | None:
 
 
 def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ...],
-                cancel: CancelRequest | None) -> RunRecord:
-    """A run from its hash's fields, its steps and its cancel request."""
+                cancel: CancelRequest | None, *, children: Mapping[str, str] | None = None) -> RunRecord:
+    """A run from its hash's fields, its steps, its cancel request and its children (call id → run id)."""
     return RunRecord(
         run_id=run_id,
         status=RunStatus.parse(fields.get("status"), run_id=run_id),
@@ -432,7 +467,22 @@ def read_record(run_id: str, fields: Mapping[str, str], steps: tuple[RunStep, ..
         worker_losses=_count(fields.get("worker_losses")),
         lost_worker=fields.get("lost_worker") or None,
         thread_root=fields.get("thread") or None,
+        caller_run_id=fields.get("caller_run_id") or None,
+        root_run_id=fields.get("root_run_id") or None,
+        depth=_count(fields.get("depth")),
+        children=dict(children or {}),
     )
+
+
+def read_tree(ancestors: str | bytes | None, root: str | bytes | None, depth: str | bytes | None) -> TreeLink | None:
+    """A child run's place in its agent tree from its hash's fields; None for a run no agent call made."""
+    text = (ancestors.decode() if isinstance(ancestors, bytes) else ancestors) or ""
+    if not text:
+        return None
+    above = tuple(text.split("/"))
+    root_id = (root.decode() if isinstance(root, bytes) else root) or above[-1]
+    return TreeLink(caller_run_id=above[0], root_run_id=root_id, depth=_count(
+        depth.decode() if isinstance(depth, bytes) else depth) or len(above), ancestors=above)
 
 
 def _labels(value: str | None) -> dict[str, str]:

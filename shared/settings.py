@@ -324,6 +324,12 @@ class Settings:
     1 runs a turn's calls one after another."""
     max_steps_cap: Annotated[int, _integer(1, 1_000_000)] = 1000
     """Highest `max_steps` a spec may ask for (its default is 200)."""
+    max_agent_depth: Annotated[int, _integer(1, 16)] = 3
+    """Deepest agent tree: a run that calls catalog agents (`agents`) may make chains of child runs this many
+    levels below it, no more (docs/usage.md, "Agent trees"); a spec or catalog agent that could go deeper is
+    refused."""
+    max_agent_calls: Annotated[int, _integer(1, 10_000)] = 16
+    """Most child runs one run may start by calling agents; a call past it is a failed tool result."""
     retention_s: Annotated[int, _integer(0)] = 7 * 24 * 3600
     """How long a finished run's record is kept, in seconds (7 days); 0 keeps it forever."""
     webhook_retry_s: Annotated[int, _integer(1)] = 86_400

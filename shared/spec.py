@@ -45,6 +45,7 @@ from runbrake.shared.errors import FieldProblem, SpecError
 from runbrake.shared.registry import PROVIDERS, TRANSPORTS, Entry, Registry, Shown, either
 
 __all__ = [
+    "AGENT_SERVER",
     "DEFAULT_MAX_ROUNDS",
     "DEFAULT_TOOL_TIMEOUT_S",
     "VARIABLE_PATTERN",
@@ -914,6 +915,30 @@ def _unanswered(open_calls: dict[str, int], where: str) -> list[tuple[tuple[str 
 
 
 
+AGENT_SERVER: Final = "agent"
+"""The server part of an agent's tool name (``agent__<name>``): a run's agent calls name it as their server
+(a scripted turn's ``{"server": "agent", "tool": "researcher"}``, an approval's ``agent.researcher``)."""
+MAX_AGENTS: Final = 64
+"""Agents one spec may name."""
+
+
+def _agent_ref(value: object) -> object:
+    if not isinstance(value, str):
+        raise _refuse("must be the name of an agent of the operator's catalog ([agents.NAME]); a spec cannot "
+                      "define an agent")
+    return value
+
+
+def _agents_named(value: object) -> object:
+    if isinstance(value, dict):
+        raise _refuse("must be a list of names of the operator's catalog agents ([agents.NAME]); a spec cannot "
+                      "define an agent")
+    return value
+
+
+_AgentRef = Annotated[_CatalogName, BeforeValidator(_agent_ref)]
+
+
 class RunSpec(SpecModel):
     """A run spec: the input, the model, the MCP servers and the bounds of one run.
 
@@ -971,6 +996,12 @@ class RunSpec(SpecModel):
     budget: BudgetSpec | None = None
     """What the run may spend: deadline_s (from enqueue), max_total_tokens, max_cost_usd; reaching one
     cancels the run with reason deadline_exceeded or budget_exceeded."""
+
+    agents: Annotated[tuple[_AgentRef, ...], _LIST_AS_TUPLE, BeforeValidator(_agents_named),
+                      Field(max_length=MAX_AGENTS)] = ()
+    """Agents of the operator's catalog (``[agents.NAME]``) the run may call, by name: the model sees each as the
+    tool ``agent__<name>`` taking ``{"input": string}``, and each call is a child run (docs/usage.md, "Agent
+    trees"). A spec never defines an agent."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -1035,6 +1066,8 @@ class RunSpec(SpecModel):
             frozenset(servers) if isinstance(servers, dict)
             else frozenset(s for s in servers if isinstance(s, str)) if isinstance(servers, list) else None
         )
+        if declared is not None and raw.get("agents"):
+            declared |= {AGENT_SERVER}  # a run's agent calls (agent__<name>) name it as their server
         try:
             spec = cls.model_validate_json(text, context={_SERVERS_CONTEXT: declared})
         except ValidationError as exc:

@@ -123,7 +123,8 @@ class RunStep:
             detail=({} if arguments is None else {"arguments": dict(arguments)})
             | ({"failure": result.failure.value} if result.failure is Failure.ARGUMENTS else {})
             | ({"side_effects": result.side_effects.value} if result.side_effects is not None else {})
-            | ({} if result.task is None else {"task_id": result.task[0], "task_status": result.task[1]}),
+            | ({} if result.task is None else {"task_id": result.task[0], "task_status": result.task[1]})
+            | ({"child_run_id": result.child_run_id} if result.child_run_id is not None else {}),
             duration_ms=duration_ms,
             recorded_at=recorded_at,
         )

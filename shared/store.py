@@ -32,6 +32,7 @@ from runbrake.shared.records import (
     RunRecord,
     SteerRequest,
     Transition,
+    TreeLink,
 )
 from runbrake.shared.settings import Settings
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -230,12 +231,12 @@ class RunStore:
     # -- transitions ----------------------------------------------------------------------------
 
     def create(self, request: Mapping[str, Any], *, idempotency_key: str | None = None, tenant: str | None = None,
-               quota: Quota | None = None, link: ThreadLink | None = None) -> Created:
+               quota: Quota | None = None, link: ThreadLink | None = None, tree: TreeLink | None = None) -> Created:
         """Write a queued run with its request. The same idempotency key returns the same run. A tenant's
         run is counted against ``quota`` in the same script (over it: nothing written, ``over_quota``). A
-        continuation's ``link`` names its parent and thread."""
+        continuation's ``link`` names its parent and thread; a child run's ``tree`` its place in its agent tree."""
         return self.execute(core.create(self.keys, request, idempotency_key=idempotency_key, tenant=tenant,
-                                        quota=quota, link=link))
+                                        quota=quota, link=link, tree=tree))
 
     def tenant_of(self, run_id: str) -> str | None:
         """The run's tenant ("" for none); None when no run has that id."""
@@ -274,6 +275,15 @@ class RunStore:
                termination: TerminationReason = TerminationReason.CANCELLED) -> Transition:
         return self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by,
                                         termination=termination))
+
+    def cancel_below(self, run_id: str, *, reason: str, requested_by: str) -> list[str]:
+        """Fence every unfinished run below ``run_id`` in its agent tree, each with ``reason``; answers the runs
+        this cancelled (docs/usage.md, "Agent trees")."""
+        below = self.descendants(run_id)
+        if not below:
+            return []
+        fences = self.execute(core.cancel_all(self.keys, below, reason=reason, requested_by=requested_by))
+        return [child for child, fence in zip(below, fences, strict=True) if fence.won]
 
     def steer(self, run_id: str, request: SteerRequest) -> core.Steered:
         """Store a steer on a running run or one waiting for approval (docs/cancellation.md, "Steer")."""
@@ -387,6 +397,28 @@ class RunStore:
         root = core.thread_root(self.execute(core.summaries(self.keys, [run_id]))[0], run_id)
         records = self.execute(core.summaries(self.keys, self.execute(core.thread_ids(self.keys, root, count=limit))))
         return core.in_thread(records, root, limit=limit, status=status, labels=labels)
+
+    def descendants(self, run_id: str, *, limit: int = 10_000) -> list[str]:
+        """Every run below ``run_id`` in its agent tree, level by level, at most ``limit`` (one round trip a
+        level; docs/usage.md, "Agent trees")."""
+        found: list[str] = []
+        level = [run_id]
+        while level and len(found) < limit:
+            level = core.next_level(self.execute(core.children(self.keys, level)))
+            found += level
+        return found[:limit]
+
+    def tree(self, run_id: str, *, limit: int = 1000, status: RunStatus | None = None,
+             labels: Mapping[str, str] | None = None) -> list[RunRecord]:
+        """The agent tree whose first run is ``run_id``: it and every run below it (without steps), level by
+        level; filtered by status and labels (all must match)."""
+        records = self.execute(core.summaries(self.keys, [run_id, *self.descendants(run_id, limit=limit)]))
+        return core.in_tree(records, limit=limit, status=status, labels=labels)
+
+    def waiting_below(self, record: RunRecord) -> RunRecord:
+        """``record`` with the runs below it in its agent tree that wait for approval (none read without
+        children)."""
+        return core.waiting_in(record, self.tree(record.run_id)) if record.children else record
 
     def server_outcomes(self, *, since: float | None = None) -> dict[str, dict[str, int]]:
         """Tool calls per server and outcome; with ``since`` (epoch seconds), those of the hours since then."""

@@ -24,14 +24,17 @@ def add_to_catalog(
     servers: Mapping[str, McpServerSpec | Mapping[str, Any]] | None = None,
     models: Mapping[str, OpenAIModel | Mapping[str, Any]] | None = None,
     path: Path | None = None,
+    agents: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
-    """Write these servers and models into the catalog (replacing entries of the same name)."""
+    """Write these servers, models and agents into the catalog (replacing entries of the same name)."""
     target = path or catalog_path()
     data = tomllib.loads(target.read_text()) if target.exists() else {}
     for name, server in (servers or {}).items():
         data.setdefault("mcp_servers", {})[name] = _entry(server)
     for name, model in (models or {}).items():
         data.setdefault("models", {})[name] = _entry(model)
+    for name, agent in (agents or {}).items():
+        data.setdefault("agents", {})[name] = dict(agent)
     # Atomically, as an operator's deploy should: a worker reading it meanwhile sees the old or the new file.
     staged = target.with_suffix(".staged")
     staged.write_text(to_toml(data))

@@ -183,7 +183,8 @@ def test_runs_are_listed_newest_first_in_pages_with_a_cursor_and_filtered_by_sta
     assert all(r["status"] == "cancelled" for r in cancelled["runs"])
     assert set(cancelled["runs"][0]) == {"run_id", "status", "termination_reason", "created_at", "started_at",
                                          "finished_at", "error", "cancel", "labels", "model", "usage",
-                                         "input_preview", "parent_run_id", "thread", "worker_losses", "lost_worker"}
+                                         "input_preview", "parent_run_id", "thread", "worker_losses", "lost_worker",
+                                         "caller_run_id", "root_run_id", "depth"}
     assert (bad_status.value.status_code, bad_cursor.value.status_code) == (422, 422)
 
 

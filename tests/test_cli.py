@@ -40,8 +40,10 @@ _DEAD_SERVER = {"url": "http://127.0.0.1:9/mcp"}
 # The fields `show --json` promises (docs/usage.md, "Using it").
 RUN_FIELDS = {"run_id", "status", "termination_reason", "created_at", "started_at", "finished_at", "error",
               "cancel", "input", "instructions", "labels", "model", "output", "output_json", "usage", "budget",
-              "budget_use", "parent_run_id", "thread", "worker_losses", "lost_worker", "steps"}
-LISTED_FIELDS = (RUN_FIELDS - {"steps", "input", "instructions", "output", "output_json", "budget", "budget_use"}
+              "budget_use", "parent_run_id", "thread", "worker_losses", "lost_worker", "caller_run_id", "root_run_id",
+              "depth", "children", "waiting_below", "steps"}
+LISTED_FIELDS = (RUN_FIELDS - {"steps", "input", "instructions", "output", "output_json", "budget", "budget_use",
+                                "children", "waiting_below"}
                  | {"input_preview"})
 """A run in a listing: without what a listing does not read (docs/http-api.md, "Runs: reading")."""
 STEP_FIELDS = {"sequence", "kind", "round", "duration_ms", "recorded_at", "content", "detail", "outcome"}

@@ -13,6 +13,7 @@ cancelled, and a cancel that won first stays the operator's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -54,6 +55,8 @@ class BudgetGuard:
         None while it has not (a cancel that won first stays the operator's)."""
         self._timer: asyncio.TimerHandle | None = None
         self._fence: asyncio.Task[None] | None = None
+        self._below: tuple[int, float] = (0, 0.0)
+        """What the runs below this one in its agent tree had used when last seen (tokens, cost)."""
 
     @classmethod
     async def open(cls, store: AsyncRunStore, registry: ActiveRuns, run_id: str, budget: Budget) -> BudgetGuard | None:
@@ -64,8 +67,12 @@ class BudgetGuard:
         if budget.deadline_s is None and not budget.bounds_spending:
             return cls(store, registry, run_id, budget)
         use = await store.budget_use(run_id)
-        created_at, tokens, cost_usd = use if use is not None else (time.time(), 0, None)
-        return cls(store, registry, run_id, budget, created_at=created_at, tokens=tokens, cost_usd=cost_usd or 0.0)
+        if use is None:
+            return cls(store, registry, run_id, budget, created_at=time.time())
+        guard = cls(store, registry, run_id, budget, created_at=use.created_at,
+                    tokens=use.tokens + use.below_tokens, cost_usd=(use.cost_usd or 0.0) + use.below_cost_usd)
+        guard._below = (use.below_tokens, use.below_cost_usd)
+        return guard
 
     @property
     def deadline_at(self) -> float | None:
@@ -95,6 +102,20 @@ class BudgetGuard:
         if isinstance(cost, int | float) and not isinstance(cost, bool):
             self.cost_usd += float(cost)
         await self._check_spending()
+
+    async def count_below(self, tokens: int, cost_usd: float) -> None:
+        """The runs below this one in its agent tree used ``tokens`` and ``cost_usd`` in all (its hash's
+        ``below_tokens`` and ``below_cost_usd``, which their workers add to: worker/agents.py): what grew since
+        last seen counts against this run's budget. A stop interrupts the calls in flight (the waits for the
+        children among them) and raises nothing here: the cut-off call's boundary does."""
+        grown_tokens, grown_cost = tokens - self._below[0], cost_usd - self._below[1]
+        if grown_tokens <= 0 and grown_cost <= 0:
+            return
+        self._below = (max(tokens, self._below[0]), max(cost_usd, self._below[1]))
+        self.tokens += max(0, grown_tokens)
+        self.cost_usd += max(0.0, grown_cost)
+        with contextlib.suppress(CancelRequested):
+            await self._check_spending()
 
     @asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:

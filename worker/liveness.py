@@ -31,7 +31,7 @@ import structlog
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import PublishError, SpecError, StoreError
 from runbrake.shared.settings import Settings
-from runbrake.shared.spec import OnWorkerLost, RunSpec
+from runbrake.shared.spec import AGENT_SERVER, OnWorkerLost, RunSpec
 from runbrake.shared.store import RunStore
 from runbrake.worker import metrics
 from runbrake.worker.conversation import ToolCall
@@ -150,6 +150,8 @@ class Liveness(Periodic):
             return lambda _call: OnWorkerLost.REPORT
 
         def policy(call: ToolCall) -> OnWorkerLost:
+            if call.server == AGENT_SERVER:
+                return OnWorkerLost.RETRY  # made again, it finds the child it started (worker/agents.py)
             server = servers.get(call.server)
             return OnWorkerLost.REPORT if server is None else server.worker_lost_policy(call.tool)
 

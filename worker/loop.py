@@ -379,8 +379,8 @@ class ToolLoop:
             raise turn.stopped_by
         state.messages.extend(turn.messages())
         if turn.detached or turn.started < len(turn.calls):
-            # The hand-over came first: the next worker makes the calls not started, and polls the MCP tasks
-            # the hand-over left running (worker/mcp_tasks.py).
+            # The hand-over came first: the next worker makes the calls not started, and re-attaches to the
+            # MCP tasks and child runs the hand-over left running.
             state.pending_calls = [turn.calls[i] for i in sorted(turn.detached)] + calls[turn.started:]
             if turn.started and state.approved_call_id not in {c.id for c in state.pending_calls}:
                 state.approved_call_id = None  # an approved call was among those made
@@ -417,6 +417,9 @@ class ToolLoop:
                         turn.release(interrupt)
                 step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result,
                                     call_id=call.id, duration_ms=_ms(self._clock() - started))
+                if result.again and self._hooks.handing_over:
+                    turn.detached.add(index)  # an agent call: the next worker makes it again and finds its child
+                    return
                 if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
                     # Cut off by the hand-over, not by a cancel (a cancel found by the append's probe still wins).
                     result = ToolResult.cancelled("the call was cut off: the worker executing the run shut down")
@@ -478,7 +481,8 @@ class _Turn:
     stopped_by: BaseException | None = None
     """The first thing that ended the run while the calls ran; raised once every call is back."""
     detached: set[int] = field(default_factory=set)
-    """The calls whose MCP task a hand-over left running, unrecorded: they go to the next worker."""
+    """The calls a hand-over left running, unrecorded: the next worker makes them again and re-attaches (to
+    the MCP task it polls, worker/mcp_tasks.py, or to the child run, worker/agents.py)."""
 
     def stop(self, exc: BaseException) -> None:
         """Keep the first reason to stop and cut off the calls still in flight: a cancel found by one call's
@@ -504,7 +508,7 @@ class _Turn:
 
     def messages(self) -> list[Message]:
         """The tool messages of the calls started, in call order (not in the order they completed); a call handed
-        over with its task has none yet."""
+        over with its task or child run has none yet."""
         return [self.results[i] for i in range(self.started) if i in self.results]
 
 

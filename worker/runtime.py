@@ -40,12 +40,13 @@ from runbrake.shared.errors import (
     SteerRequested,
     StoreError,
 )
-from runbrake.shared.records import Claim, Transition
+from runbrake.shared.records import Claim, Transition, TreeLink
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import metrics
+from runbrake.worker.agents import AgentCalls, Caller, ChildRuns, count_above
 from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall
 from runbrake.worker.deltas import DeltaPublisher, StreamedText
@@ -91,8 +92,11 @@ class RunHooks:
     """
 
     def __init__(self, store: AsyncRunStore, handle: RunHandle, *, max_steps: int, lease_s: float = 60.0,
-                 subscribers: Subscribers | None = None, budget: BudgetGuard | None = None) -> None:
+                 subscribers: Subscribers | None = None, budget: BudgetGuard | None = None,
+                 tree: TreeLink | None = None) -> None:
         self._store = store
+        self._tree = tree
+        """Where the run sits in an agent tree (its model steps count above it: worker/agents.py), or None."""
         self._budget = budget
         """Prices the model steps and stops the run at its budget (worker/budget.py); None without one."""
         self._handle = handle
@@ -118,6 +122,8 @@ class RunHooks:
             within_s=self._lease_s, what="append_step")
         self._probed = True
         await self._subscribers.step(self._handle.run_id, appended.step)
+        if self._tree is not None:
+            await count_above(self._store, self._tree, appended.step)
         if appended.cancelled or self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
         if self._budget is not None:
@@ -372,6 +378,8 @@ class Runtime:
         self._sending = ThreadPoolExecutor(SENDER_THREADS, thread_name_prefix="runbrake-sender")
         """Where ``_send`` sends from (its threads start at the first send)."""
         self.subscribers = Subscribers(default_subscribers(store, settings) if subscribers is None else subscribers)
+        self._children = ChildRuns(settings, store, registry, admission, sender)
+        """Where the agent calls of this process's runs start and cancel child runs (worker/agents.py)."""
 
     async def execute(
         self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None,
@@ -442,7 +450,8 @@ class Runtime:
             spec = admitted.spec
             budget = await BudgetGuard.open(self._store, self.registry, run_id, admitted.budget)
             hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s,
-                             subscribers=self.subscribers, budget=budget)
+                             subscribers=self.subscribers, budget=budget, tree=claim.tree)
+            caller = Caller(run_id, handle, claim.tenant, claim.tree, budget) if spec.agents else None
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
                 # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
@@ -454,7 +463,7 @@ class Runtime:
                 handle.steer_reached(claim.steer)
             with anyio.fail_after(self._settings.run_time_limit_s):
                 async with nullcontext() if budget is None else budget.watching():
-                    end = await self._run_loop(admitted, state, hooks)
+                    end = await self._run_loop(admitted, state, hooks, caller)
         except BaseException as exc:  # noqa: BLE001 - every way a segment ends early, mapped in one place: ending_of
             return await self._ended_by(run_id, owner, exc, stopped_by=None if budget is None else budget.stopped)
         if end.kind is LoopEndKind.SUSPENDED:
@@ -503,23 +512,27 @@ class Runtime:
             raise exc
         return outcome
 
-    async def _run_loop(self, admitted: AdmittedRun, state: LoopState, hooks: RunHooks) -> LoopEnd:
+    async def _run_loop(self, admitted: AdmittedRun, state: LoopState, hooks: RunHooks,
+                        caller: Caller | None = None) -> LoopEnd:
         spec = admitted.spec
         # An explicit tool_timeout_s applies up to each server's catalog timeout; without one, the catalog's.
         timeout_s = spec.tool_timeout_s if "tool_timeout_s" in spec.raw else None
         # The segment's model calls share one client (docs/benchmarks.md, "Model call overhead").
         async with provider_for(admitted.model, RetryPolicy.from_settings(self._settings)) as provider:
-            return await self._run_tools(admitted, state, hooks, provider, timeout_s)
+            return await self._run_tools(admitted, state, hooks, provider, timeout_s, caller=caller)
 
     async def _run_tools(self, admitted: AdmittedRun, state: LoopState, hooks: RunHooks, provider: ModelProvider,
-                         timeout_s: float | None) -> LoopEnd:
+                         timeout_s: float | None, *, caller: Caller | None) -> LoopEnd:
         spec = admitted.spec
         async with Toolbox.open(
             admitted.servers, timeout_s=timeout_s, max_chars=self._settings.max_tool_result_chars,
             calls=self.subscribers.tool_calls(hooks.run_id), tasks=hooks,
         ) as toolbox:
+            agents = self._admission.catalog.agents
+            runner = toolbox if caller is None else AgentCalls(
+                toolbox, {name: agents[name] for name in spec.agents}, caller, self._children)
             loop = ToolLoop(
-                provider, toolbox, hooks,
+                provider, runner, hooks,
                 max_rounds=spec.max_rounds, approval_required=spec.approval_required,
                 max_tool_calls_per_turn=self._settings.max_tool_calls_per_turn,
                 max_parallel_tool_calls=self._settings.max_parallel_tool_calls,

@@ -139,14 +139,21 @@ def _cancel_run(
 ) -> CancelResult:
     with redaction.submitted(redaction.Submitted(reason, requested_by)):  # the caller's words, kept as written
         fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
+        # Every unfinished run below it in its agent tree is fenced too, naming the run the cancel came from
+        # (docs/usage.md, "Agent trees"); a run that started no agent has no children: one read.
+        below = store.cancel_below(run_id, reason=f"{reason} (cancelled with run {run_id})",
+                                   requested_by=requested_by) if fence.won else []
     result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)
     if not fence.won:
         return result
     log.info("run_cancelled", run_id=run_id, reason=reason, requested_by=requested_by, was=fence.found.value)
+    if below:
+        log.info("run_tree_cancelled", run_id=run_id, below=len(below))
     if publisher is None:
         return result
     try:
-        publisher.publish(run_id)
+        for woken in (run_id, *below):
+            publisher.publish(woken)
     except pika.exceptions.AMQPError as exc:
         publisher.close()
         log.warning("cancel_message_not_confirmed", run_id=run_id, error=repr(exc))
