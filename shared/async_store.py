@@ -29,6 +29,7 @@ from runbrake.shared.records import (
     OutboxEntry,
     RunRecord,
     RunSearch,
+    Sent,
     SteerRequest,
     Transition,
     read_cancel_request,
@@ -209,10 +210,11 @@ class AsyncRunStore:
         await self.execute(core.mark_sent(self.keys, run_id, owner=owner, call_id=call_id,
                                                  round_number=round_number))
 
-    async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Appended:
+    async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "",
+                          sent: Sent | None = None) -> Appended:
         """Record a step and probe the cancel key, in one round trip (once per ``token``; refused with
-        :class:`OwnershipLost` unless ``owner`` still holds the run)."""
-        return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner))
+        :class:`OwnershipLost` unless ``owner`` still holds the run), with the marks of the calls ``sent`` next."""
+        return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner, sent=sent))
 
     async def apply_steer(self, run_id: str, request: SteerRequest, step: RunStep, *, owner: str,
                           token: str) -> Appended | None:
