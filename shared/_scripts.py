@@ -18,6 +18,7 @@ import hashlib
 from dataclasses import dataclass
 from string import Template
 
+from runbrake.shared.records import SENT_MODEL
 from runbrake.shared.status import NON_TERMINAL, RunStatus, TerminationReason
 
 
@@ -36,6 +37,7 @@ class Script:
 def _values() -> dict[str, str]:
     values = {f"status_{s.value}": s.value for s in RunStatus}
     values.update({f"reason_{r.value}": r.value for r in TerminationReason if r.value})
+    values["sent_model"] = SENT_MODEL
     return values
 
 
@@ -432,7 +434,9 @@ return {seq, 0}
 #   step is not a worker's, e.g. a denial; otherwise the claim's owner token, the fence against a worker
 #   whose run was reaped or taken over: its writes are refused with {0, 0, 'owner'}), model calls (1 for a
 #   model step that answered, else 0), input tokens, output tokens, cost in USD ('' when the model has
-#   no prices), the call id of a tool step ('' for other steps), retention_s, events channel
+#   no prices), the call id of a tool step ('' for other steps), then the marks of the calls that go out
+#   next (docs/leases.md, "Lost workers"): the model call's round ('' for none) and the ``sent:<call id>``
+#   fields of tool calls; retention_s, events channel
 # A tool step forgets its call's MCP progress and closes the call to later progress writes (SET_PROGRESS in
 # shared/_api_scripts.py): the step and the end of its progress are one round trip.
 # The run's usage (hash fields model_calls, input_tokens, output_tokens, cost_usd) is summed here, with the
@@ -444,7 +448,9 @@ return {seq, 0}
 # trip (docs/cancellation.md, "Cancellation: the probe"). The sequence comes from one HINCRBY inside
 # the script, so concurrent appends get unique, increasing numbers in list order. The body is
 # spliced as text: cjson would turn [] into {}. HEXISTS on the run, not EXISTS: EXISTS is the
-# probe's one command, so a count of EXISTS on cancel keys counts probes.
+# probe's one command, so a count of EXISTS on cancel keys counts probes. The marks ride on the append that
+# comes just before their calls (no round trip of their own): written after the step, with its sequence, while
+# the run runs.
 APPEND_STEP = _script("append_step", _OUTBOX + """
 if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return {0, 0} end
 if redis.call('HGET', KEYS[1], 'last_step') == ARGV[5] then
@@ -475,6 +481,10 @@ if ARGV[11] ~= '' then
   if redis.call('HGET', KEYS[1], 'progress_call') == ARGV[11] then
     redis.call('HDEL', KEYS[1], 'progress', 'progress_call')
   end
+end
+if #ARGV > 13 and redis.call('HGET', KEYS[1], 'status') == '$status_running' then
+  if ARGV[12] ~= '' then redis.call('HSET', KEYS[1], '$sent_model', ARGV[12] .. ' ' .. seq) end
+  for i = 13, #ARGV - 2 do redis.call('HSET', KEYS[1], ARGV[i], seq) end
 end
 return {seq, redis.call('EXISTS', KEYS[4])}
 """)
@@ -561,14 +571,16 @@ redis.call('HSET', KEYS[1], 'worker', ARGV[2])
 return 1
 """)
 
-# KEYS: run.  ARGV: owner, field
+# KEYS: run, cancel.  ARGV: owner, field
 # Before a call's request goes out, its mark (``sent:<call id>`` or ``sent:model``) is written with the run's
 # last step sequence (and, for the model, the round: ARGV[3]), owner-guarded: a worker whose run was taken
-# from it writes nothing and sends nothing. Answers 1; 0 when the run is not this owner's; 2 when it is but no
-# longer runs (a cancel ended it).
+# from it writes nothing and sends nothing. Written here only when no append just before carried it
+# (APPEND_STEP's marks): before a segment's first model call, where it is also the probe of that boundary.
+# Answers 1; 0 when the run is not this owner's; 2 when it is but no longer runs or its cancel key is set.
 MARK_SENT = _script("mark_sent", """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 if redis.call('HGET', KEYS[1], 'status') ~= '$status_running' then return 2 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
 local seq = redis.call('HGET', KEYS[1], 'seq') or '0'
 if ARGV[3] then seq = ARGV[3] .. ' ' .. seq end
 redis.call('HSET', KEYS[1], ARGV[2], seq)

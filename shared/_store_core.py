@@ -64,6 +64,7 @@ from runbrake.shared.records import (
     Quota,
     QuotaHit,
     RunRecord,
+    Sent,
     SteerRequest,
     Transition,
     TreeLink,
@@ -859,8 +860,11 @@ def server_counter(step: RunStep) -> str:
     return f"{step.tool_server}|{outcome}"
 
 
-def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Op[Appended]:
-    """Record a step (the store assigns its sequence) and probe the cancel key, in one script.
+def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owner: str = "",
+                sent: Sent | None = None) -> Op[Appended]:
+    """Record a step (the store assigns its sequence) and probe the cancel key, in one script; with ``sent``,
+    the marks of the calls that go out right after it, written with it while the run runs (no round trip of
+    their own: docs/leases.md, "Lost workers").
 
     The answer raises :class:`RunNotFound` when the run does not exist. ``token`` names this append: sent
     again (a retry after a lost answer), it is recorded once.
@@ -886,7 +890,8 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
          keys.servers_hour(recorded_at, keys.shard(run_id)), keys.outbox_of(run_id)),
         (body, recorded_at, counter, Ident(run_id), Ident(token or uuid.uuid4().hex), Ident(owner),
-         1 if answered else 0, *tokens, _cost(usage), step.tool_call_id or "", keys.retention_s,
+         1 if answered else 0, *tokens, _cost(usage), step.tool_call_id or "",
+         *(sent.arguments() if sent else ()), keys.retention_s,
          Ident(keys.events)),
         f"append a step to run {run_id}", parse,
     )
@@ -1105,12 +1110,13 @@ def leased_runs(keys: Keys) -> Op[list[str]]:
 
 
 def mark_sent(keys: Keys, run_id: str, *, owner: str, call_id: str | None, round_number: int) -> Op[None]:
-    """Write a call's mark before its request goes out (owner-guarded): ``sent:<call id>`` for a tool call,
-    ``sent:model`` (with the round) for a model call.
+    """Write a call's mark before its request goes out (owner-guarded), and probe the cancel key:
+    ``sent:<call id>`` for a tool call, ``sent:model`` (with the round) for a model call. Only for a call no
+    append just before marked (:class:`Sent`).
 
     Raises:
         OwnershipLost: the run is not this owner's any more (nothing written: the call must not go out).
-        CancelRequested: the run is this owner's but no longer runs (a cancel ended it).
+        CancelRequested: the run is this owner's but no longer runs, or its cancel key is set.
     """
     field = f"{SENT_PREFIX}{call_id}" if call_id is not None else SENT_MODEL
     args: tuple[Arg, ...] = (Ident(owner), field) if call_id is not None else (Ident(owner), field, round_number)
@@ -1121,7 +1127,8 @@ def mark_sent(keys: Keys, run_id: str, *, owner: str, call_id: str | None, round
         if answers[0] == 2:  # the script's answer for "yours, but ended"
             raise CancelRequested(run_id)
 
-    return _script(_scripts.MARK_SENT, (keys.run(run_id),), args, f"mark a call of run {run_id} sent", parse)
+    return _script(_scripts.MARK_SENT, (keys.run(run_id), keys.cancel(run_id)), args,
+                   f"mark a call of run {run_id} sent", parse)
 
 
 def keep_task(keys: Keys, run_id: str, *, owner: str, call_id: str, task: str | None) -> Op[None]:

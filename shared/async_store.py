@@ -31,6 +31,7 @@ from runbrake.shared.records import (
     Quota,
     RunRecord,
     RunSearch,
+    Sent,
     SteerRequest,
     Transition,
     TreeLink,
@@ -220,10 +221,11 @@ class AsyncRunStore:
         """The MCP task recorded for a call of the run, None when there is none."""
         return await self.execute(core.task_of(self.keys, run_id, call_id))
 
-    async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "") -> Appended:
+    async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "",
+                          sent: Sent | None = None) -> Appended:
         """Record a step and probe the cancel key, in one round trip (once per ``token``; refused with
-        :class:`OwnershipLost` unless ``owner`` still holds the run)."""
-        return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner))
+        :class:`OwnershipLost` unless ``owner`` still holds the run), with the marks of the calls ``sent`` next."""
+        return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner, sent=sent))
 
     async def apply_steer(self, run_id: str, request: SteerRequest, step: RunStep, *, owner: str,
                           token: str) -> Appended | None:

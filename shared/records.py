@@ -41,6 +41,20 @@ TASK_PREFIX: Final = "task:"
 """The run's field naming an MCP task in flight (``task:<call id>``: its server, task id and MCP session, as JSON),
 written before anything waits on the task and deleted once its result is in (worker/mcp_tasks.py)."""
 
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """The calls whose marks an append writes: they go out right after its step (docs/leases.md, "Lost
+    workers"): the model call of round ``model`` and the tool calls ``calls`` (their ids)."""
+
+    model: int | None = None
+    calls: tuple[str, ...] = ()
+
+    def arguments(self) -> tuple[str, ...]:
+        """APPEND_STEP's mark arguments: the model's round ('' for none), then each tool call's field."""
+        return ("" if self.model is None else str(self.model), *(f"{SENT_PREFIX}{c}" for c in self.calls))
+
+
 log = structlog.get_logger(__name__)
 
 RUN_ID: Final = re.compile(r"[0-9a-f]{32}")

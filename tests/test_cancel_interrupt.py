@@ -149,12 +149,12 @@ def test_a_cancel_during_a_slow_model_call_interrupts_it_and_no_tool_call_starts
 ) -> None:
     worker = start_worker(**BACKSTOP_OFF)
     turns = [{"delay_ms": 30000, "tool_calls": [call("slow", seconds=30)]}, {"content": "never reached"}]
-    # The model call starts right after its mark (docs/leases.md, "Lost workers"), the script that follows the
-    # probe before it. Redis's MONITOR shows that script, so the cancel lands while the model call is in flight
-    # (a cancel between the probe and the mark stops the run before the call: nothing would be in flight).
+    # The model call starts right after its mark (docs/leases.md, "Lost workers"), the script that probes the
+    # boundary before it. Redis's MONITOR shows that script, so the cancel lands while the model call is in
+    # flight (a cancel before the mark stops the run before the call: nothing would be in flight).
     with redis_monitor(Settings.from_env()) as monitor:
         run = producer.enqueue(spec({"toolbox": toolbox_http.spec}, turns))
-        _wait_for_command(monitor, "EVALSHA", _scripts.MARK_SENT.sha, "1", store.run_key(run.run_id), prefix=True)
+        _wait_for_command(monitor, "EVALSHA", _scripts.MARK_SENT.sha, "2", store.run_key(run.run_id), prefix=True)
 
     _cancel(store, publisher, run.run_id)
 

@@ -95,6 +95,16 @@ def test_a_model_call_in_flight_is_recorded_interrupted_and_one_already_answered
     assert in_flight.pending["model_calls"] == 1  # the next worker makes round 2 again
 
 
+def test_a_model_mark_written_with_a_turns_step_while_a_call_of_that_turn_was_cut_off_means_no_model_call() -> None:
+    # Two calls finishing at once: the second's step marks the model call after the turn, the first's never
+    # landed (shared/_scripts.py, APPEND_STEP's marks); the model was not called while a call was in flight.
+    steps = (_model(1, 1, "a", "b"), _tool(2, "b", "B"))
+    planned = plan(_fields(**{"sent:a": "1", "sent:b": "1", "sent:model": "2 2"}), steps, worker="w", max_losses=3)
+
+    assert [(s.kind, s.tool_call_id, s.interrupted) for s in planned.steps] == [
+        (StepKind.TOOL, "a", False), (StepKind.HANDOFF, None, False)]
+
+
 def test_retry_leaves_the_call_pending_and_fail_fails_the_run_with_the_step_recorded() -> None:
     steps = (_model(1, 1, "a", "b"),)
 

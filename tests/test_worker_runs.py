@@ -142,16 +142,16 @@ def test_the_probe_costs_exactly_one_redis_read_per_boundary_and_a_step_one_roun
     assert record.status is RunStatus.COMPLETED
     assert len(record.steps) == 6
     # Each recorded step is a boundary, probed inside the script that appends it; the moment before
-    # the first model call is one more. Every later model call directly follows a recorded step,
-    # whose probe stands for that boundary: nothing ran in between.
-    assert probes[("lua", "EXISTS")] == len(record.steps)
-    assert probes[("tcp", "EXISTS")] + probes[("unix", "EXISTS")] == 1
+    # the first model call is one more, probed inside the script that marks that call. Every later model
+    # call directly follows a recorded step, whose probe stands for that boundary: nothing ran in between.
+    assert probes[("lua", "EXISTS")] == len(record.steps) + 1
+    assert probes[("tcp", "EXISTS")] + probes[("unix", "EXISTS")] == 0
     # The only other read of the cancel key: the backstop's poll, one MGET for all active runs.
     assert {command for _client, command in probes} <= {"EXISTS", "MGET"}
     # The worker's scripts for the segment: one claim (the request read in the same pipeline), one
-    # per step, one settle, and one mark per call before it is sent (model and tool calls alike: a lost
-    # worker's calls are then recorded, docs/leases.md, "Lost workers"); lease renewals (every third of a
-    # lease) are not the segment's.
+    # per step, one settle, and the mark of the first model call (its probe too); every later call's mark
+    # rides on the append just before it (a lost worker's calls are then recorded, docs/leases.md, "Lost
+    # workers"); lease renewals (every third of a lease) are not the segment's.
     worker_scripts = Counter(
         e["command"].split()[1] for e in seen
         if e["client_type"] != "lua" and e["command"].upper().startswith("EVALSHA") and run_key in e["command"]
@@ -159,9 +159,8 @@ def test_the_probe_costs_exactly_one_redis_read_per_boundary_and_a_step_one_roun
     worker_scripts.pop(_scripts.CREATE.sha)
     worker_scripts.pop(_scripts.RENEW_LEASE.sha, None)
     steps = len(record.steps)
-    calls = sum(1 for step in record.steps if step.kind in {StepKind.MODEL, StepKind.TOOL})
     assert worker_scripts == {_scripts.CLAIM.sha: 1, _scripts.APPEND_STEP.sha: steps, _scripts.SETTLE.sha: 1,
-                              _scripts.MARK_SENT.sha: calls}
+                              _scripts.MARK_SENT.sha: 1}
 
 
 def test_max_rounds_ends_the_run_failed_with_reason_max_rounds(

@@ -31,6 +31,7 @@ from runbrake.shared.errors import (
     TaskHandedOver,
 )
 from runbrake.shared.outcome import ToolOutcome
+from runbrake.shared.records import Sent
 from runbrake.shared.status import TerminationReason
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.tool_result import Failure, ToolResult, bound
@@ -45,11 +46,14 @@ from runbrake.worker.structured import INTERRUPTED_CHECK, AnswerCheck, Checked, 
 class LoopHooks(Protocol):
     """What the runtime offers the loop: persistence and probing, and interruptible call scopes."""
 
-    async def record(self, step: RunStep) -> None:
-        """Persist a step, then probe the cancel key (raises CancelRequested when set)."""
+    async def record(self, step: RunStep, sent: Sent | None = None) -> None:
+        """Persist a step, then probe the cancel key (raises CancelRequested when set); with ``sent``, the marks
+        of the calls that go out right after it, in the same round trip (see :meth:`sending`)."""
 
-    async def checkpoint(self) -> None:
-        """Probe the cancel key before a model call (raises CancelRequested when set)."""
+    async def checkpoint(self, round_number: int) -> None:
+        """Probe the cancel key before the model call of ``round_number`` (raises CancelRequested when set), and
+        make sure the call is marked (:meth:`sending`): one round trip, none when the append just before did
+        both."""
 
     async def complete(self, step: RunStep) -> None:
         """Record the final model step and settle the run completed; raises SteerRequested when a steer waits
@@ -58,8 +62,9 @@ class LoopHooks(Protocol):
     async def sending(self, call_id: str | None, round_number: int) -> None:
         """Record, durably, that a call's request is about to go out (a tool call by its id, the model call of
         ``round_number`` with None), so that the worker that takes the run up after this one was lost knows
-        what was sent (docs/leases.md, "Lost workers"). Raises OwnershipLost when the run is not this
-        worker's any more: the call must not go out."""
+        what was sent (docs/leases.md, "Lost workers"); no round trip when the append or the probe just before
+        wrote the mark. Raises OwnershipLost when the run is not this worker's any more: the call must not go
+        out."""
 
     def in_flight(self, grace_s: float | None = None) -> AbstractContextManager[anyio.CancelScope]:
         """A fresh, unentered scope registered as one of the run's calls in flight while the block runs;
@@ -252,7 +257,7 @@ class ToolLoop:
         while True:
             if state.model_calls >= self._max_rounds:
                 return LoopEnd(LoopEndKind.MAX_ROUNDS)
-            await self._hooks.checkpoint()
+            await self._hooks.checkpoint(state.model_calls + 1)
             if self._hooks.handing_over:
                 return LoopEnd(LoopEndKind.HANDOFF, state=state)
             try:
@@ -271,10 +276,11 @@ class ToolLoop:
                     await self._hooks.complete(step)
                     return LoopEnd(LoopEndKind.COMPLETED, content=turn.content, final_step=step)
                 # Handed back like a tool's error (docs/usage.md, "Structured output"); max_rounds bounds it.
-                await self._hooks.record(replace(step, detail={**step.detail, "output_error": checked.problem}))
+                await self._hooks.record(replace(step, detail={**step.detail, "output_error": checked.problem}),
+                                         self._next_model(state))
                 state.messages.append(Message(role="user", content=hand_back(checked.problem)))
                 continue
-            await self._hooks.record(step)
+            await self._hooks.record(step, self._first_calls(state, turn.tool_calls))
             if len(turn.tool_calls) > self._max_tool_calls_per_turn:
                 raise RunBoundReached(
                     TerminationReason.TOO_MANY_TOOL_CALLS,
@@ -284,6 +290,23 @@ class ToolLoop:
             suspended = await self._run_calls(state, list(turn.tool_calls))
             if suspended is not None:
                 return suspended
+
+    def _next_model(self, state: LoopState) -> Sent | None:
+        """The mark of the model call that follows the step being recorded (None past the last round)."""
+        return Sent(model=state.model_calls + 1) if state.model_calls < self._max_rounds else None
+
+    def _first_calls(self, state: LoopState, calls: Sequence[ToolCall]) -> Sent | None:
+        """The marks of the tool calls that start as soon as their model step is recorded: the first ones, up to
+        the places free and to the first that waits for approval (the others are marked as they start)."""
+        if len(calls) > self._max_tool_calls_per_turn:
+            return None
+        first = []
+        for call in calls[:self._max_parallel_tool_calls]:
+            if self._waits_for_approval(call, state):
+                break
+            if call.problem is None and self._runner.problem(call) is None:
+                first.append(call.id)
+        return Sent(calls=tuple(first)) if first else None
 
     async def _checked(self, content: str | None) -> Checked:
         """The final answer checked against the output schema, in flight like a call: a cancel, a steer or a
@@ -362,7 +385,8 @@ class ToolLoop:
             CancelRequested: from a step's probe, once every call in flight was cut off and recorded.
         """
         waits = next((i for i, call in enumerate(calls) if self._waits_for_approval(call, state)), len(calls))
-        turn = _Turn(round=state.model_calls, calls=calls[:waits])
+        turn = _Turn(round=state.model_calls, calls=calls[:waits],
+                     then=self._next_model(state) if waits == len(calls) else None)
         slots = anyio.Semaphore(self._max_parallel_tool_calls)
         async with anyio.create_task_group() as group:
             for index, call in enumerate(turn.calls):
@@ -429,7 +453,9 @@ class ToolLoop:
             if turn.stopped_by is not None and not isinstance(turn.stopped_by, CancelRequested | SteerRequested):
                 return  # the run ends otherwise (a bound, the store, the lease): nothing more is written
             turn.results[index] = Message(role="tool", content=step.content, tool_call_id=call.id)
-            await self._hooks.record(step)
+            # The turn's last step marks the model call that follows it.
+            last = len(turn.results) == len(turn.calls) and not self._hooks.handing_over
+            await self._hooks.record(step, turn.then if last and turn.stopped_by is None else None)
         except TaskHandedOver:
             turn.detached.add(index)  # its task runs on: the next worker polls it
         except (CancelRequested, SteerRequested, OwnershipLost, Exception) as exc:  # noqa: BLE001 - raised after the turn
@@ -470,6 +496,9 @@ class _Turn:
 
     round: int
     calls: list[ToolCall]
+    then: Sent | None = None
+    """The mark of the model call that follows the turn (None when the turn waits for approval, or was the
+    last round): its last step writes it."""
     started: int = 0
     """How many of ``calls`` were started: always the first ones."""
     results: dict[int, Message] = field(default_factory=dict)

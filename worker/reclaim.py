@@ -3,7 +3,8 @@
 
 A lost worker (kill -9, an OOM kill, a lost host) cannot say where its runs stood, so what it recorded says it:
 the steps, and the marks each call leaves in the run's hash before its request goes out (``sent:<call id>``,
-``sent:model``; shared/_store_core.py ``mark_sent``). :func:`plan` reads them into what the run's record still
+``sent:model``: written by the append just before the call, shared/_scripts.py ``APPEND_STEP``, or else by
+``MARK_SENT``). :func:`plan` reads them into what the run's record still
 lacks and where the conversation stands:
 
 - a call whose MCP task the run recorded (``task:<call id>``) is not cut off: it goes to the pending turn, and
@@ -83,7 +84,8 @@ def plan(fields: Mapping[str, str], steps: Sequence[RunStep], *, worker: str, ma
                 failing.append(call.qualified_name)
             turn.results[call.id] = Message(role="tool", content=result.content, tool_call_id=call.id)
         state.messages.extend(turn.messages())
-    model = _model_in_flight(fields.get(SENT_MODEL), steps)
+    # A turn's last step marks the model call after it: with a call of that turn cut off, none was in flight.
+    model = None if cut else _model_in_flight(fields.get(SENT_MODEL), steps)
     if model is not None:
         cut.append(interrupted_model_step(model, 0, WORKER_LOST))
     if status is not RunStatus.RUNNING:

@@ -40,7 +40,7 @@ from runbrake.shared.errors import (
     SteerRequested,
     StoreError,
 )
-from runbrake.shared.records import Claim, Transition, TreeLink
+from runbrake.shared.records import Claim, Sent, Transition, TreeLink
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
@@ -111,16 +111,24 @@ class RunHooks:
         """The steer's answers are being recorded: their boundaries do not raise the steer again."""
         self.completion: Transition | None = None
         """What the final step's settle came to (:meth:`complete`), once the loop completed."""
+        self._marked: set[str] = set()
+        """The tool calls whose marks an append wrote (:class:`Sent`), until they go out."""
+        self._marked_model: int | None = None
+        """The model call whose mark the last round trip wrote, until it goes out."""
 
-    async def record(self, step: RunStep) -> None:
+    async def record(self, step: RunStep, sent: Sent | None = None) -> None:
         if self._budget is not None:
             step = self._budget.priced(step)
         step = self._subscribers.before_step(self._handle.run_id, step)
         token = uuid.uuid4().hex
         appended = await durably(
-            lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner),
+            lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner,
+                                            sent=sent),
             within_s=self._lease_s, what="append_step")
         self._probed = True
+        self._marked_model = None if sent is None else sent.model
+        if sent is not None:
+            self._marked.update(sent.calls)
         await self._subscribers.step(self._handle.run_id, appended.step)
         if self._tree is not None:
             await count_above(self._store, self._tree, appended.step)
@@ -158,22 +166,47 @@ class RunHooks:
             log.info("run_final_step_recorded_after_cancel", sequence=appended.step.sequence)
         self.completion = transition
 
-    async def checkpoint(self) -> None:
+    async def probe(self) -> None:
+        """The boundary's probe, where no step was just recorded (a resume after approval)."""
+        self._seen()
+        if not self._probed:
+            self._probed = True
+            if await self._store.cancel_requested(self._handle.run_id):
+                raise CancelRequested(self._handle.run_id)
+
+    def _seen(self) -> None:
+        """What the cancel listener, a sweeper or a steer already told this run, raised."""
         if self._handle.lost:
             raise OwnershipLost(self._handle.run_id)
         if self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
         if self._handle.steer is not None:
             raise SteerRequested(self._handle.run_id)  # applying it probes the cancel key (STEER_APPLY)
-        if self._probed:
-            return
+
+    async def checkpoint(self, round_number: int) -> None:
+        self._seen()
+        if self._probed and self._marked_model == round_number:
+            return  # the append just before probed this boundary and marked the call
+        # The model call's mark, which probes the cancel key too: one round trip for both.
         self._probed = True
-        if await self._store.cancel_requested(self._handle.run_id):
-            raise CancelRequested(self._handle.run_id)
+        await self._mark_sent(None, round_number)
+        self._marked_model = round_number
 
     async def sending(self, call_id: str | None, round_number: int) -> None:
         if self._handle.lost:
             raise OwnershipLost(self._handle.run_id)
+        marked = self._marked_model == round_number if call_id is None else call_id in self._marked
+        if not marked:
+            await self._mark_sent(call_id, round_number)
+            return
+        if call_id is None:
+            self._marked_model = None
+        else:
+            self._marked.discard(call_id)
+        if self._handle.cancel_seen:  # what the mark's own round trip would have found
+            raise CancelRequested(self._handle.run_id)
+
+    async def _mark_sent(self, call_id: str | None, round_number: int) -> None:
         await durably(lambda: self._store.mark_sent(self._handle.run_id, owner=self._handle.owner, call_id=call_id,
                                                     round_number=round_number),
                       within_s=self._lease_s, what="mark_sent")
@@ -227,6 +260,7 @@ class RunHooks:
         if spared is not None:  # the steer's text is the submitter's too, from its own step on
             spared.add(steer.input, steer.reason, steer.requested_by)
         token = uuid.uuid4().hex
+        self._marked_model = None
         appended = await durably(
             lambda: self._store.apply_steer(self._handle.run_id, steer, steer_step(steer, round_number),
                                             owner=self._handle.owner, token=token),
@@ -455,7 +489,7 @@ class Runtime:
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
                 # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
-                await hooks.checkpoint()
+                await hooks.probe()
             if claim.steer is not None:
                 # Stored before this segment began (a steered approval, a worker that died or handed over first):
                 # the calls still pending are answered by the steer, never made (docs/cancellation.md, "Steer").
