@@ -141,4 +141,4 @@ def test_the_list_is_searched_by_text_and_by_creation_time(api: ApiProcess, stor
         assert refused.json()["errors"][0]["loc"] == ["query", field], params
     unknown = httpx2.get(f"{api.url}/v1/runs", params={"search": "weather"})
     assert unknown.status_code == 422
-    assert "q, since, status, thread, until" in unknown.json()["errors"][0]["msg"]
+    assert "q, root, since, status, thread, until" in unknown.json()["errors"][0]["msg"]

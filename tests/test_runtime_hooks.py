@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 from structlog.testing import capture_logs
 
-from runbrake.shared import AsyncRunStore, CancelRequested, Settings
+from runbrake.shared import AsyncRunStore, CancelRequested, Settings, StoreError
 from runbrake.worker.registry import ActiveRuns
 from runbrake.worker.runtime import RunHooks
 from tests.ports import free_port
@@ -22,13 +22,15 @@ async def unreachable_store() -> AsyncIterator[AsyncRunStore]:
 
 @pytest.mark.anyio
 async def test_the_probe_fabricates_no_cancel_when_redis_is_unreachable(unreachable_store: AsyncRunStore) -> None:
+    """The probe before a model call is its sent mark (MARK_SENT): it is retried while Redis is away, and a Redis
+    that stays away is a store error, never a cancel."""
     handle = ActiveRuns().register("run-1", "owner-1")
-    hooks = RunHooks(unreachable_store, handle, max_steps=200)
+    hooks = RunHooks(unreachable_store, handle, max_steps=200, lease_s=1.0)
 
-    with capture_logs() as logs:
-        await hooks.checkpoint()  # does not raise: a store hiccup is not a cancel
+    with capture_logs() as logs, pytest.raises(StoreError):
+        await hooks.checkpoint(0)
 
-    assert [e["run_id"] for e in logs if e["event"] == "cancel_probe_failed"] == ["run-1"]
+    assert {e["write"] for e in logs if e["event"] == "store_write_retrying"} == {"mark_sent"}
 
 
 @pytest.mark.anyio
@@ -40,6 +42,6 @@ async def test_a_cancel_the_listener_verified_stops_the_run_without_asking_redis
     hooks = RunHooks(unreachable_store, handle, max_steps=200)
 
     with capture_logs() as logs, pytest.raises(CancelRequested):
-        await hooks.checkpoint()
+        await hooks.checkpoint(0)
 
-    assert [e for e in logs if e["event"] == "cancel_probe_failed"] == []
+    assert [e for e in logs if e["event"] == "store_write_retrying"] == []
