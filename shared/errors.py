@@ -40,7 +40,7 @@
      ├── CancelRequested             internal control flow: the run's cancel key is set
      ├── SteerRequested              internal control flow: a steer cut the turn off (worker/steer.py)
      ├── OwnershipLost               internal control flow: the run is no longer this worker's
-     └── TaskHandedOver              internal control flow: a hand-over left a call's MCP task running
+     └── CallHandedOver              internal control flow: a hand-over left a call running (task, child run)
 
     Exception                        private to one module, never raised past it
      ├── _Stalled                    an events stream's client stopped reading (broker/events.py)
@@ -429,11 +429,12 @@ class TaskUnknown(ToolTransportError):
     ended): the call is lost, as a lost worker's is (worker/mcp_tasks.py)."""
 
 
-class TaskHandedOver(BaseException):
-    """Raised by a tool call whose MCP task a hand-over left running: the call goes to the next worker, which polls
-    the same task (docs/usage.md, "Long tool calls as MCP tasks"). A ``BaseException`` for the reason
+class CallHandedOver(BaseException):
+    """Raised by a tool call a hand-over left running, unrecorded: its MCP task (docs/usage.md, "Long tool calls as
+    MCP tasks") or the child run of an agent call ("Agent trees"). The call goes to the next worker, which
+    re-attaches: it polls the same task, or finds the same child. A ``BaseException`` for the reason
     ``CancelRequested`` is one."""
 
     def __init__(self, call_id: str) -> None:
-        super().__init__(f"the MCP task of call {call_id} was left running for the next worker")
+        super().__init__(f"call {call_id} was left running for the next worker")
         self.call_id = call_id

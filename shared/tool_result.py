@@ -58,9 +58,6 @@ class ToolResult:
     ``detail.task_status``; worker/mcp_tasks.py)."""
     child_run_id: str | None = None
     """The child run an agent call started (its step's ``detail.child_run_id``; docs/usage.md, "Agent trees")."""
-    again: bool = False
-    """An agent call a hand-over cut off, its child left running: not recorded, the next worker makes it again
-    and re-attaches (worker/loop.py)."""
 
     def __post_init__(self) -> None:
         if self.outcome is not ToolOutcome.OK and (self.artifacts or self.write_target is not None):

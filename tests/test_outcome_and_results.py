@@ -18,7 +18,7 @@ CHANNELS = frozenset({"content", "structured"})
 # ``with_bounded_channels`` carries it (or bounds it, if it is a content channel), then add it here
 # and to ``NON_DEFAULT`` below.
 EXPECTED_FIELDS = frozenset({"outcome", "content", "structured", "artifacts", "write_target", "failure",
-                             "side_effects", "task", "child_run_id", "again"})
+                             "side_effects", "task", "child_run_id"})
 FAILED_ONLY = frozenset({"failure", "side_effects"})
 """Fields only a failed (``failure``) or cancelled (``side_effects``) result sets; the carry tests below for
 those outcomes cover them."""
@@ -31,7 +31,6 @@ NON_DEFAULT: dict[str, object] = {
     "write_target": "postgres://db/table",
     "task": ("task-1", "completed"),
     "child_run_id": "c" * 32,
-    "again": True,
 }
 
 

@@ -15,10 +15,11 @@ trees").
    cancelled child as a failed result the model can act on, each with ``child_run_id``.
 
 A call cut off by a cancel or a steer cancels its child (each level's worker cancels the level below, and an
-operator's cancel fences the whole tree at once: shared/messaging/cancel.py). One cut off by a hand-over is left
-unrecorded and made again by the next worker (worker/loop.py, ``_Turn.again``), as one cut off by a lost worker
-is (its ``on_worker_lost`` is ``retry``: worker/liveness.py): either finds the child it started and waits for
-it. A lost lease cancels nothing: the run is no longer this worker's.
+operator's cancel fences the whole tree at once: shared/messaging/cancel.py). One cut off by a hand-over raises
+:class:`~shared.errors.CallHandedOver`: left unrecorded, it is made again by the next worker (worker/loop.py,
+``_Turn.detached``), as one cut off by a lost worker is (its ``on_worker_lost`` is ``retry``:
+worker/liveness.py): either finds the child it started and waits for it. A lost lease cancels nothing: the run
+is no longer this worker's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import structlog
 from runbrake.shared.agents import AGENT_INPUT_SCHEMA, AgentSpec, child_request
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.catalog import Admission
-from runbrake.shared.errors import RunbrakeError, SpecError, StoreError
+from runbrake.shared.errors import CallHandedOver, RunbrakeError, SpecError, StoreError
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.records import RunRecord, TreeLink
 from runbrake.shared.settings import Settings
@@ -259,7 +260,7 @@ class AgentCalls:
             return result
         if handle.handing_over and not handle.cancel_seen and handle.steer is None:
             # Handed over, not stopped: the next worker makes the call again and re-attaches (worker/loop.py).
-            return replace(result, child_run_id=child, again=True)
+            raise CallHandedOver(call.id)
         why = "steered" if handle.steer is not None and not handle.cancel_seen else "cancelled"
         with anyio.CancelScope(shield=True):
             await self._runs.cancel(child, reason=f"{why}: its caller, run {self._caller.run_id}, was {why}",

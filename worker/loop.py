@@ -22,13 +22,13 @@ from typing import Any, Protocol
 import anyio
 
 from runbrake.shared.errors import (
+    CallHandedOver,
     CancelRequested,
     OwnershipLost,
     ProviderError,
     RetriedAttempt,
     RunBoundReached,
     SteerRequested,
-    TaskHandedOver,
 )
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.records import Sent
@@ -441,9 +441,6 @@ class ToolLoop:
                         turn.release(interrupt)
                 step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result,
                                     call_id=call.id, duration_ms=_ms(self._clock() - started))
-                if result.again and self._hooks.handing_over:
-                    turn.detached.add(index)  # an agent call: the next worker makes it again and finds its child
-                    return
                 if result.outcome is ToolOutcome.CANCELLED and self._hooks.handing_over:
                     # Cut off by the hand-over, not by a cancel (a cancel found by the append's probe still wins).
                     result = ToolResult.cancelled("the call was cut off: the worker executing the run shut down")
@@ -456,8 +453,8 @@ class ToolLoop:
             # The turn's last step marks the model call that follows it.
             last = len(turn.results) == len(turn.calls) and not self._hooks.handing_over
             await self._hooks.record(step, turn.then if last and turn.stopped_by is None else None)
-        except TaskHandedOver:
-            turn.detached.add(index)  # its task runs on: the next worker polls it
+        except CallHandedOver:
+            turn.detached.add(index)  # its task or child run goes on: the next worker re-attaches
         except (CancelRequested, SteerRequested, OwnershipLost, Exception) as exc:  # noqa: BLE001 - raised after the turn
             turn.stop(exc)
         finally:

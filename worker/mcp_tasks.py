@@ -9,7 +9,7 @@ once the task ends. What stops the wait decides what becomes of the task:
 - a cancel, a steer, a budget or a deadline (the call's interrupt scope) sends ``tasks/cancel``; the server's
   answer is recorded: ``cancelled``, or the real result when the task completed anyway;
 - a hand-over (or the loss of the run's lease) leaves the task running and the MCP session open
-  (:class:`~shared.errors.TaskHandedOver`): never cancelled by a worker that is no longer the run's; the next
+  (:class:`~shared.errors.CallHandedOver`): never cancelled by a worker that is no longer the run's; the next
   worker finds the recorded task and polls it instead of calling the tool again, as it does after a lost worker
   (worker/reclaim.py);
 - a task (or session) the server no longer knows is lost (:class:`~shared.errors.TaskUnknown`), like a call cut
@@ -37,7 +37,7 @@ from mcp.shared.dispatcher import ProgressFnT
 from mcp_types import CallToolResult
 from pydantic import ValidationError
 
-from runbrake.shared.errors import TaskHandedOver, TaskUnknown, ToolTransportError
+from runbrake.shared.errors import CallHandedOver, TaskUnknown, ToolTransportError
 from runbrake.shared.spec import OnWorkerLost
 from runbrake.shared.tool_result import ToolResult
 from runbrake.worker.conversation import ToolCall
@@ -219,7 +219,7 @@ async def call_as_task(
         answer: what a ``CallToolResult`` came to.
 
     Raises:
-        TaskHandedOver: a hand-over stopped the wait; the task runs on, for the next worker.
+        CallHandedOver: a hand-over stopped the wait; the task runs on, for the next worker.
     """
     recorded = await records.task_of(call.id)
     handle = None if recorded is None else TaskHandle.from_json(recorded)
@@ -280,7 +280,7 @@ class _Waiting:
                 self._connection.session.keep = True  # the session (and its tasks) outlive this connection
             log.info("mcp_task_handed_over", server=self._call.server, tool=self._call.tool,
                      task_id=task.handle.task_id)
-            raise TaskHandedOver(self._call.id)
+            raise CallHandedOver(self._call.id)
         if task.status == "input_required":
             why = ("the task asked for input (input_required); runbrake answers no input request of a server, "
                    "so it was cancelled")
