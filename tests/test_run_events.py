@@ -13,7 +13,9 @@ import json
 import select
 import subprocess
 import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +24,7 @@ import pytest
 from runbrake.shared import RunStatus, RunStep, RunStore, Settings, StepKind, TerminationReason
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.messaging.wire import EVENT_ID_HEADER, RUN_ID_HEADER, RunEventMessage
+from runbrake.worker.outbox_reader import RENEW_S
 from runbrake.worker.relay import ConfirmedPublisher, EventRelay
 from tests.amqp_clients import node_client
 from tests.events_helpers import assert_valid_bodies, drain_events, events_queue, expected_keys, position, take_events
@@ -175,11 +178,10 @@ def test_an_entry_the_store_did_not_write_is_skipped_and_the_next_event_still_go
 
 @pytest.mark.timeout(60)
 def test_a_confirm_read_while_its_message_is_still_being_published_counts(rabbitmq: Settings) -> None:
-    """pika's ``basic_publish`` services the connection until the message is written, and reads what came in
-    meanwhile. On a loaded machine (a thread that runs again only after RabbitMQ answered) the confirm of the
-    message being published can be read there, before the publisher counted the message as unconfirmed: that
-    confirm was lost, and a batch whose last message it was waited the relay's whole 30 s and was published
-    again. Here every publish is made to wait until RabbitMQ's confirm of it was read."""
+    """A confirm can be read as soon as its message is written: on a loaded machine (a thread that runs again
+    only after RabbitMQ answered) before the publisher goes on. Counted after that, the confirm found nothing
+    to clear, and a batch whose last message it was waited the relay's whole 30 s and was published again.
+    Here every message is written out and its confirm read before the publisher goes on."""
     import pika
 
     publisher = ConfirmedPublisher(rabbitmq, threading.Event())
@@ -193,7 +195,7 @@ def test_a_confirm_read_while_its_message_is_still_being_published_counts(rabbit
     publisher._on_confirm = counting  # type: ignore[method-assign]  # confirm mode is turned on with it below
     publisher.connect()
     channel = publisher._channel
-    publish, sent = channel.basic_publish, 0
+    publish, sent = channel._impl.basic_publish, 0
 
     def publish_then_stall(*args: Any, **kwargs: Any) -> None:
         nonlocal sent
@@ -202,7 +204,7 @@ def test_a_confirm_read_while_its_message_is_still_being_published_counts(rabbit
         poll_until(lambda: channel.connection.process_data_events(time_limit=0.01) or max(confirmed, default=0) >= sent,
                    timeout=10, failure=lambda: f"RabbitMQ confirmed {confirmed}, {sent} published")
 
-    channel.basic_publish = publish_then_stall
+    channel._impl.basic_publish = publish_then_stall
     messages = [RunEventMessage(event_id=str(i), routing_key="run.queued", body=b"{}", occurred_at=0.0,
                                 properties=pika.BasicProperties(message_id=str(i))) for i in range(3)]
     try:
@@ -210,3 +212,43 @@ def test_a_confirm_read_while_its_message_is_still_being_published_counts(rabbit
     finally:
         publisher.close()
     assert sent == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_round_between_lease_renewals_reads_and_acknowledges_only(rabbitmq: Settings, store: RunStore) -> None:
+    """The lease is renewed, and entries nobody acknowledged are looked for, once every third of a lease
+    (worker/outbox_reader.py, ``RENEW_S``), not at every round: a relay publishing a trickle of events pays
+    Redis the read and the acknowledgement per round."""
+    relay_store = RunStore.connect(rabbitmq)
+    relay = EventRelay(rabbitmq, relay_store)
+    calls: Counter[str] = Counter()
+    for name in ("lease", "pending", "new", "ack"):
+        setattr(relay._cursor, name, _counted(getattr(relay._cursor, name), name, calls))
+    events = 12
+    with events_queue(rabbitmq) as queue:
+        relay.start()
+        try:
+            began = time.monotonic()
+            for i in range(events):  # one event a round: each published before the next is written
+                store.create({"input": f"event {i}"})
+                poll_until(lambda n=i + 1: relay.published >= n, timeout=30,
+                           failure=lambda: f"{relay.published} published")
+            elapsed = time.monotonic() - began
+            take_events(rabbitmq, queue, events, timeout=30, distinct=True)
+        finally:
+            relay.stop()
+            relay.join(10)
+            relay_store.close()
+    renewals = 2 + int(elapsed / RENEW_S)  # the first take, one each third of a lease since, one in flight
+    assert calls["ack"] == events
+    assert calls["new"] >= events
+    assert calls["lease"] <= renewals, (calls, elapsed)
+    assert calls["pending"] <= renewals, (calls, elapsed)
+
+
+def _counted(method: Any, name: str, calls: Counter[str]) -> Any:
+    """``method``, counting its calls in ``calls[name]``."""
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        return method(*args, **kwargs)
+    return counted

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 import uuid
 from typing import Any, ClassVar, Final
 
@@ -24,6 +25,9 @@ log = structlog.get_logger(__name__)
 
 LEASE_S: Final = 10.0
 """How long the working reader's lease lasts unrenewed: a reader that died is replaced after this."""
+RENEW_S: Final = LEASE_S / 3
+"""How often the working reader renews its lease and looks for entries handed out and never acknowledged:
+between renewals it holds the lease for sure, and a round costs the read and the acknowledgement alone."""
 _FIRST_BACKOFF_S: Final = 0.2
 _MAX_BACKOFF_S: Final = 5.0
 
@@ -57,6 +61,11 @@ class OutboxReader(PartThread):
         """This reader's consumer name in the group, and its name in the lease."""
         self.leading = False
         """Whether this reader held the lease at its last round (it works)."""
+        self._renewed_at = 0.0
+        """When the lease was last renewed (monotonic; taken before the renewal was sent)."""
+        self._take_over = True
+        """Whether the next round looks for entries handed out and not acknowledged (after the lease was taken
+        or renewed, and while such entries remain)."""
 
     def run(self) -> None:
         backoff = _FIRST_BACKOFF_S
@@ -68,10 +77,10 @@ class OutboxReader(PartThread):
                     if not groups_made:
                         self._cursor.make_groups()
                         groups_made = True
-                    if self._renew():
+                    if self._holds_lease():
                         self._work()
                     else:
-                        self._stopping.wait(LEASE_S / 3)
+                        self._stopping.wait(RENEW_S)
                     if backoff > _FIRST_BACKOFF_S:
                         log.info(f"{self.event}_resumed")
                     backoff = _FIRST_BACKOFF_S
@@ -98,9 +107,18 @@ class OutboxReader(PartThread):
                 self._cursor.release(self.name_in_group)
             log.info(f"{self.event}_stopped", **self._totals())
 
+    def _holds_lease(self) -> bool:
+        """Whether this reader works this round: renewed every :data:`RENEW_S` only."""
+        if self.leading and time.monotonic() < self._renewed_at + RENEW_S:
+            return True
+        return self._renew()
+
     def _renew(self) -> bool:
         """Take or renew the lease; answers whether this reader works (and logs when that changed)."""
+        asked_at = time.monotonic()
         leading = self._cursor.lease(self.name_in_group, lease_s=LEASE_S)
+        if leading:
+            self._renewed_at, self._take_over = asked_at, True
         if leading != self.leading:
             log.info(f"{self.event}_{self.working}" if leading else f"{self.event}_standing_by",
                      reader=self.name_in_group)
@@ -109,13 +127,16 @@ class OutboxReader(PartThread):
 
     def _next_entries(self, *, count: int, block_ms: int | None) -> list[OutboxEntry]:
         """The group's entries handed out and never acknowledged (a dead reader's, or this one's before a
-        failure), oldest first; else the next new ones, waiting up to ``block_ms`` on a single Redis."""
-        entries, trimmed = self._cursor.pending(self.name_in_group, count=count)
-        if trimmed:
-            log.error(f"{self.event}_events_trimmed_{self.unread}", events=trimmed,
-                      cause="older than RUNBRAKE_RETENTION_S before the reader took them")
-        if entries:
-            return entries
+        failure), oldest first, looked for after each renewal of the lease until none is left; else the next
+        new ones, waiting up to ``block_ms`` on a single Redis."""
+        if self._take_over:
+            entries, trimmed = self._cursor.pending(self.name_in_group, count=count)
+            if trimmed:
+                log.error(f"{self.event}_events_trimmed_{self.unread}", events=trimmed,
+                          cause="older than RUNBRAKE_RETENTION_S before the reader took them")
+            if entries:
+                return entries
+            self._take_over = False
         return self._cursor.new(self.name_in_group, count=count, block_ms=block_ms)
 
     def _work(self) -> None:

@@ -8,9 +8,10 @@ and acknowledges (XACK) the entries only once RabbitMQ confirmed them. Nothing i
 the outbox is trimmed by age alone, so ``GET /v1/events`` replays the same events.
 
 Order per run: of all the relays of a namespace, one publishes at a time, the holder of a lease in Redis
-(renewed every round; a relay that stops gives it up, one that dies loses it after :data:`LEASE_S`). Each
-round first takes over every entry handed out and not acknowledged (its own after RabbitMQ refused a batch,
-or a dead relay's), oldest first, then reads new ones: entries go out in the outbox's order. RabbitMQ down:
+(renewed every third of it; a relay that stops gives it up, one that dies loses it after :data:`LEASE_S`).
+After each renewal it first takes over every entry handed out and not acknowledged (its own after RabbitMQ
+refused a batch, or a dead relay's), oldest first, then reads new ones: entries go out in the outbox's order.
+A round between renewals costs Redis the read and the acknowledgement alone. RabbitMQ down:
 nothing is acknowledged, the relay reconnects with backoff and publishes what waited, in order. At least
 once: an entry published but not acknowledged (the relay died between the confirm and the XACK, or a stalled
 relay lost its lease mid-batch) is published again, with the same ``message_id``.
@@ -114,13 +115,12 @@ class ConfirmedPublisher:
         """
         exchange = self._topology.events_exchange
         for message in messages:
-            # Counted before it is sent: basic_publish services the connection until the message is written and
-            # handles what came in meanwhile, which can be this message's own confirm (a thread that runs again
-            # only after RabbitMQ answered, on a loaded machine). Counted after, that confirm found nothing to
-            # clear and the batch waited for it until CONFIRM_TIMEOUT_S.
+            # Written to the connection's buffer only (the channel underneath: ``BlockingChannel.basic_publish``
+            # would service the connection until each message is sent, a poll per message); the whole batch goes
+            # out as the confirms are awaited. Counted as it is buffered, before any confirm can come.
             self._tag += 1
             self._unconfirmed.add(self._tag)
-            self._channel.basic_publish(exchange, message.routing_key, message.body, message.properties)
+            self._channel._impl.basic_publish(exchange, message.routing_key, message.body, message.properties)
         self._service(lambda: not self._unconfirmed, "confirms", still_leading)
         if self._refused:
             refused, self._refused = self._refused, 0
