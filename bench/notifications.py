@@ -40,7 +40,6 @@ import asyncio
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from typing import Any
 import anyio
 
 from bench._harness import Bench, percentile
+from bench._profile import py_spy
 
 VARIANTS = ("sdk", "inline", "uvloop", "inline+uvloop", "off")
 LAG_TIMER_S = 0.01
@@ -198,12 +198,6 @@ def child(arguments: dict[str, Any]) -> None:
 # -- the parent: servers, rounds, table ---------------------------------------------------------------------
 
 
-def _py_spy() -> str | None:
-    """py-spy on PATH, or next to this Python (a venv not activated)."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
-
-
 def _run_child(arguments: dict[str, Any], profile: Path | None) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.notifications", "--child", json.dumps(arguments)]
     load = os.getloadavg()
@@ -215,7 +209,7 @@ def _run_child(arguments: dict[str, Any], profile: Path | None) -> dict[str, Any
             if line.startswith("window") and profile is not None:
                 # Only the measured window: the child's start (imports, connects) would drown it.
                 name = f"{arguments['variant']}-{arguments['calls']}x{arguments['rate']:g}.txt"
-                spy = subprocess.Popen([str(_py_spy()), "record", "--native", "--format", "raw", "--rate", "250",
+                spy = subprocess.Popen([str(py_spy()), "record", "--native", "--format", "raw", "--rate", "250",
                                         "--duration", f"{arguments['window_s']:g}", "--output", str(profile / name),
                                         "--pid", str(child_process.pid)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -257,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("skipping the uvloop variants: uvloop is not installed (pip install -e '.[bench]')")
             variants = [v for v in variants if not v.endswith("uvloop")]
     if args.profile is not None:
-        if _py_spy() is None:
+        if py_spy() is None:
             parser.error("--profile: py-spy is not installed (pip install -e '.[bench]')")
         args.profile.mkdir(parents=True, exist_ok=True)
     calls = [int(c) for c in args.calls.split(",")]
