@@ -39,6 +39,7 @@ import structlog
 
 from runbrake.shared.agents import AGENT_INPUT_SCHEMA, AgentSpec, child_request
 from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.budget import BUDGET_REQUESTER
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import CallHandedOver, RunbrakeError, SpecError, StoreError
 from runbrake.shared.messaging.cancel import CancelPublisher
@@ -88,7 +89,11 @@ class ChildRuns:
             log.warning("child_run_message_failed", child_run_id=run_id, error=str(exc) or repr(exc))
 
     async def cancel(self, run_id: str, *, reason: str, requested_by: str) -> None:
-        """Fence a child run, cut its calls off here when this process executes it, and wake its worker."""
+        """Fence a child run and every unfinished run below it, cut their calls off here when this process executes
+        them, and wake their workers (one wake-up reaches a run and the runs below it: worker/cancel_listener.py).
+        A child this process saw cancelled already (a cancel of the tree fenced it) needs nothing more."""
+        if self.registry.cancel_seen(run_id):
+            return
         try:
             transition = await self.store.cancel(run_id, reason=reason, requested_by=requested_by)
         except StoreError as exc:
@@ -101,12 +106,32 @@ class ChildRuns:
                 self.registry.interrupt(run_id)
             return
         log.info("child_run_cancelled", child_run_id=run_id, reason=reason)
-        if self.registry.interrupt(run_id):
+        here = self.registry.interrupt(run_id)
+        await self.stop_below(run_id, reason=reason, requested_by=requested_by, wake=not here)
+
+    async def stop_below(self, run_id: str, *, reason: str, requested_by: str, wake: bool = False) -> None:
+        """Fence every unfinished run below ``run_id``, a run just stopped (a cut-off child, a run its budget
+        stopped: worker/budget.py), as an operator's cancel does (shared/messaging/cancel.py), and wake their
+        workers with one wake-up of ``run_id`` (also when ``wake``: the run itself is not executed here). What
+        this cannot write, each caller's cut-off call still cancels, level by level."""
+        try:
+            below = await self.store.cancel_below(run_id, reason=f"{reason} (cancelled with run {run_id})",
+                                                  requested_by=requested_by)
+        except StoreError as exc:
+            log.warning("run_tree_cancel_failed", run_id=run_id, error=str(exc))
+            below = []
+        if below:
+            log.info("run_tree_cancelled", run_id=run_id, below=len(below))
+        if not below and not wake:
             return
         try:
             await asyncio.wrap_future(self._threads.submit(self._publish, run_id))
         except Exception as exc:  # noqa: BLE001 - the backstop finds the fence within two polls
             log.warning("child_run_wakeup_failed", child_run_id=run_id, error=str(exc) or repr(exc))
+
+    async def budget_brake(self, run_id: str, reason: str) -> None:
+        """The runs below a run its budget stopped stop with it (worker/budget.py, ``tree_brake``)."""
+        await self.stop_below(run_id, reason=reason, requested_by=BUDGET_REQUESTER)
 
     def _publish(self, run_id: str) -> None:
         publisher = getattr(self._local, "publisher", None)
