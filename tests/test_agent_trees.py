@@ -24,6 +24,7 @@ from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
 from tests.test_cli import runbrake
+from tests.test_tenants import set_catalog
 from tests.worker_helpers import WorkerProcess, call, wait_for_run
 
 WAIT_S = 30.0
@@ -245,7 +246,37 @@ def test_a_token_budget_spent_by_grandchildren_stops_the_whole_tree(
     records = [wait_for_run(store, r, timeout=WAIT_S) for r in (planner, researcher)]
     assert [r.status for r in records] == [RunStatus.CANCELLED, RunStatus.CANCELLED]
     assert root.usage.total_tokens == 0  # its own model is scripted: what stopped it was spent below
+    # The whole tree at once: the root's budget fenced every run below it, not each caller its child in turn.
+    for record in records:
+        assert record.cancel is not None
+        assert (record.cancel.requested_by, record.cancel.reason.endswith(f"(cancelled with run {run.run_id})")) == (
+            "budget", True), record.cancel
     wait_for_event(toolbox_http.events, "cancelled", tool="slow", timeout=WAIT_S)
+
+
+@pytest.mark.integration
+def test_a_tenants_quota_of_runs_in_flight_counts_every_run_of_its_trees(
+    llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
+    publisher: CancelPublisher,
+) -> None:
+    _tree_catalog(llm_mock, toolbox_http, researcher=RESEARCHER)
+    set_catalog(tenants={"alpha": {"max_runs_in_flight": 2}})
+    llm_mock.server.when("research slowly").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_r")]))
+    run = producer.enqueue(_caller([{"tool_calls": [_ask("researcher", "research slowly"),
+                                                    _ask("researcher", "research slowly too")]},
+                                    {"content": "never"}], ["researcher"]), tenant="alpha")
+
+    refused = poll_until(lambda: [s for s in store.get(run.run_id).steps if s.kind is StepKind.TOOL], timeout=WAIT_S,
+                         failure=lambda: f"run {run.run_id} recorded no call")
+    [child] = _children(store, run.run_id, 1)
+    assert [(s.tool_outcome, s.content) for s in refused] == [(ToolOutcome.FAILED, (
+        "the agent 'researcher' was not called: the tenant is at its quota max_runs_in_flight (2)"))]
+    assert store.in_flight("alpha") == 2  # the first run and its child
+
+    assert cancel_run(store, publisher, run.run_id, reason="enough", requested_by="test").won
+
+    _cancelled_tree(store, [run.run_id, child])
+    assert store.in_flight("alpha") == 0  # each run of the tree left the tenant's count as it ended
 
 
 @pytest.mark.integration

@@ -9,8 +9,9 @@ trees").
    after a lost one makes the call again and finds the same child); written queued with its place in the tree
    (caller, root, depth, ancestors) and its message sent, like any run, to any worker;
 2. records the child on the caller (its ``children`` hash) before it waits;
-3. waits, as a tool call waits for its server: in a scope the loop hands out, holding the caller's slot,
-   reading the child's status (and the use of the runs below, for the caller's budget) at a growing interval;
+3. waits, as a tool call waits for its server: in a scope the loop hands out, holding the caller's slot, woken
+   when a run below ends or spends (worker/tree_wakes.py), then reading the child's status (and the use of the
+   runs below, for the caller's budget), and reading them every ``FALLBACK_S`` without a wake;
 4. hands the child's answer back as the tool result (``output``, or ``output_json`` as JSON), a failed or
    cancelled child as a failed result the model can act on, each with ``child_run_id``.
 
@@ -32,7 +33,6 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Final
 
 import anyio
 import structlog
@@ -54,12 +54,10 @@ from runbrake.worker.conversation import ToolCall, ToolInfo
 from runbrake.worker.loop import ToolRunner
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
+from runbrake.worker.tree_wakes import FALLBACK_S, TreeWakes
 
 log = structlog.get_logger(__name__)
 
-_FIRST_LOOK_S: Final = 0.01
-_LONGEST_LOOK_S: Final = 0.25
-"""How often a waiting call reads its child's status: at once, then at an interval that doubles up to this."""
 
 
 class ChildRuns:
@@ -76,6 +74,8 @@ class ChildRuns:
         self._sender = sender
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="runbrake-agents")
         self._local = threading.local()
+        self.wakes = TreeWakes(settings, store.keys.tree_wakes)
+        """Wakes the waits of this process's agent calls when a run below them ends or spends."""
 
     async def send(self, run_id: str) -> None:
         """Send a child run's message; one that does not go out is re-driven (its run waits in the unclaimed set:
@@ -249,16 +249,18 @@ class AgentCalls:
         return created.run_id
 
     async def _wait(self, child: str) -> RunRecord:
-        """Until the child ends (its record, read once then), counting the use below against the caller's budget."""
+        """Until the child ends (its record, read once then), counting the use below against the caller's budget:
+        woken when a run below ends or spends (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
         store, budget = self._runs.store, self._caller.budget
-        look = _FIRST_LOOK_S
-        while True:
-            if (await store.status(child)).is_terminal:
-                return await store.get(child)
-            if budget is not None:
-                await budget.count_below(*await store.below_use(self._caller.run_id))
-            await anyio.sleep(look)
-            look = min(look * 2, _LONGEST_LOOK_S)
+        with self._runs.wakes.watch(self._caller.run_id) as woken:
+            while True:
+                woken.clear()  # before the reads: a wake that comes during them is not lost
+                if (await store.status(child)).is_terminal:
+                    return await store.get(child)
+                if budget is not None:
+                    await budget.count_below(*await store.below_use(self._caller.run_id))
+                with anyio.move_on_after(FALLBACK_S):
+                    await woken.wait()
 
     def _answer(self, call: ToolCall, record: RunRecord) -> ToolResult:
         """The child's end as the tool result the calling model sees."""
