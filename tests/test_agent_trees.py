@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared._store_core import add_below, below_use
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.records import TreeLink
 from runbrake.shared.spec import RunSpec
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
@@ -321,3 +323,29 @@ def test_a_child_waiting_for_approval_is_shown_at_the_root_and_its_approval_comp
     assert (record.status, [s.content for s in record.steps if s.kind is StepKind.TOOL]) == (
         RunStatus.COMPLETED, ["5"])
     assert json.loads(runbrake("show", run.run_id, "--json").stdout)["waiting_below"] == []
+
+
+@pytest.mark.integration
+def test_a_child_runs_end_and_its_use_name_the_runs_above_on_the_tree_wakes_channel(store: RunStore) -> None:
+    """What wakes a waiting agent call (worker/tree_wakes.py): the child's terminal transition names its caller,
+    a model step below names each run above; a first run's end names nobody."""
+    spec = {"input": "x", "model": {"provider": "scripted", "turns": [{"content": "ok"}]}}
+    root = store.create(spec).run_id
+    middle = store.create(spec, tree=TreeLink(caller_run_id=root, root_run_id=root, depth=1, ancestors=(root,))).run_id
+    leaf = store.create(spec, tree=TreeLink(caller_run_id=middle, root_run_id=root, depth=2,
+                                            ancestors=(middle, root))).run_id
+    pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(store.keys.tree_wakes)
+    try:
+        poll_until(lambda: pubsub.get_message(timeout=0.1) is None and pubsub.subscribed, timeout=WAIT_S,
+                   failure=lambda: "the subscription was not confirmed")
+        store.execute(add_below(store.keys, (middle, root), 120, 0.0))
+        for run_id in (leaf, middle, root):
+            assert store.cancel(run_id, reason="done", requested_by="test").won
+        heard: list[str] = []
+        poll_until(lambda: (message := pubsub.get_message(timeout=0.1)) is not None and heard.append(
+            message["data"]) is None and len(heard) >= 4, timeout=WAIT_S, failure=lambda: f"heard only {heard}")
+    finally:
+        pubsub.close()
+    assert heard == [middle, root, middle, root]  # the use below counted above; the leaf ended, the middle ended
+    assert [store.execute(below_use(store.keys, r)) for r in (middle, root)] == [(120, 0.0), (120, 0.0)]
