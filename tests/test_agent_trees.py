@@ -8,6 +8,7 @@ long tool calls (its events file says when each call started and was cut off on 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,6 +22,7 @@ from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.records import TreeLink
 from runbrake.shared.spec import RunSpec
+from runbrake.worker.registry import ActiveRuns
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
@@ -74,6 +76,19 @@ def test_a_spec_names_agents_and_never_defines_one_and_admission_bounds_the_tree
     assert {p.field: p.msg for p in refused.value.problems} == {
         "agents[1]": "'nobody' is not an agent of the catalog (it has four, one, three, two)",
         "agents": "make a tree 4 levels deep; the limit is 3 (RUNBRAKE_MAX_AGENT_DEPTH)"}
+
+
+def test_a_runs_cancel_wake_up_reaches_the_runs_below_it_that_the_process_executes() -> None:
+    """What the cancel listener interrupts for one wake-up (worker/cancel_listener.py), once their keys say so."""
+    async def reached() -> list[list[str]]:
+        registry = ActiveRuns()
+        registry.register("root", "o")
+        registry.register("middle", "o", above=("root",))
+        registry.register("leaf", "o", above=("middle", "root"))
+        registry.register("other", "o")
+        return [registry.with_below(run_id) for run_id in ("root", "middle", "leaf", "elsewhere")]
+
+    assert asyncio.run(reached()) == [["root", "middle", "leaf"], ["middle", "leaf"], ["leaf"], []]
 
 
 @pytest.mark.integration
