@@ -199,14 +199,15 @@ class AgentCalls:
         started = await self._start(call, agent, text, child)
         if isinstance(started, ToolResult):
             return started
-        record = await self._wait(started)
-        if record.status is RunStatus.CANCELLED and (
+        status = await self._wait(started)
+        if status is RunStatus.CANCELLED and (
                 self._caller.handle.cancel_seen or await self._runs.store.cancel_requested(self._caller.run_id)):
             # The cancel of the tree reached the child before the caller's wake-up reached this call: it is the
-            # caller's own cancel, and the call is cut off by it, not failed.
+            # caller's own cancel, and the call is cut off by it, not failed (the child's record is not read: a
+            # tree's cancel would read every one at once, in the moment its calls are recorded).
             return replace(ToolResult.cancelled(f"the call of the agent {call.tool!r} was cut off"),
                            child_run_id=started)
-        return self._answer(call, record)
+        return self._answer(call, await self._runs.store.get(started))
 
     async def _start(self, call: ToolCall, agent: AgentSpec, text: str, child: list[str]) -> str | ToolResult:
         """The child run of ``call`` (also put in ``child`` as soon as it is known, for a cut-off to cancel): the
@@ -248,15 +249,15 @@ class AgentCalls:
             log.info("agent_call_started", agent=call.tool, child_run_id=created.run_id, depth=link.depth)
         return created.run_id
 
-    async def _wait(self, child: str) -> RunRecord:
-        """Until the child ends (its record, read once then), counting the use below against the caller's budget:
-        woken when a run below ends or spends (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
+    async def _wait(self, child: str) -> RunStatus:
+        """Until the child ends (its terminal status), counting the use below against the caller's budget: woken
+        when a run below ends or spends (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
         store, budget = self._runs.store, self._caller.budget
         with self._runs.wakes.watch(self._caller.run_id) as woken:
             while True:
                 woken.clear()  # before the reads: a wake that comes during them is not lost
-                if (await store.status(child)).is_terminal:
-                    return await store.get(child)
+                if (status := await store.status(child)).is_terminal:
+                    return status
                 if budget is not None:
                     await budget.count_below(*await store.below_use(self._caller.run_id))
                 with anyio.move_on_after(FALLBACK_S):
