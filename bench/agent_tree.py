@@ -3,17 +3,18 @@ the cancel of a single run in the same tool call (docs/usage.md, "Agent trees").
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.agent_tree [--trees 50] [--singles 50] [--fanout 5]
+    .venv/bin/python -m bench.agent_tree [--trees 50] [--singles 50] [--fanout 5] [--processes 1]
 
 What it does, in its own namespace, on loopback only:
 
 1. starts the npm ``@modelcontextprotocol/server-everything`` over streamable HTTP (``everything`` in the
-   catalog), ``llm-mock-api`` in a process of its own as the agents' model, and one worker
-   (``--concurrency`` 48: a tree holds 31 runs);
+   catalog), ``llm-mock-api`` in a process of its own as the agents' model, and ``--processes`` worker
+   processes (1; ``runbrake worker`` starts one per CPU) of ``--concurrency`` 48 each (a tree holds 31 runs);
 2. the catalog's agents: ``mid`` (calls ``leaf``) and ``leaf`` (calls ``trigger-long-running-operation`` for
    300 s); the model asks ``mid`` for ``--fanout`` calls of ``leaf`` and ``leaf`` for the long operation;
-3. per tree: the root (a scripted model) calls ``mid`` ``--fanout`` times; once every leaf marked its tool call
-   sent (``sent:<call id>`` on its hash, written right before the request goes out), t0 = ``time.time()``,
+3. per tree: the root (a scripted model) calls ``mid`` ``--fanout`` times; once every caller marked its agent
+   calls sent (``sent:<call id>`` on its hash) and every leaf's long call reported progress (its hash's
+   ``progress``: the server runs it), t0 = ``time.time()``,
    ``cancel_run`` on the root; then every run of the tree is awaited terminal, and measured: the latest
    ``recorded_at`` of the cancelled tool steps of the whole tree (every leaf's long call, every agent call of
    the mids and the root) minus t0; every run must be ``cancelled`` and every such step ``cancelled``;
@@ -89,13 +90,19 @@ class TreeBench:
     def _runs(self, root: str) -> list[str]:
         return [root, *self.bench.store.descendants(root)]
 
-    def _calls_sent(self, run_ids: list[str], count: int) -> bool:
+    def _in_calls(self, run_ids: list[str]) -> bool:
+        """Every run in its call: a caller's agent calls marked sent (their child runs exist), a leaf's long call
+        reported progress by the server. A leaf's mark alone is not enough: it is written with the model step
+        that asks for the call, and a cancel that comes before the call starts leaves it unmade, unrecorded."""
         redis, store = self.bench.store.redis, self.bench.store
-        sent = 0
-        for run_id in run_ids:
+        for index, run_id in enumerate(run_ids):
             fields = redis.hkeys(store.run_key(run_id))
-            sent += any(f.startswith(SENT_PREFIX) and f != SENT_MODEL for f in fields)
-        return sent >= count
+            leaf = not self.fanout or index > self.fanout
+            if leaf and "progress" not in fields:
+                return False
+            if not leaf and not any(f.startswith(SENT_PREFIX) and f != SENT_MODEL for f in fields):
+                return False
+        return True
 
     def _cancelled(self, root: str) -> float:
         """Cancel ``root`` once every run of its tree has its call sent; seconds from the cancel to the last
@@ -103,7 +110,7 @@ class TreeBench:
         size = 1 + self.fanout + self.fanout * self.fanout if self.fanout else 1
         wait_until(lambda: len(self._runs(root)) >= size, timeout=WAIT_S, what=f"the {size} runs of tree {root}")
         ids = self._runs(root)
-        wait_until(lambda: self._calls_sent(ids, len(ids)), timeout=WAIT_S, what=f"every call of tree {root}")
+        wait_until(lambda: self._in_calls(ids), timeout=WAIT_S, what=f"every call of tree {root}")
         t0 = time.time()
         if not cancel_run(self.bench.store, self.publisher, root, reason="bench", requested_by="bench").won:
             raise BenchError(f"the cancel of {root} did not win")
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--singles", type=int, default=50)
     parser.add_argument("--fanout", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=48)
+    parser.add_argument("--processes", type=int, default=1, help="worker processes (the tree's runs spread over them)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (the worker's log)")
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "FANOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -159,14 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     info = machine()
     print_machine(info)
-    with Bench("agent_tree", keep=args.keep) as bench:
+    name = "agent_tree" if args.processes == 1 else f"agent_tree-{args.processes}-processes"
+    with Bench(name, keep=args.keep) as bench:
         trees = TreeBench(bench, args.fanout)
-        bench.start_worker(concurrency=args.concurrency)
+        for _ in range(args.processes):
+            bench.start_worker(concurrency=args.concurrency)
         singles = [trees.single() for _ in range(args.singles)]
         trees.by_depth.clear()
         tree_times = [trees.tree() for _ in range(args.trees)]
         results: dict[str, Any] = {
             "machine": info, "fanout": args.fanout, "runs_per_tree": 1 + args.fanout + args.fanout ** 2,
+            "processes": args.processes,
             "single_ms": summary_ms(singles), "tree_ms": summary_ms(tree_times), "aim_p99_ms": AIM_P99_MS,
             "tree_ms_by_depth": {depth: summary_ms(values) for depth, values in sorted(trees.by_depth.items())}}
         results["ratio_p50"] = round(results["tree_ms"]["p50"] / results["single_ms"]["p50"], 2)

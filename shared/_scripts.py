@@ -106,6 +106,8 @@ local function announce_end(run_id, status, reason, answer)
   local cost = tonumber(u[4] or '')
   if cost and cost >= 0 and cost < 1e15 then usage = usage .. string.format(',"cost_usd":%.9f', cost) end
   if answer == '' then answer = '"output":null,"output_json":null,"output_truncated":false' end
+  local caller = redis.call('HGET', KEYS[1], 'caller_run_id')
+  if caller and caller ~= '' then redis.call('PUBLISH', ARGV[#ARGV] .. ':tree-wakes', caller) end
   return outbox(run_id, '{"event":"status","run_id":"' .. run_id .. '","status":"' .. status ..
     '","termination_reason":"' .. reason .. '",' .. answer .. ',' .. usage .. '},"error":' ..
     cjson.encode(u[5] or '') .. '}')
@@ -113,7 +115,9 @@ end
 """
 """A terminal status's event (shared/run_end.py): the answer as the caller made it (JSON members, spliced as
 text: cjson would turn [] into {}; "" for none), the usage and the error as the run's hash holds them once
-the status changed (the counts as integers, the cost rounded to nine decimals as shared/records.py reads it)."""
+the status changed (the counts as integers, the cost rounded to nine decimals as shared/records.py reads it).
+A child run of an agent tree (its hash has ``caller_run_id``) also names its caller on the channel
+``<events>:tree-wakes`` (``Keys.tree_wakes``): the caller's waiting call wakes (worker/agents.py)."""
 
 _RELEASE = """
 local function release(tenants_key)
@@ -765,15 +769,16 @@ return 1
 """A caller records the child run its agent call started before it waits for it (docs/usage.md, "Agent
 trees"); the hash expires with the caller's run once that has a retention expiry, and goes with it when swept."""
 
-# KEYS: an ancestor's run.  ARGV: tokens, cost in USD ('' = none)
+# KEYS: an ancestor's run.  ARGV: tokens, cost in USD ('' = none), the tree-wakes channel, the ancestor's id
 ADD_BELOW = _script("add_below", """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if ARGV[1] ~= '0' then redis.call('HINCRBY', KEYS[1], 'below_tokens', ARGV[1]) end
 if ARGV[2] ~= '' then redis.call('HINCRBYFLOAT', KEYS[1], 'below_cost_usd', ARGV[2]) end
+redis.call('PUBLISH', ARGV[3], ARGV[4])
 return 1
 """)
 """A model step of a run below counts against each run above it in its agent tree, whose budget reads it
-(shared/_store_core.py, ``budget_use``)."""
+(shared/_store_core.py, ``budget_use``), and wakes the ancestor's waiting call to count it now."""
 
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
        ADD_CHILD, ADD_BELOW, STEER, STEER_WAITING, STEER_APPLY, REAP, BEAT, LAPSE, RESTAMP, MARK_SENT, RECLAIM, REDRIVE,

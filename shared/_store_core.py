@@ -256,6 +256,13 @@ class Keys:
         One channel in a cluster too: a PUBLISH reaches the subscribers of every node."""
         return f"{self.namespace}:events"
 
+    @property
+    def tree_wakes(self) -> str:
+        """The pub/sub channel on which an agent tree's run names the run above it that should look again: its
+        caller when it ended, each ancestor when its use grew (shared/_scripts.py, ``announce_end`` and
+        ``ADD_BELOW``). The events channel's name and ``:tree-wakes``."""
+        return f"{self.events}:tree-wakes"
+
     def by_shard(self, run_ids: Iterable[str]) -> dict[int, list[str]]:
         """These runs grouped by shard, in the given order within each (a command spans one slot)."""
         groups: dict[int, list[str]] = {}
@@ -967,7 +974,8 @@ def add_below(keys: Keys, ancestors: Sequence[str], tokens: int, cost_usd: float
     key of its own slot, so no script spans them; an ancestor that no longer exists is left alone."""
     cost = repr(cost_usd) if cost_usd else ""
     return Op("count a child's use above it", tuple(
-        ScriptCall(_scripts.ADD_BELOW, (keys.run(run_id),), (tokens, cost)) for run_id in ancestors),
+        ScriptCall(_scripts.ADD_BELOW, (keys.run(run_id),), (tokens, cost, Ident(keys.tree_wakes), Ident(run_id)))
+        for run_id in ancestors),
         lambda _answers: None)
 
 

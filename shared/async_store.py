@@ -368,13 +368,27 @@ class AsyncRunStore:
         records = await self.execute(core.summaries(self.keys, ids))
         return core.in_thread(records, root, limit=limit, status=status, labels=labels)
 
+    async def descendants(self, run_id: str, *, limit: int = 10_000) -> list[str]:
+        """Every run below ``run_id`` in its agent tree, level by level (``RunStore.descendants``)."""
+        found: list[str] = []
+        level = [run_id]
+        while level and len(found) < limit:
+            level = core.next_level(await self.execute(core.children(self.keys, level)))
+            found += level
+        return found[:limit]
+
+    async def cancel_below(self, run_id: str, *, reason: str, requested_by: str) -> list[str]:
+        """Fence every unfinished run below ``run_id`` (``RunStore.cancel_below``); answers those this cancelled."""
+        below = await self.descendants(run_id)
+        if not below:
+            return []
+        fences = await self.execute(core.cancel_all(self.keys, below, reason=reason, requested_by=requested_by))
+        return [child for child, fence in zip(below, fences, strict=True) if fence.won]
+
     async def tree(self, run_id: str, *, limit: int = 1000, status: RunStatus | None = None,
                    labels: Mapping[str, str] | None = None) -> list[RunRecord]:
         """The agent tree whose first run is ``run_id``, level by level (``RunStore.tree``)."""
-        ids, level = [run_id], [run_id]
-        while level and len(ids) <= limit:
-            level = core.next_level(await self.execute(core.children(self.keys, level)))
-            ids += level
+        ids = [run_id, *await self.descendants(run_id, limit=limit)]
         records = await self.execute(core.summaries(self.keys, ids))
         return core.in_tree(records, limit=limit, status=status, labels=labels)
 

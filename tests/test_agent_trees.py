@@ -8,22 +8,27 @@ long tool calls (its events file says when each call started and was cut off on 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 
 from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared._store_core import add_below, below_use
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
+from runbrake.shared.records import TreeLink
 from runbrake.shared.spec import RunSpec
+from runbrake.worker.registry import ActiveRuns
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
 from tests.test_cli import runbrake
+from tests.test_tenants import set_catalog
 from tests.worker_helpers import WorkerProcess, call, wait_for_run
 
 WAIT_S = 30.0
@@ -71,6 +76,19 @@ def test_a_spec_names_agents_and_never_defines_one_and_admission_bounds_the_tree
     assert {p.field: p.msg for p in refused.value.problems} == {
         "agents[1]": "'nobody' is not an agent of the catalog (it has four, one, three, two)",
         "agents": "make a tree 4 levels deep; the limit is 3 (RUNBRAKE_MAX_AGENT_DEPTH)"}
+
+
+def test_a_runs_cancel_wake_up_reaches_the_runs_below_it_that_the_process_executes() -> None:
+    """What the cancel listener interrupts for one wake-up (worker/cancel_listener.py), once their keys say so."""
+    async def reached() -> list[list[str]]:
+        registry = ActiveRuns()
+        registry.register("root", "o")
+        registry.register("middle", "o", above=("root",))
+        registry.register("leaf", "o", above=("middle", "root"))
+        registry.register("other", "o")
+        return [registry.with_below(run_id) for run_id in ("root", "middle", "leaf", "elsewhere")]
+
+    assert asyncio.run(reached()) == [["root", "middle", "leaf"], ["middle", "leaf"], ["leaf"], []]
 
 
 @pytest.mark.integration
@@ -245,7 +263,37 @@ def test_a_token_budget_spent_by_grandchildren_stops_the_whole_tree(
     records = [wait_for_run(store, r, timeout=WAIT_S) for r in (planner, researcher)]
     assert [r.status for r in records] == [RunStatus.CANCELLED, RunStatus.CANCELLED]
     assert root.usage.total_tokens == 0  # its own model is scripted: what stopped it was spent below
+    # The whole tree at once: the root's budget fenced every run below it, not each caller its child in turn.
+    for record in records:
+        assert record.cancel is not None
+        assert (record.cancel.requested_by, record.cancel.reason.endswith(f"(cancelled with run {run.run_id})")) == (
+            "budget", True), record.cancel
     wait_for_event(toolbox_http.events, "cancelled", tool="slow", timeout=WAIT_S)
+
+
+@pytest.mark.integration
+def test_a_tenants_quota_of_runs_in_flight_counts_every_run_of_its_trees(
+    llm_mock: LlmMock, toolbox_http: Toolbox, worker: WorkerProcess, producer: Producer, store: RunStore,
+    publisher: CancelPublisher,
+) -> None:
+    _tree_catalog(llm_mock, toolbox_http, researcher=RESEARCHER)
+    set_catalog(tenants={"alpha": {"max_runs_in_flight": 2}})
+    llm_mock.server.when("research slowly").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_r")]))
+    run = producer.enqueue(_caller([{"tool_calls": [_ask("researcher", "research slowly"),
+                                                    _ask("researcher", "research slowly too")]},
+                                    {"content": "never"}], ["researcher"]), tenant="alpha")
+
+    refused = poll_until(lambda: [s for s in store.get(run.run_id).steps if s.kind is StepKind.TOOL], timeout=WAIT_S,
+                         failure=lambda: f"run {run.run_id} recorded no call")
+    [child] = _children(store, run.run_id, 1)
+    assert [(s.tool_outcome, s.content) for s in refused] == [(ToolOutcome.FAILED, (
+        "the agent 'researcher' was not called: the tenant is at its quota max_runs_in_flight (2)"))]
+    assert store.in_flight("alpha") == 2  # the first run and its child
+
+    assert cancel_run(store, publisher, run.run_id, reason="enough", requested_by="test").won
+
+    _cancelled_tree(store, [run.run_id, child])
+    assert store.in_flight("alpha") == 0  # each run of the tree left the tenant's count as it ended
 
 
 @pytest.mark.integration
@@ -290,3 +338,29 @@ def test_a_child_waiting_for_approval_is_shown_at_the_root_and_its_approval_comp
     assert (record.status, [s.content for s in record.steps if s.kind is StepKind.TOOL]) == (
         RunStatus.COMPLETED, ["5"])
     assert json.loads(runbrake("show", run.run_id, "--json").stdout)["waiting_below"] == []
+
+
+@pytest.mark.integration
+def test_a_child_runs_end_and_its_use_name_the_runs_above_on_the_tree_wakes_channel(store: RunStore) -> None:
+    """What wakes a waiting agent call (worker/tree_wakes.py): the child's terminal transition names its caller,
+    a model step below names each run above; a first run's end names nobody."""
+    spec = {"input": "x", "model": {"provider": "scripted", "turns": [{"content": "ok"}]}}
+    root = store.create(spec).run_id
+    middle = store.create(spec, tree=TreeLink(caller_run_id=root, root_run_id=root, depth=1, ancestors=(root,))).run_id
+    leaf = store.create(spec, tree=TreeLink(caller_run_id=middle, root_run_id=root, depth=2,
+                                            ancestors=(middle, root))).run_id
+    pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(store.keys.tree_wakes)
+    try:
+        poll_until(lambda: pubsub.get_message(timeout=0.1) is None and pubsub.subscribed, timeout=WAIT_S,
+                   failure=lambda: "the subscription was not confirmed")
+        store.execute(add_below(store.keys, (middle, root), 120, 0.0))
+        for run_id in (leaf, middle, root):
+            assert store.cancel(run_id, reason="done", requested_by="test").won
+        heard: list[str] = []
+        poll_until(lambda: (message := pubsub.get_message(timeout=0.1)) is not None and heard.append(
+            message["data"]) is None and len(heard) >= 4, timeout=WAIT_S, failure=lambda: f"heard only {heard}")
+    finally:
+        pubsub.close()
+    assert heard == [middle, root, middle, root]  # the use below counted above; the leaf ended, the middle ended
+    assert [store.execute(below_use(store.keys, r)) for r in (middle, root)] == [(120, 0.0), (120, 0.0)]

@@ -568,3 +568,44 @@ def test_the_list_is_searched_by_text_and_by_creation_time_on_the_server(
     page.locator("[data-lang=de]").click()
     expect(page.get_by_test_id("filter-q")).to_have_attribute("placeholder", "Text suchen")
     assert errors == []
+
+
+def test_the_page_draws_an_agent_tree_with_each_runs_status_live_in_german(
+    browser: Any, api: ApiProcess, worker: WorkerProcess, store: RunStore, llm_mock: LlmMock, toolbox_http: Toolbox,
+) -> None:
+    """The tree of an agent call (docs/usage.md, "Agent trees"): the first run's page lists the runs below it,
+    each with its status, and shows the cancel of the tree reaching each without a reload."""
+    from playwright.sync_api import expect
+
+    add_to_catalog({"toolbox": toolbox_http.spec}, models={"mock": {
+        "provider": "openai", "base_url": llm_mock.openai_url, "model": "gpt-mock"}},
+        agents={"researcher": {"description": "Finds things out", "model": "mock", "mcp_servers": ["toolbox"]}})
+    llm_mock.server.when("research slowly").reply(reply(tools=[("toolbox__slow", {"seconds": 120}, "call_r")]))
+    caller = {"input": "delegate", "agents": ["researcher"], "model": {"provider": "scripted", "turns": [
+        {"tool_calls": [call("researcher", server="agent", input="research slowly"),
+                        call("researcher", server="agent", input="research slowly too")]}, {"content": "never"}]}}
+    root = httpx2.post(f"{api.url}/v1/runs", json=caller).json()["run_id"]
+    wait_for_event(toolbox_http.events, "started", tool="slow", count=2)
+    children = poll_until(lambda: len(found := store.get(root).children) == 2 and sorted(found.values()),
+                          timeout=30, failure=lambda: f"run {root} has not two children")
+
+    page, errors = open_page(browser, f"{api.url}/#/runs/{root}", locale="de-DE")
+    expect(page.get_by_test_id("tree")).to_contain_text("Baum")
+    nodes = page.get_by_test_id("tree-run")
+    expect(nodes).to_have_count(3)
+    for child in children:
+        node = page.locator(f"[data-testid=tree-run][data-run-id='{child}']")
+        expect(node).to_have_attribute("data-depth", "1")
+        expect(node.get_by_test_id("tree-status")).to_have_text("läuft")
+    screenshot(page, "runs-page-tree-de.png")
+
+    assert httpx2.post(f"{api.url}/v1/runs/{root}/cancel", json={"reason": "genug"}).status_code == 202
+
+    for run_id in (root, *children):
+        expect(page.locator(f"[data-testid=tree-run][data-run-id='{run_id}'] >> nth=0 >> "
+                            "[data-testid=tree-status] >> nth=0")).to_have_text("abgebrochen")
+    page.locator(f"[data-testid=tree-run][data-run-id='{children[0]}'] a").click()
+    expect(page.locator("h1 code")).to_have_text(children[0])
+    expect(page.get_by_test_id("tree-run")).to_have_count(3)  # a child's page draws the same tree
+    assert page.evaluate("window.__notReloaded") is True
+    assert errors == []

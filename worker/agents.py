@@ -9,8 +9,9 @@ trees").
    after a lost one makes the call again and finds the same child); written queued with its place in the tree
    (caller, root, depth, ancestors) and its message sent, like any run, to any worker;
 2. records the child on the caller (its ``children`` hash) before it waits;
-3. waits, as a tool call waits for its server: in a scope the loop hands out, holding the caller's slot,
-   reading the child's status (and the use of the runs below, for the caller's budget) at a growing interval;
+3. waits, as a tool call waits for its server: in a scope the loop hands out, holding the caller's slot, woken
+   when a run below ends or spends (worker/tree_wakes.py), then reading the child's status (and the use of the
+   runs below, for the caller's budget), and reading them every ``FALLBACK_S`` without a wake;
 4. hands the child's answer back as the tool result (``output``, or ``output_json`` as JSON), a failed or
    cancelled child as a failed result the model can act on, each with ``child_run_id``.
 
@@ -32,13 +33,13 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Final
 
 import anyio
 import structlog
 
 from runbrake.shared.agents import AGENT_INPUT_SCHEMA, AgentSpec, child_request
 from runbrake.shared.async_store import AsyncRunStore
+from runbrake.shared.budget import BUDGET_REQUESTER
 from runbrake.shared.catalog import Admission
 from runbrake.shared.errors import CallHandedOver, RunbrakeError, SpecError, StoreError
 from runbrake.shared.messaging.cancel import CancelPublisher
@@ -53,12 +54,10 @@ from runbrake.worker.conversation import ToolCall, ToolInfo
 from runbrake.worker.loop import ToolRunner
 from runbrake.worker.redrive import Sender
 from runbrake.worker.registry import ActiveRuns, RunHandle
+from runbrake.worker.tree_wakes import FALLBACK_S, TreeWakes
 
 log = structlog.get_logger(__name__)
 
-_FIRST_LOOK_S: Final = 0.01
-_LONGEST_LOOK_S: Final = 0.25
-"""How often a waiting call reads its child's status: at once, then at an interval that doubles up to this."""
 
 
 class ChildRuns:
@@ -75,6 +74,8 @@ class ChildRuns:
         self._sender = sender
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="runbrake-agents")
         self._local = threading.local()
+        self.wakes = TreeWakes(settings, store.keys.tree_wakes)
+        """Wakes the waits of this process's agent calls when a run below them ends or spends."""
 
     async def send(self, run_id: str) -> None:
         """Send a child run's message; one that does not go out is re-driven (its run waits in the unclaimed set:
@@ -88,7 +89,11 @@ class ChildRuns:
             log.warning("child_run_message_failed", child_run_id=run_id, error=str(exc) or repr(exc))
 
     async def cancel(self, run_id: str, *, reason: str, requested_by: str) -> None:
-        """Fence a child run, cut its calls off here when this process executes it, and wake its worker."""
+        """Fence a child run and every unfinished run below it, cut their calls off here when this process executes
+        them, and wake their workers (one wake-up reaches a run and the runs below it: worker/cancel_listener.py).
+        A child this process saw cancelled already (a cancel of the tree fenced it) needs nothing more."""
+        if self.registry.cancel_seen(run_id):
+            return
         try:
             transition = await self.store.cancel(run_id, reason=reason, requested_by=requested_by)
         except StoreError as exc:
@@ -101,12 +106,32 @@ class ChildRuns:
                 self.registry.interrupt(run_id)
             return
         log.info("child_run_cancelled", child_run_id=run_id, reason=reason)
-        if self.registry.interrupt(run_id):
+        here = self.registry.interrupt(run_id)
+        await self.stop_below(run_id, reason=reason, requested_by=requested_by, wake=not here)
+
+    async def stop_below(self, run_id: str, *, reason: str, requested_by: str, wake: bool = False) -> None:
+        """Fence every unfinished run below ``run_id``, a run just stopped (a cut-off child, a run its budget
+        stopped: worker/budget.py), as an operator's cancel does (shared/messaging/cancel.py), and wake their
+        workers with one wake-up of ``run_id`` (also when ``wake``: the run itself is not executed here). What
+        this cannot write, each caller's cut-off call still cancels, level by level."""
+        try:
+            below = await self.store.cancel_below(run_id, reason=f"{reason} (cancelled with run {run_id})",
+                                                  requested_by=requested_by)
+        except StoreError as exc:
+            log.warning("run_tree_cancel_failed", run_id=run_id, error=str(exc))
+            below = []
+        if below:
+            log.info("run_tree_cancelled", run_id=run_id, below=len(below))
+        if not below and not wake:
             return
         try:
             await asyncio.wrap_future(self._threads.submit(self._publish, run_id))
         except Exception as exc:  # noqa: BLE001 - the backstop finds the fence within two polls
             log.warning("child_run_wakeup_failed", child_run_id=run_id, error=str(exc) or repr(exc))
+
+    async def budget_brake(self, run_id: str, reason: str) -> None:
+        """The runs below a run its budget stopped stop with it (worker/budget.py, ``tree_brake``)."""
+        await self.stop_below(run_id, reason=reason, requested_by=BUDGET_REQUESTER)
 
     def _publish(self, run_id: str) -> None:
         publisher = getattr(self._local, "publisher", None)
@@ -174,14 +199,15 @@ class AgentCalls:
         started = await self._start(call, agent, text, child)
         if isinstance(started, ToolResult):
             return started
-        record = await self._wait(started)
-        if record.status is RunStatus.CANCELLED and (
+        status = await self._wait(started)
+        if status is RunStatus.CANCELLED and (
                 self._caller.handle.cancel_seen or await self._runs.store.cancel_requested(self._caller.run_id)):
             # The cancel of the tree reached the child before the caller's wake-up reached this call: it is the
-            # caller's own cancel, and the call is cut off by it, not failed.
+            # caller's own cancel, and the call is cut off by it, not failed (the child's record is not read: a
+            # tree's cancel would read every one at once, in the moment its calls are recorded).
             return replace(ToolResult.cancelled(f"the call of the agent {call.tool!r} was cut off"),
                            child_run_id=started)
-        return self._answer(call, record)
+        return self._answer(call, await self._runs.store.get(started))
 
     async def _start(self, call: ToolCall, agent: AgentSpec, text: str, child: list[str]) -> str | ToolResult:
         """The child run of ``call`` (also put in ``child`` as soon as it is known, for a cut-off to cancel): the
@@ -223,17 +249,19 @@ class AgentCalls:
             log.info("agent_call_started", agent=call.tool, child_run_id=created.run_id, depth=link.depth)
         return created.run_id
 
-    async def _wait(self, child: str) -> RunRecord:
-        """Until the child ends (its record, read once then), counting the use below against the caller's budget."""
+    async def _wait(self, child: str) -> RunStatus:
+        """Until the child ends (its terminal status), counting the use below against the caller's budget: woken
+        when a run below ends or spends (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
         store, budget = self._runs.store, self._caller.budget
-        look = _FIRST_LOOK_S
-        while True:
-            if (await store.status(child)).is_terminal:
-                return await store.get(child)
-            if budget is not None:
-                await budget.count_below(*await store.below_use(self._caller.run_id))
-            await anyio.sleep(look)
-            look = min(look * 2, _LONGEST_LOOK_S)
+        with self._runs.wakes.watch(self._caller.run_id) as woken:
+            while True:
+                woken.clear()  # before the reads: a wake that comes during them is not lost
+                if (status := await store.status(child)).is_terminal:
+                    return status
+                if budget is not None:
+                    await budget.count_below(*await store.below_use(self._caller.run_id))
+                with anyio.move_on_after(FALLBACK_S):
+                    await woken.wait()
 
     def _answer(self, call: ToolCall, record: RunRecord) -> ToolResult:
         """The child's end as the tool result the calling model sees."""

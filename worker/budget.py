@@ -7,7 +7,8 @@ deadline is watched by a timer on the worker's loop, from the run's ``created_at
 it fires in the middle of a call. Either way the run is stopped through the same fence (the cancel script,
 ``requested_by = "budget"``, the reason ``budget_exceeded`` or ``deadline_exceeded``) and the same local
 interrupt (:meth:`ActiveRuns.interrupt`) as a cancel: the call in flight is cut off and recorded
-cancelled, and a cancel that won first stays the operator's.
+cancelled, and a cancel that won first stays the operator's. A run with agents stops the runs below it in the
+same moment, as a cancel of the tree does (``tree_brake``: worker/agents.py, ``ChildRuns.stop_below``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
+import anyio
 import structlog
 
 from runbrake.shared.async_store import AsyncRunStore
@@ -34,13 +36,18 @@ _FENCE_RETRY_S = 1.0
 """How long the deadline's fence waits before it is tried again while Redis cannot be reached."""
 
 
+TreeBrake = Callable[[str, str], Awaitable[None]]
+"""``(run_id, reason)``: fence every run below a run its budget stopped, and wake their workers."""
+
+
 class BudgetGuard:
     """Holds one segment of a run to its budget: prices its model steps, counts them, watches its deadline."""
 
     def __init__(self, store: AsyncRunStore, registry: ActiveRuns, run_id: str, budget: Budget, *,
                  created_at: float = 0.0, tokens: int = 0, cost_usd: float = 0.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, tree_brake: TreeBrake | None = None) -> None:
         self._store = store
+        self._tree_brake = tree_brake
         self._registry = registry
         self._run_id = run_id
         self._budget = budget
@@ -59,18 +66,21 @@ class BudgetGuard:
         """What the runs below this one in its agent tree had used when last seen (tokens, cost)."""
 
     @classmethod
-    async def open(cls, store: AsyncRunStore, registry: ActiveRuns, run_id: str, budget: Budget) -> BudgetGuard | None:
+    async def open(cls, store: AsyncRunStore, registry: ActiveRuns, run_id: str, budget: Budget, *,
+                   tree_brake: TreeBrake | None = None) -> BudgetGuard | None:
         """The guard of a run's segment; None when the run has no budget and no prices (nothing read). The use
-        so far is read only when there is a bound to count it against."""
+        so far is read only when there is a bound to count it against. ``tree_brake``: the run may have runs
+        below it in an agent tree, stopped with it."""
         if budget.is_empty:
             return None
         if budget.deadline_s is None and not budget.bounds_spending:
-            return cls(store, registry, run_id, budget)
+            return cls(store, registry, run_id, budget, tree_brake=tree_brake)
         use = await store.budget_use(run_id)
         if use is None:
-            return cls(store, registry, run_id, budget, created_at=time.time())
+            return cls(store, registry, run_id, budget, created_at=time.time(), tree_brake=tree_brake)
         guard = cls(store, registry, run_id, budget, created_at=use.created_at,
-                    tokens=use.tokens + use.below_tokens, cost_usd=(use.cost_usd or 0.0) + use.below_cost_usd)
+                    tokens=use.tokens + use.below_tokens, cost_usd=(use.cost_usd or 0.0) + use.below_cost_usd,
+                    tree_brake=tree_brake)
         guard._below = (use.below_tokens, use.below_cost_usd)
         return guard
 
@@ -183,12 +193,16 @@ class BudgetGuard:
         cancel that won first (which stays the operator's)."""
         transition = await self._store.cancel(self._run_id, reason=reason, requested_by=BUDGET_REQUESTER,
                                               termination=termination)
+        if not transition.won and transition.found is not RunStatus.CANCELLED:
+            return False
         if transition.won:
             self.stopped = termination
             log.info("run_budget_reached", run_id=self._run_id, reason=termination.value, detail=reason)
-        elif transition.found is not RunStatus.CANCELLED:
-            return False
         self._registry.interrupt(self._run_id)
+        if transition.won and self._tree_brake is not None:
+            # Shielded: the interrupt above may cut off the very call (a wait for a child) this runs in.
+            with anyio.CancelScope(shield=True):
+                await self._tree_brake(self._run_id, reason)
         return True
 
 

@@ -51,22 +51,32 @@ class CancelListener(ConsumerThread):
         if run_id is None:
             log.warning("cancel_message_malformed", size=len(body), body=body[:200].decode(errors="replace"))
             return
-        if run_id not in self._registry:
-            return
         if is_steer_wakeup(body):
-            self._steer(run_id)
+            if run_id in self._registry:
+                self._steer(run_id)
+            return
+        # A run's wake-up reaches the runs below it in its agent tree too: a cancel fences the whole tree below
+        # the run at once (shared/messaging/cancel.py), and one message wakes every worker holding a part of it.
+        reached = self._registry.with_below(run_id)
+        if not reached:
             return
         # The interrupt continues the canceller's trace (docs/operating.md, "Traces"); off, a no-op.
         with tracing.current().span("runbrake.cancel.interrupt", {"runbrake.run_id": run_id},
                                     parent=cancel_traceparent(properties), kind="consumer") as span:
-            if not self._store.cancel_requested(run_id):
+            fenced = self._fenced(reached)
+            if run_id in reached and run_id not in fenced:
                 log.warning("cancel_message_without_fence", run_id=run_id)
                 span.fail("no cancel key: a forged or stale wake-up")
-                return
-            interrupted = self._registry.interrupt(run_id)
-            span.set({"runbrake.cancel.interrupted": interrupted})
-        if interrupted:
-            log.info("cancel_message_delivered", run_id=run_id)
+            interrupted = [i for i in reached if i in fenced and self._registry.interrupt(i)]
+            span.set({"runbrake.cancel.interrupted": run_id in interrupted, "runbrake.cancel.below": len(reached) - 1})
+        for woken in interrupted:
+            log.info("cancel_message_delivered", run_id=woken, **({} if woken == run_id else {"above": run_id}))
+
+    def _fenced(self, run_ids: list[str]) -> set[str]:
+        """Which of ``run_ids`` have their cancel key set: one read for the run alone, one MGET for a tree's."""
+        if len(run_ids) == 1:
+            return set(run_ids) if self._store.cancel_requested(run_ids[0]) else set()
+        return self._store.wakeups_among(run_ids)[0]
 
     def _steer(self, run_id: str) -> None:
         """A steer's wake-up: deliver the run's stored steer (Redis is the authority, as for a cancel)."""

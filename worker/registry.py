@@ -34,6 +34,9 @@ class RunHandle:
     owner: str
     """The identity this worker claimed the run with (its lease is renewed under it)."""
     loop: asyncio.AbstractEventLoop
+    above: tuple[str, ...] = ()
+    """The runs above it in its agent tree, its caller first (none for a first run): a cancel wake-up of any of
+    them reaches it too (worker/cancel_listener.py)."""
     scopes: set[anyio.CancelScope] = field(default_factory=set)
     """The scopes of the calls in flight: one model call, or the tool calls of a turn running at once."""
     graces: dict[anyio.CancelScope, float] = field(default_factory=dict)
@@ -127,9 +130,9 @@ class ActiveRuns:
         self._handing_over = False
         """Set by :meth:`hand_over_all`: a run that registers after it is handed over at once."""
 
-    def register(self, run_id: str, owner: str) -> RunHandle:
-        """Called on the loop thread when a run's segment starts."""
-        handle = RunHandle(run_id=run_id, owner=owner, loop=asyncio.get_running_loop())
+    def register(self, run_id: str, owner: str, *, above: tuple[str, ...] = ()) -> RunHandle:
+        """Called on the loop thread when a run's segment starts; ``above``: the runs above it in its agent tree."""
+        handle = RunHandle(run_id=run_id, owner=owner, loop=asyncio.get_running_loop(), above=above)
         with self._lock:
             self._runs[run_id] = handle
             handle.handing_over = self._handing_over
@@ -144,6 +147,12 @@ class ActiveRuns:
         with self._lock:
             return list(self._runs)
 
+    def with_below(self, run_id: str) -> list[str]:
+        """``run_id`` (when this process executes it) and every run below it in its agent tree that this process
+        executes: what a cancel wake-up of ``run_id`` may reach (docs/usage.md, "Agent trees")."""
+        with self._lock:
+            return [i for i, handle in self._runs.items() if i == run_id or run_id in handle.above]
+
     def owners(self) -> dict[str, str]:
         """Run id → the owner it was claimed under, for lease renewal."""
         with self._lock:
@@ -156,6 +165,12 @@ class ActiveRuns:
     def __len__(self) -> int:
         with self._lock:
             return len(self._runs)
+
+    def cancel_seen(self, run_id: str) -> bool:
+        """Whether this process executes the run and a verified cancel reached it (its fence is written)."""
+        with self._lock:
+            handle = self._runs.get(run_id)
+            return handle is not None and handle.cancel_seen
 
     def interrupt(self, run_id: str, *, lost: bool = False, owner: str | None = None) -> bool:
         """Ask the run's loop to cancel its calls in flight (and any it starts later). From any thread.

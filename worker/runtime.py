@@ -455,7 +455,7 @@ class Runtime:
                 return RunOutcome.SKIPPED
             log.info("run_claimed", owner=owner)
             self.subscribers.status(run_id, RunStatus.RUNNING)
-            handle = self.registry.register(run_id, owner)
+            handle = self.registry.register(run_id, owner, above=() if claim.tree is None else claim.tree.ancestors)
             if self._worker() != worker:
                 # This process was taken as lost (and took a new id) between the claim and the registration, so
                 # its liveness thread could not restamp the run: do it here, or no sweep would ever find it.
@@ -482,7 +482,8 @@ class Runtime:
                         else await asyncio.to_thread(self._admission.admit, spec, tenant=claim.tenant))
             self.subscribers.admit(run_id, admitted)
             spec = admitted.spec
-            budget = await BudgetGuard.open(self._store, self.registry, run_id, admitted.budget)
+            budget = await BudgetGuard.open(self._store, self.registry, run_id, admitted.budget,
+                                            tree_brake=self._children.budget_brake if spec.agents else None)
             hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s,
                              subscribers=self.subscribers, budget=budget, tree=claim.tree)
             caller = Caller(run_id, handle, claim.tenant, claim.tree, budget) if spec.agents else None

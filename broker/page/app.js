@@ -504,6 +504,7 @@ function listView() {
 function runView(runId) {
   const state = { run: null, steps: new Map(), status: null, reason: "", progress: null, error: null,
     deciding: null, message: null, forming: null, thread: [],
+    tree: [],  // the runs of this run's agent tree (GET /v1/runs?root=), when it is in one
     expanded: new Set(),  // the steps opened, by sequence
     received: new Map(),  // sequence → what that model call was sent: {body} or {error}, once asked for
     progressLog: new Map() };  // tool call id → the progress reports this page saw, oldest first
@@ -511,6 +512,11 @@ function runView(runId) {
   const keep = keeper();
   let opened = 0;  // forms opened, so that one opened again is drawn anew, empty
   let stream = null, stopped = false;  // stopped: another view has the page (see route)
+  // An agent tree's other runs have events of their own: while one of them is unfinished, the tree is read again
+  // every second (a listing of at most 100 runs; docs/usage.md, "Agent trees").
+  const treeTicker = setInterval(() => {
+    if (state.tree.some((r) => !TERMINAL.has(r.status))) loadTree().then(render);
+  }, 1000);
   const ticker = setInterval(() => {
     const cell = document.querySelector("[data-testid=elapsed]");
     if (cell) cell.textContent = elapsedText();
@@ -821,6 +827,33 @@ function runView(runId) {
         " ", el("span", { class: "status s-" + r.status }, statusLabel(r.status)), " ", user(r.input_preview)))));
   }
 
+  // The agent tree this run is in, drawn from its first run down, each run with its status; this one marked.
+  function treeBox() {
+    if (state.tree.length < 2) return null;
+    const below = new Map();  // caller run id → its child runs, in the listing's order (level by level)
+    for (const r of state.tree) {
+      if (r.caller_run_id) below.set(r.caller_run_id, [...(below.get(r.caller_run_id) || []), r]);
+    }
+    const node = (r) => el("li", { "data-testid": "tree-run", "data-run-id": r.run_id, "data-status": r.status,
+      "data-depth": r.depth || 0 },
+      r.run_id === runId ? el("strong", {}, el("code", {}, r.run_id)) : el("a", { href: "#/runs/" + r.run_id }, el("code", {}, r.run_id)),
+      " ", el("span", { class: "status s-" + r.status, "data-testid": "tree-status" }, statusLabel(r.status)), " ",
+      user(r.input_preview),
+      (below.get(r.run_id) || []).length ? el("ul", {}, ...below.get(r.run_id).map(node)) : null);
+    const first = state.tree.find((r) => !r.caller_run_id) || state.tree[0];
+    return el("div", { class: "tree", "data-testid": "tree" }, el("h2", {}, label("run.root")), el("ul", {}, node(first)));
+  }
+
+  async function loadTree() {
+    const run = state.run;
+    if (!run || (!run.caller_run_id && !(run.children || []).length)) { state.tree = []; return; }
+    try {
+      state.tree = (await api("/v1/runs?root=" + (run.root_run_id || runId) + "&limit=100")).runs;
+    } catch (error) {
+      state.tree = [];  // the tree is an aid: the run's own page stands without it
+    }
+  }
+
   function decisionForm() {
     // Kept across the redraws at each event of the run (see keep); what was typed is also kept in state.draft,
     // for the form a change of language draws anew.
@@ -902,7 +935,8 @@ function runView(runId) {
     }
     const budget = budgetParts({ ...run, status: state.status || run.status });
     if (budget.length) facts.append(el("dt", {}, label("run.budget")), el("dd", { "data-testid": "run-budget" }, budget));
-    main.append(...[facts, threadBox(), conversation(run), pendingBox(),
+    main.append(...[facts, threadBox(), keep("tree", [lang, JSON.stringify(state.tree)].join("|"), treeBox),
+      conversation(run), pendingBox(),
       keep("actions", [lang, state.status, state.message].join("|"), actions)].filter(Boolean));
     if (state.deciding) {
       const key = [lang, state.deciding, state.draft.opened].join("|");
@@ -961,6 +995,7 @@ function runView(runId) {
       state.run = await api("/v1/runs/" + runId);
       state.error = null;
       state.thread = (await api("/v1/runs?thread=" + state.run.thread + "&limit=100")).runs;
+      await loadTree();
       if (!state.status) { state.status = state.run.status; state.reason = state.run.termination_reason; }
     } catch (error) {
       state.error = error.message;
@@ -997,7 +1032,7 @@ function runView(runId) {
       end: () => { setConnection(""); refresh(); },
     });
   });
-  return { render, stop: () => { stopped = true; clearInterval(ticker); if (stream) stream.stop(); } };
+  return { render, stop: () => { stopped = true; clearInterval(ticker); clearInterval(treeTicker); if (stream) stream.stop(); } };
 }
 
 // -- routing and language ----------------------------------------------------------------------

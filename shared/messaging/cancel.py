@@ -152,8 +152,9 @@ def _cancel_run(
     if publisher is None:
         return result
     try:
-        for woken in (run_id, *below):
-            publisher.publish(woken)
+        # One wake-up for the whole tree: each worker's listener interrupts the run and the runs below it that it
+        # executes (worker/cancel_listener.py), so the last leaf is not woken 30 confirms after the first.
+        publisher.publish(run_id)
     except pika.exceptions.AMQPError as exc:
         publisher.close()
         log.warning("cancel_message_not_confirmed", run_id=run_id, error=repr(exc))
