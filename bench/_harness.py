@@ -517,6 +517,27 @@ def npm_package(name: str) -> Path:
     return folder
 
 
+TASKS_SERVER = "fastmcp-tasks==4.1.4"
+"""A server side of the 2026-07-28 MCP tasks extension nobody here wrote (PyPI ``fastmcp-tasks``, on FastMCP and
+the same ``mcp`` SDK): tests/tasks_extension_server.py is served with it."""
+
+
+def python_package(requirement: str) -> Path:
+    """The Python of a venv of its own (``.venv/<name>``) that has ``requirement``, installed once: for a package
+    whose pins cannot share the project's venv (``fastmcp-tasks`` excludes the project's ``redis``)."""
+    name = requirement.split("==", maxsplit=1)[0]
+    python = REPO / ".venv" / name / "bin" / "python"
+    if not (python.parent / f".{name}-installed").exists():
+        steps = ([sys.executable, "-m", "venv", str(python.parent.parent)],
+                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement])
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=600, check=False)
+            if done.returncode != 0:
+                raise BenchError(f"could not install {requirement}: {done.stderr.strip()[-500:]}")
+        (python.parent / f".{name}-installed").touch()
+    return python
+
+
 def _check_rabbitmq(settings: Settings) -> None:
     try:
         pika.BlockingConnection(pika.URLParameters(settings.rabbitmq_url)).close()
