@@ -1,6 +1,7 @@
 """An MCP task outlives its worker (docs/usage.md, "Long tool calls as MCP tasks"): a hand-over leaves the task
 running and the next worker polls the same task id; so does the worker that takes a run up after kill -9 of its
-worker; the server sees one ``tools/call``. A task the server forgot (it restarted) is recorded lost.
+worker; the server sees one ``tools/call``. A task the server forgot (it restarted) is recorded lost. The hand-over
+the same over the 2026-07-28 tasks extension (PyPI ``fastmcp-tasks``: no MCP session to keep).
 
 Real worker processes, the npm ``server-everything`` behind a counting proxy (tests/mcp_task_helpers.py), PyPI
 ``llm-mock-api`` as the model, real Redis and RabbitMQ. Lost-worker detection is shortened as in
@@ -18,8 +19,14 @@ from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, Terminatio
 from runbrake.shared.messaging.producer import Producer
 from runbrake.worker.mcp_tasks import TaskHandle
 from tests.llm_mock import LlmMock
-from tests.mcp_task_helpers import Everything, everything_fixture  # noqa: F401 - the fixture
+from tests.mcp_task_helpers import (  # noqa: F401 - the fixtures
+    Everything,
+    ExtensionServer,
+    everything_fixture,
+    tasks_extension_fixture,
+)
 from tests.test_mcp_tasks import recorded_task, research_run, tool_messages, tool_step
+from tests.test_mcp_tasks_extension import extension_run
 from tests.worker_helpers import WorkerProcess, wait_for_run
 
 pytestmark = pytest.mark.integration
@@ -108,3 +115,30 @@ def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and
         handle.task_id, "lost", "unknown")
     assert any("no longer known" in text for text in tool_messages(llm_mock, "call_task_forgot"))
     assert everything.proxy.methods["tools/call"] == 1
+
+
+def test_a_hand_over_mid_task_of_the_2026_extension_resumes_on_another_worker_with_no_second_tools_call(
+    llm_mock: LlmMock, tasks_extension: ExtensionServer, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    first = start_worker(RUNBRAKE_DRAIN_S="1")
+    run_id = extension_run(producer, llm_mock, tasks_extension, "call_ext_handed", "research",
+                           {"topic": "handed over", "seconds": 3})
+    handle = recorded_task(store, run_id, "call_ext_handed")
+    tasks_extension.pause()  # the task stands still until the next worker polls it
+
+    first.process.send_signal(signal.SIGTERM)
+    assert first.process.wait(timeout=20) == 0
+    second = start_worker()
+    tasks_extension.resume()
+    record = wait_for_run(store, run_id, timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
+    assert _kinds(record) == [(StepKind.MODEL, None), (StepKind.HANDOFF, None), (StepKind.TOOL, ToolOutcome.OK),
+                              (StepKind.MODEL, None)]
+    step = tool_step(record)
+    assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "completed")
+    assert first.logged("mcp_task_handed_over", task_id=handle.task_id)
+    assert second.logged("mcp_task_reattached", task_id=handle.task_id)
+    assert tasks_extension.proxy.methods["tools/call"] == 1
+    assert tool_messages(llm_mock, "call_ext_handed") == ["Research Report: handed over"]
