@@ -524,18 +524,27 @@ the same ``mcp`` SDK): tests/tasks_extension_server.py is served with it."""
 
 def python_package(requirement: str) -> Path:
     """The Python of a venv of its own (``.venv/<name>``) that has ``requirement``, installed once: for a package
-    whose pins cannot share the project's venv (``fastmcp-tasks`` excludes the project's ``redis``)."""
+    whose pins cannot share the project's venv (``fastmcp-tasks`` excludes the project's ``redis``). Built beside
+    and renamed into place, so that two test processes installing at once leave one whole venv."""
     name = requirement.split("==", maxsplit=1)[0]
-    python = REPO / ".venv" / name / "bin" / "python"
-    if not (python.parent / f".{name}-installed").exists():
-        steps = ([sys.executable, "-m", "venv", str(python.parent.parent)],
-                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement])
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=600, check=False)
-            if done.returncode != 0:
-                raise BenchError(f"could not install {requirement}: {done.stderr.strip()[-500:]}")
-        (python.parent / f".{name}-installed").touch()
-    return python
+    home = REPO / ".venv" / name
+    if not home.is_dir():
+        building = home.with_name(f"{name}.building-{os.getpid()}")
+        steps = ([sys.executable, "-m", "venv", str(building)],
+                 [str(building / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                  requirement])
+        try:
+            for step in steps:
+                done = subprocess.run(step, capture_output=True, text=True, timeout=600, check=False)
+                if done.returncode != 0:
+                    raise BenchError(f"could not install {requirement}: {done.stderr.strip()[-500:]}")
+            building.rename(home)
+        except OSError:
+            if not home.is_dir():
+                raise
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return home / "bin" / "python"
 
 
 def _check_rabbitmq(settings: Settings) -> None:

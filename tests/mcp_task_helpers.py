@@ -32,6 +32,7 @@ from tests.ports import free_port
 RESEARCH = "simulate-research-query"
 _METHOD = re.compile(rb'"method"\s*:\s*"([a-z/_]+)"')
 _NAME_HEADER = re.compile(rb"(?im)^mcp-name:[ \t]*([^\r\n]+)")
+_SESSION_ENDED = re.compile(rb"(?is)DELETE /[^\r\n]*\r\n(?:[^\r\n]+\r\n)*?mcp-session-id:[ \t]*([^\r\n]+)")
 EXTENSION_RESEARCH = "research"
 
 
@@ -44,6 +45,8 @@ class CountingProxy:
     methods: collections.Counter[str] = field(default_factory=collections.Counter)
     names: collections.Counter[str] = field(default_factory=collections.Counter)
     """The ``Mcp-Name`` headers of the requests (SEP-2663: a task's id on ``tasks/*``), counted by value."""
+    ended: collections.Counter[str] = field(default_factory=collections.Counter)
+    """The MCP sessions ended (``DELETE`` with their ``Mcp-Session-Id``), counted by id."""
     _loop: asyncio.AbstractEventLoop | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -89,11 +92,12 @@ class CountingProxy:
             while data := await reader.read(65536):
                 if count:
                     seen = tail + data
-                    for pattern, counter in ((_METHOD, self.methods), (_NAME_HEADER, self.names)):
+                    for pattern, counter in ((_METHOD, self.methods), (_NAME_HEADER, self.names),
+                                             (_SESSION_ENDED, self.ended)):
                         for match in pattern.finditer(seen):
                             if match.end() > len(tail):  # not counted with the previous chunk
                                 counter[match.group(1).decode().strip()] += 1
-                    tail = seen[-64:]
+                    tail = seen[-512:]
                 writer.write(data)
                 await writer.drain()
         except OSError:

@@ -380,7 +380,7 @@ class _Waiting:
             return await self._ended(task)
         if interrupt.cancel_called and self._records.leaves_tasks_running:
             if self._connection.session is not None and task.handle.session_id:
-                self._connection.session.keep = True  # the session (and its tasks) outlive this connection
+                self._connection.session.keep(task.handle.session_id)  # it (and its task) outlive this connection
             log.info("mcp_task_handed_over", server=self._call.server, tool=self._call.tool,
                      task_id=task.handle.task_id)
             raise CallHandedOver(self._call.id)
@@ -442,8 +442,12 @@ class _Waiting:
             await self._seen(started.task)
 
     def _attach(self, handle: TaskHandle) -> None:
-        self._wire = (_ExtensionWire(self._connection) if uses_extension(handle.protocol)
-                      else _SessionWire(TaskRpc(self._connection, handle.session_id, handle.protocol)))
+        if uses_extension(handle.protocol):
+            self._wire = _ExtensionWire(self._connection)
+        else:
+            self._wire = _SessionWire(TaskRpc(self._connection, handle.session_id, handle.protocol))
+            if self._connection.session is not None:
+                self._connection.session.adopt(handle.session_id)  # ended with this connection once its task is
         self._task = _Task(handle)
         log.info("mcp_task_reattached", server=handle.server, tool=self._call.tool, task_id=handle.task_id)
 

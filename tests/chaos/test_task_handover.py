@@ -25,6 +25,7 @@ from tests.mcp_task_helpers import (  # noqa: F401 - the fixtures
     everything_fixture,
     tasks_extension_fixture,
 )
+from tests.polling import poll_until
 from tests.test_mcp_tasks import recorded_task, research_run, tool_messages, tool_step
 from tests.test_mcp_tasks_extension import extension_run
 from tests.worker_helpers import WorkerProcess, wait_for_run
@@ -63,6 +64,10 @@ def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_wit
     assert second.logged("mcp_task_reattached", task_id=handle.task_id)
     assert everything.proxy.methods["tools/call"] == 1
     assert any("Research Report" in text for text in tool_messages(llm_mock, "call_task_handed"))
+    # The first worker kept its session for the task; the second ended it once the task was done: no leak.
+    poll_until(lambda: everything.proxy.ended[handle.session_id] == 1, timeout=WAIT_S,
+               failure=lambda: f"the kept MCP session {handle.session_id} was not ended: {everything.proxy.ended}")
+    assert second.logged("mcp_session_ended", session_id=handle.session_id)
 
 
 def _killed_mid_task(llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess],
