@@ -71,11 +71,11 @@ def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_wit
 
 
 def _killed_mid_task(llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess],
-                     store: RunStore, producer: Producer, call_id: str) -> tuple[str, TaskHandle]:
+                     store: RunStore, producer: Producer, call_id: str, **server: str) -> tuple[str, TaskHandle]:
     """A run whose worker was killed (-9) once its task ``call_id`` was recorded, the server paused meanwhile (the
     task stands still until it is resumed); the run's id and its task."""
     doomed = start_worker(**FAST)
-    run_id = research_run(producer, llm_mock, everything, call_id)
+    run_id = research_run(producer, llm_mock, everything, call_id, **server)
     handle = recorded_task(store, run_id, call_id)
     everything.pause()
     doomed.process.send_signal(signal.SIGKILL)
@@ -103,11 +103,15 @@ def test_kill_9_mid_task_the_worker_that_takes_the_run_up_polls_the_same_task_wi
     assert everything.proxy.methods["tools/call"] == 1
 
 
+@pytest.mark.parametrize("policy", ["report", "fail"])
 def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and_the_model_is_told(
     llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
-    producer: Producer,
+    producer: Producer, policy: str,
 ) -> None:
-    run_id, handle = _killed_mid_task(llm_mock, everything, start_worker, store, producer, "call_task_forgot")
+    """As docs/usage.md says ("Long tool calls as MCP tasks"): ``report`` and ``fail`` both hand the lost result to
+    the model (the run is not failed: the task was no worker's to lose; ``retry`` makes the call again)."""
+    run_id, handle = _killed_mid_task(llm_mock, everything, start_worker, store, producer, f"call_forgot_{policy}",
+                                      on_worker_lost=policy)
     everything.restart()  # every session and task forgotten
     start_worker(**FAST)
 
@@ -118,7 +122,7 @@ def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and
     assert step.tool_outcome is ToolOutcome.CANCELLED
     assert (step.detail["task_id"], step.detail["task_status"], step.detail["side_effects"]) == (
         handle.task_id, "lost", "unknown")
-    assert any("no longer known" in text for text in tool_messages(llm_mock, "call_task_forgot"))
+    assert any("no longer known" in text for text in tool_messages(llm_mock, f"call_forgot_{policy}"))
     assert everything.proxy.methods["tools/call"] == 1
 
 
