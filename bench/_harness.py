@@ -453,6 +453,16 @@ class Bench:
         self.use_server(f"http://127.0.0.1:{port}/mcp", name)
         return process
 
+    def start_tasks_extension(self, name: str) -> ManagedProcess:
+        """tests/tasks_extension_server.py (the 2026-07-28 MCP tasks extension on PyPI ``fastmcp-tasks``, in a venv of
+        its own: :func:`python_package`) over streamable HTTP on a free loopback port, named ``name``."""
+        python, script = python_package(TASKS_SERVER), REPO / "tests" / "tasks_extension_server.py"
+        process, port = self._start_server(
+            "tasks extension server", lambda port: ([str(python), str(script), str(port)], dict(self.env)),
+            self.workdir / "tasks-extension.log")
+        self.use_server(f"http://127.0.0.1:{port}/mcp", name)
+        return process
+
     def admission(self) -> Admission:
         """What a producer checks specs against: this benchmark's catalog and settings."""
         return Admission.from_settings(self.settings)

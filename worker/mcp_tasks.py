@@ -48,12 +48,12 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
 from runbrake.shared.errors import CallHandedOver, TaskUnknown, ToolArgumentsRefused, ToolTransportError
-from runbrake.shared.spec import OnWorkerLost
+from runbrake.shared.spec import McpServerSpec, OnWorkerLost
 from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_transport import MAX_MESSAGE_BYTES, McpConnection, TaskStarted
 
-__all__ = ["TaskHandle", "TaskRecords", "TaskRpc", "call_as_task"]
+__all__ = ["TaskHandle", "TaskRecords", "TaskRpc", "call_as_task", "cancel_left"]
 
 log = structlog.get_logger(__name__)
 
@@ -441,6 +441,13 @@ class _Waiting:
             self._task = _Task(handle)
             await self._seen(started.task)
 
+    async def cancel_attached(self, handle: TaskHandle) -> str:
+        """Take up ``handle`` only to cancel it (:func:`cancel_left`); the status the server gave it after."""
+        self._attach(handle)
+        assert self._task is not None
+        await self._cancel(self._task)
+        return self._task.status
+
     def _attach(self, handle: TaskHandle) -> None:
         if uses_extension(handle.protocol):
             self._wire = _ExtensionWire(self._connection)
@@ -508,3 +515,55 @@ class _Waiting:
         """``result`` with the task's id and last status, once there is a task."""
         task = self._task
         return result if task is None else replace(result, task=(task.handle.task_id, task.status))
+
+
+async def cancel_left(servers: Mapping[str, McpServerSpec], tasks: Mapping[str, str]) -> int:
+    """Send ``tasks/cancel`` to each task in ``tasks`` (a run's records by call id, :class:`TaskHandle` JSON) on its
+    server of ``servers``: the tasks a hand-over or a lost worker left running of a run a cancel ended before any
+    worker took it up again, which no call of the run will ever poll. A 2025-11-25 task's kept session is ended
+    with it. Says how many tasks the servers took the cancel of; a failure is logged, not raised (the run is ended).
+    """
+    handles = [handle for handle in map(TaskHandle.from_json, tasks.values()) if handle is not None]
+    cancelled = 0
+    for server in sorted({handle.server for handle in handles}):
+        spec = servers.get(server)
+        if spec is None:
+            log.warning("mcp_task_left_running", server=server, why="the run no longer names the server")
+            continue
+        with anyio.move_on_after(_CANCEL_WITHIN_S):
+            try:
+                async with McpConnection.open(spec) as connection:
+                    for handle in (h for h in handles if h.server == server):
+                        cancelled += await _cancel_one(connection, handle)
+            except ToolTransportError as exc:
+                log.warning("mcp_task_left_running", server=server, why=str(exc))
+    return cancelled
+
+
+async def _cancel_one(connection: McpConnection, handle: TaskHandle) -> int:
+    waiting = _Waiting(connection, ToolCall(id="", server=handle.server, tool="", arguments={}), _Unrecorded(), None,
+                       _no_answer)
+    try:
+        status = await waiting.cancel_attached(handle)
+    except ToolTransportError as exc:
+        log.warning("mcp_task_left_running", server=handle.server, task_id=handle.task_id, why=str(exc))
+        return 0
+    log.info("mcp_task_cancelled_left", server=handle.server, task_id=handle.task_id, task_status=status)
+    return 1
+
+
+def _no_answer(_answer: CallToolResult) -> ToolResult:
+    """The answer of a wait that only cancels: never asked for."""
+    raise AssertionError("a task taken up only to cancel it has no answer to make")
+
+
+class _Unrecorded:
+    """The records of a wait that only cancels a task (:func:`cancel_left`): nothing to record."""
+
+    leaves_tasks_running = False
+
+    async def keep_task(self, call_id: str, task: str | None) -> None:
+        return None
+
+    async def task_of(self, call_id: str) -> str | None:
+        return None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.worker.mcp_tasks import TaskHandle
 from tests.llm_mock import LlmMock
@@ -151,3 +152,25 @@ def test_a_hand_over_mid_task_of_the_2026_extension_resumes_on_another_worker_wi
     assert second.logged("mcp_task_reattached", task_id=handle.task_id)
     assert tasks_extension.proxy.methods["tools/call"] == 1
     assert tool_messages(llm_mock, "call_ext_handed") == ["Research Report: handed over"]
+
+
+def test_a_cancel_after_a_hand_over_set_a_task_aside_still_cancels_the_task_on_its_server(
+    llm_mock: LlmMock, tasks_extension: ExtensionServer, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer, publisher: CancelPublisher,
+) -> None:
+    """The run waits in the queue with its task running when the cancel comes: no call will poll the task again, so
+    the worker that takes the run's message (and finds it cancelled) sends ``tasks/cancel``."""
+    first = start_worker(RUNBRAKE_DRAIN_S="1")
+    run_id = extension_run(producer, llm_mock, tasks_extension, "call_ext_aside", "research",
+                           {"topic": "set aside", "seconds": 300})
+    handle = recorded_task(store, run_id, "call_ext_aside")
+    first.process.send_signal(signal.SIGTERM)
+    assert first.process.wait(timeout=20) == 0
+    assert first.logged("mcp_task_handed_over", task_id=handle.task_id)
+
+    assert cancel_run(store, publisher, run_id, reason="stop", requested_by="test").won
+    second = start_worker()
+
+    second.wait_for_log("mcp_task_cancelled_left", timeout=WAIT_S, task_id=handle.task_id, task_status="cancelled")
+    assert store.get(run_id).status is RunStatus.CANCELLED
+    assert (tasks_extension.proxy.methods["tools/call"], tasks_extension.proxy.methods["tasks/cancel"]) == (1, 1)
