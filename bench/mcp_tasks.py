@@ -126,20 +126,14 @@ async def polling(connection: McpConnection, in_flight: int, tool: str, **argume
     and this process's CPU per second over that time (every call's own requests and parsing included)."""
     records = _Records()
     polls = 0
-    session_request, extension_request = mcp_tasks.TaskRpc.request, McpConnection.task_request
+    request = mcp_tasks.TaskRpc.request
 
     async def counted(self: mcp_tasks.TaskRpc, method: str, params: Any) -> dict[str, Any]:
         nonlocal polls
         polls += method == "tasks/get"
-        return await session_request(self, method, params)
-
-    async def counted_extension(self: McpConnection, method: str, task_id: str) -> dict[str, Any]:
-        nonlocal polls
-        polls += method == "tasks/get"
-        return await extension_request(self, method, task_id)
+        return await request(self, method, params)
 
     mcp_tasks.TaskRpc.request = counted  # type: ignore[method-assign]
-    McpConnection.task_request = counted_extension  # type: ignore[method-assign]
     results: list[ToolResult] = []
     cpu, wall = time.process_time(), time.perf_counter()
     try:
@@ -148,8 +142,7 @@ async def polling(connection: McpConnection, in_flight: int, tool: str, **argume
                 group.start_soon(_as_task, connection, _call(i, tool, **arguments), records, anyio.CancelScope(),
                                  results)
     finally:
-        mcp_tasks.TaskRpc.request = session_request  # type: ignore[method-assign]
-        McpConnection.task_request = extension_request  # type: ignore[method-assign]
+        mcp_tasks.TaskRpc.request = request  # type: ignore[method-assign]
     recorded_s = records.last_recorded - wall
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     completed = sum(1 for r in results if r.task and r.task[1] == "completed")

@@ -43,7 +43,7 @@ import anyio.lowlevel
 import httpx2
 import structlog
 from mcp.shared.dispatcher import ProgressFnT
-from mcp_types import CallToolResult
+from mcp_types import CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, PROTOCOL_VERSION_META_KEY, CallToolResult
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
@@ -51,7 +51,7 @@ from runbrake.shared.errors import CallHandedOver, TaskUnknown, ToolArgumentsRef
 from runbrake.shared.spec import McpServerSpec, OnWorkerLost
 from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
-from runbrake.worker.mcp_transport import MAX_MESSAGE_BYTES, McpConnection, TaskStarted
+from runbrake.worker.mcp_transport import MAX_MESSAGE_BYTES, TASKS_EXTENSION, McpConnection, TaskStarted
 
 __all__ = ["TaskHandle", "TaskRecords", "TaskRpc", "call_as_task", "cancel_left"]
 
@@ -113,7 +113,11 @@ class TaskRecords(Protocol):
 
 
 class TaskRpc:
-    """Plain JSON-RPC requests to one MCP session of an HTTP server (the module docstring says why not the SDK's)."""
+    """Plain JSON-RPC requests to an HTTP server's tasks (the module docstring says why not the SDK's): in the MCP
+    session ``session_id`` (2025-11-25), or, over the 2026-07-28 extension, each with the request envelope the
+    revision asks (protocol version, client capabilities declaring the extension) and the ``Mcp-Method`` and
+    ``Mcp-Name`` headers. Each request is an HTTP exchange of its own: one that breaks fails only itself, and a
+    ``tasks/get`` is tried once more (it changes nothing)."""
 
     def __init__(self, connection: McpConnection, session_id: str, protocol: str) -> None:
         session = connection.session
@@ -123,7 +127,9 @@ class TaskRpc:
         self._url = session.url
         self._http = session.http_client
         self._headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
-                         "mcp-session-id": session_id, **({"mcp-protocol-version": protocol} if protocol else {})}
+                         **({"mcp-session-id": session_id} if session_id else {}),
+                         **({"mcp-protocol-version": protocol} if protocol else {})}
+        self._envelope = _envelope(protocol) if uses_extension(protocol) else None
         self._next_id = 0
 
     async def request(self, method: str, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,19 +139,25 @@ class TaskRpc:
             TaskUnknown: the server does not know the session or the task.
             ToolTransportError: anything else went wrong (the server's error, the HTTP exchange, the answer).
         """
-        self._next_id += 1
-        request_id = f"runbrake-task-{self._next_id}"
-        body = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": dict(params)}
-        try:
-            async with self._http.stream("POST", self._url, json=body, headers=self._headers) as response:
-                if response.status_code in (400, 404):
-                    text = (await response.aread()).decode(errors="replace")
-                    raise self._error(method, f"HTTP {response.status_code}: {text[:300]}")
-                response.raise_for_status()
-                message = await _answer(response, request_id)
-        except httpx2.HTTPError as exc:
-            raise ToolTransportError(f"MCP server {self._server!r}: {method} failed: {exc}",
-                                     server=self._server) from exc
+        body, headers = self._request(method, params)
+        for tries_left in reversed(range(2 if method == "tasks/get" else 1)):
+            try:
+                async with self._http.stream("POST", self._url, json=body, headers=headers) as response:
+                    if response.status_code in (400, 404):
+                        text = (await response.aread()).decode(errors="replace")
+                        raise self._error(method, f"HTTP {response.status_code}: {text[:300]}")
+                    response.raise_for_status()
+                    message = await _answer(response, str(body["id"]))
+                break
+            except httpx2.TransportError as exc:
+                if tries_left:
+                    log.info("mcp_task_request_again", server=self._server, method=method, error=repr(exc))
+                    continue
+                raise ToolTransportError(f"MCP server {self._server!r}: {method} failed: {exc!r}",
+                                         server=self._server) from exc
+            except httpx2.HTTPError as exc:
+                raise ToolTransportError(f"MCP server {self._server!r}: {method} failed: {exc}",
+                                         server=self._server) from exc
         error = message.get("error")
         if isinstance(error, dict):
             raise self._error(method, f"{error.get('code')}: {error.get('message')}")
@@ -154,8 +166,26 @@ class TaskRpc:
             raise ToolTransportError(f"MCP server {self._server!r}: {method} answered no result", server=self._server)
         return result
 
+    def _request(self, method: str, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """The JSON-RPC body of ``method`` and the HTTP headers it goes with."""
+        self._next_id += 1
+        fields = dict(params) if self._envelope is None else {**params, "_meta": self._envelope}
+        body = {"jsonrpc": "2.0", "id": f"runbrake-task-{self._next_id}", "method": method, "params": fields}
+        if self._envelope is None:
+            return body, self._headers
+        task_id = params.get("taskId")
+        # SEP-2663, "Streamable HTTP: Routing Headers": Mcp-Name is the task's id on tasks/*.
+        return body, {**self._headers, "mcp-method": method, **({"mcp-name": task_id} if task_id else {})}
+
     def _error(self, method: str, what: str) -> ToolTransportError:
         return _failure(f"MCP server {self._server!r}: {method}: {what}", self._server)
+
+
+def _envelope(protocol: str) -> dict[str, Any]:
+    """The ``_meta`` keys every request of a 2026-07-28 client carries, the tasks extension declared in its
+    capabilities (SEP-2663, "Capability Negotiation")."""
+    return {PROTOCOL_VERSION_META_KEY: protocol, CLIENT_INFO_META_KEY: {"name": "runbrake", "version": "1"},
+            CLIENT_CAPABILITIES_META_KEY: {"extensions": {TASKS_EXTENSION: {}}}}
 
 
 def _failure(text: str, server: str) -> ToolTransportError:
@@ -254,18 +284,19 @@ class _SessionWire:
 
 
 class _ExtensionWire:
-    """The 2026-07-28 tasks extension: the SDK's requests of the connection (worker/mcp_transport.py); the result is
-    in the last ``tasks/get`` answer (SEP-2663, "Task Polling")."""
+    """The 2026-07-28 tasks extension: plain JSON-RPC with the revision's envelope (:class:`TaskRpc`); the result is
+    in the last ``tasks/get`` answer (SEP-2663, "Task Polling"), and ``tasks/cancel`` is only acknowledged."""
 
-    def __init__(self, connection: McpConnection) -> None:
-        self._connection = connection
+    def __init__(self, rpc: TaskRpc, server: str) -> None:
+        self._rpc = rpc
+        self._server = server
 
     async def get(self, task: _Task) -> Mapping[str, Any]:
-        return await self._request("tasks/get", task)
+        return await self._rpc.request("tasks/get", {"taskId": task.handle.task_id})
 
     async def cancel(self, task: _Task) -> Mapping[str, Any] | None:
         # An acknowledgement only: "the task's observable status MAY remain working … after the ack".
-        await self._request("tasks/cancel", task)
+        await self._rpc.request("tasks/cancel", {"taskId": task.handle.task_id})
         return None
 
     async def result(self, task: _Task) -> Mapping[str, Any]:
@@ -275,16 +306,8 @@ class _ExtensionWire:
             return result
         error = last.get("error")
         what = f"{error.get('code')}: {error.get('message')}" if isinstance(error, dict) else "no error given"
-        raise ToolTransportError(f"MCP server {self._connection.server!r}: its task {task.handle.task_id} "
-                                 f"{task.status} ({what})", server=self._connection.server)
-
-    async def _request(self, method: str, task: _Task) -> dict[str, Any]:
-        try:
-            return await self._connection.task_request(method, task.handle.task_id)
-        except TaskUnknown:
-            raise
-        except ToolTransportError as exc:
-            raise _failure(str(exc), self._connection.server) from exc
+        raise ToolTransportError(f"MCP server {self._server!r}: its task {task.handle.task_id} {task.status} "
+                                 f"({what})", server=self._server)
 
 
 async def call_as_task(
@@ -411,7 +434,8 @@ class _Waiting:
             if isinstance(answer, CallToolResult):
                 self._at_once = answer
                 return
-            await self._created(answer, session_id="", wire=_ExtensionWire(self._connection))
+            rpc = TaskRpc(self._connection, "", self._connection.protocol_version)
+            await self._created(answer, session_id="", wire=_ExtensionWire(rpc, self._call.server))
             return
         session = self._connection.session
         if session is None or not session.session_id:
@@ -449,10 +473,11 @@ class _Waiting:
         return self._task.status
 
     def _attach(self, handle: TaskHandle) -> None:
+        rpc = TaskRpc(self._connection, handle.session_id, handle.protocol)
         if uses_extension(handle.protocol):
-            self._wire = _ExtensionWire(self._connection)
+            self._wire = _ExtensionWire(rpc, handle.server)
         else:
-            self._wire = _SessionWire(TaskRpc(self._connection, handle.session_id, handle.protocol))
+            self._wire = _SessionWire(rpc)
             if self._connection.session is not None:
                 self._connection.session.adopt(handle.session_id)  # ended with this connection once its task is
         self._task = _Task(handle)

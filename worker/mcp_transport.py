@@ -41,7 +41,7 @@ from mcp.client import Transport
 from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
 from mcp.client.stdio import get_default_environment
 from mcp.shared.dispatcher import ProgressFnT
-from mcp_types import INVALID_PARAMS, CallToolResult, GetTaskRequestParams, Request, RequestParamsMeta, Result
+from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta, Result
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ConfigDict, ValidationError
 
@@ -125,19 +125,6 @@ class _TasksExtension(ClientExtension):
     def claims(self) -> Sequence[ResultClaim[Any]]:
         return (ResultClaim(result_type="task", model=_TaskCreated, resolve=_hand_out,
                             protocol_versions=frozenset(MODERN_PROTOCOL_VERSIONS)),)
-
-
-class _TaskRequest(Request[GetTaskRequestParams, str]):
-    """``tasks/get``, ``tasks/cancel`` of the extension: the SDK sets the ``Mcp-Name`` header to the task id, as
-    the extension requires over streamable HTTP (SEP-2663, "Streamable HTTP: Routing Headers")."""
-
-    name_param = "taskId"
-
-
-class _TaskAnswer(Result):
-    """Any answer of a ``tasks/*`` request, every field kept as the server sent it."""
-
-    model_config = ConfigDict(extra="allow")
 
 
 class McpConnection:
@@ -360,24 +347,6 @@ class McpConnection:
         if client is None or self.spec.tasks is TaskUse.OFF or client.protocol_version not in MODERN_PROTOCOL_VERSIONS:
             return False
         return TASKS_EXTENSION in (client.server_capabilities.extensions or {})
-
-    async def task_request(self, method: str, task_id: str) -> dict[str, Any]:
-        """The answer to ``tasks/get`` or ``tasks/cancel`` of the tasks extension for ``task_id``, sent as the SDK
-        sends any request of the connection (its protocol version, capabilities, ``Mcp-Method`` and ``Mcp-Name``).
-
-        Raises:
-            ToolTransportError: the server answered an error (its code and message in the text), or did not answer.
-        """
-        client = self._live_client(method)
-        request = _TaskRequest(method=method, params=GetTaskRequestParams(task_id=task_id))
-        try:
-            answer = await client.session.send_request(request, _TaskAnswer)
-        except Exception as exc:
-            if not is_transport_fault(exc):
-                raise
-            code = f" ({exc.code})" if isinstance(exc, MCPError) else ""
-            raise self._error(exc, f"{method}{code}") from exc
-        return answer.model_dump(by_alias=True, exclude_none=True)
 
     @property
     def protocol_version(self) -> str:
