@@ -453,12 +453,14 @@ class Bench:
         self.use_server(f"http://127.0.0.1:{port}/mcp", name)
         return process
 
-    def start_tasks_extension(self, name: str) -> ManagedProcess:
+    def start_tasks_extension(self, name: str, *, concurrency: int = 10) -> ManagedProcess:
         """tests/tasks_extension_server.py (the 2026-07-28 MCP tasks extension on PyPI ``fastmcp-tasks``, in a venv of
-        its own: :func:`python_package`) over streamable HTTP on a free loopback port, named ``name``."""
+        its own: :func:`python_package`) over streamable HTTP on a free loopback port, named ``name``; it runs at
+        most ``concurrency`` tasks at once (its Docket worker's, ``FASTMCP_DOCKET_CONCURRENCY``)."""
         python, script = python_package(TASKS_SERVER), REPO / "tests" / "tasks_extension_server.py"
+        env = {**self.env, "FASTMCP_DOCKET_CONCURRENCY": str(concurrency)}
         process, port = self._start_server(
-            "tasks extension server", lambda port: ([str(python), str(script), str(port)], dict(self.env)),
+            "tasks extension server", lambda port: ([str(python), str(script), str(port)], env),
             self.workdir / "tasks-extension.log")
         self.use_server(f"http://127.0.0.1:{port}/mcp", name)
         return process

@@ -75,7 +75,7 @@ def _call(index: int, tool: str, **arguments: Any) -> ToolCall:
 async def _as_task(connection: McpConnection, call: ToolCall, records: _Records, interrupt: anyio.CancelScope,
                    results: list[ToolResult]) -> None:
     results.append(await mcp_tasks.call_as_task(
-        connection, call, records, timeout_s=60, interrupt=interrupt, progress=None,
+        connection, call, records, timeout_s=600, interrupt=interrupt, progress=None,
         lost=lambda _call: OnWorkerLost.REPORT, answer=mcp_tool.from_answer))
 
 
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 bench.start_everything("everything")
                 results[server] = anyio.run(measure, _url(bench), args.rounds, args.in_flight)
             else:
-                bench.start_tasks_extension("extension")
+                bench.start_tasks_extension("extension", concurrency=max(args.in_flight))
                 results[server] = anyio.run(measure_extension, _url(bench), args.rounds, args.in_flight)
         path = bench.write_results({"machine": info, **results})
     for server, figures in results.items():
