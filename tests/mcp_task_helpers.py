@@ -168,25 +168,23 @@ class ExtensionServer(Everything):
                 str(self.server_port)]
 
 
-@pytest.fixture(name="tasks_extension")
-def tasks_extension_fixture(tmp_path: Path) -> Iterator[ExtensionServer]:
+def _behind_proxy(kind: type[Everything], log: Path) -> Iterator[Everything]:
+    """A server of ``kind`` on a free port behind its counting proxy, for the test; stopped after."""
     server_port = free_port()
     proxy = CountingProxy(target=server_port)
     proxy.start()
-    server = ExtensionServer(proxy, server_port, tmp_path / "tasks-extension.log")
+    server = kind(proxy, server_port, log)
     server.start()
     yield server
     server.stop()
     proxy.stop()
+
+
+@pytest.fixture(name="tasks_extension")
+def tasks_extension_fixture(tmp_path: Path) -> Iterator[Everything]:
+    yield from _behind_proxy(ExtensionServer, tmp_path / "tasks-extension.log")
 
 
 @pytest.fixture(name="everything")
 def everything_fixture(tmp_path: Path) -> Iterator[Everything]:
-    server_port = free_port()
-    proxy = CountingProxy(target=server_port)
-    proxy.start()
-    server = Everything(proxy, server_port, tmp_path / "everything.log")
-    server.start()
-    yield server
-    server.stop()
-    proxy.stop()
+    yield from _behind_proxy(Everything, tmp_path / "everything.log")

@@ -41,19 +41,20 @@ def _kinds(record: RunRecord) -> list[tuple[StepKind, ToolOutcome | None]]:
     return [(s.kind, s.tool_outcome) for s in record.steps]
 
 
-def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_with_no_second_tools_call(
-    llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
-    producer: Producer,
-) -> None:
+def _handed_over(server: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
+                 start_run: Callable[[], str], call_id: str) -> tuple[TaskHandle, WorkerProcess]:
+    """A run (``start_run``) whose worker is stopped (SIGTERM, a 1 s drain) once its task ``call_id`` was recorded,
+    the server paused meanwhile (the task stands still until the next worker polls it), and the worker started
+    next, checked to have polled the task to its end with no second ``tools/call``; its task and that worker."""
     first = start_worker(RUNBRAKE_DRAIN_S="1")
-    run_id = research_run(producer, llm_mock, everything, "call_task_handed")
-    handle = recorded_task(store, run_id, "call_task_handed")
-    everything.pause()  # the task stands still until the next worker polls it
+    run_id = start_run()
+    handle = recorded_task(store, run_id, call_id)
+    server.pause()
 
     first.process.send_signal(signal.SIGTERM)
     assert first.process.wait(timeout=20) == 0
     second = start_worker()
-    everything.resume()
+    server.resume()
     record = wait_for_run(store, run_id, timeout=WAIT_S)
 
     assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
@@ -63,7 +64,18 @@ def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_wit
     assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "completed")
     assert first.logged("mcp_task_handed_over", task_id=handle.task_id)
     assert second.logged("mcp_task_reattached", task_id=handle.task_id)
-    assert everything.proxy.methods["tools/call"] == 1
+    assert server.proxy.methods["tools/call"] == 1
+    return handle, second
+
+
+def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_with_no_second_tools_call(
+    llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
+    producer: Producer,
+) -> None:
+    handle, second = _handed_over(
+        everything, start_worker, store, lambda: research_run(producer, llm_mock, everything, "call_task_handed"),
+        "call_task_handed")
+
     assert any("Research Report" in text for text in tool_messages(llm_mock, "call_task_handed"))
     # The first worker kept its session for the task; the second ended it once the task was done: no leak.
     poll_until(lambda: everything.proxy.ended[handle.session_id] == 1, timeout=WAIT_S,
@@ -131,26 +143,12 @@ def test_a_hand_over_mid_task_of_the_2026_extension_resumes_on_another_worker_wi
     llm_mock: LlmMock, tasks_extension: ExtensionServer, start_worker: Callable[..., WorkerProcess], store: RunStore,
     producer: Producer,
 ) -> None:
-    first = start_worker(RUNBRAKE_DRAIN_S="1")
-    run_id = extension_run(producer, llm_mock, tasks_extension, "call_ext_handed", "research",
-                           {"topic": "handed over", "seconds": 3})
-    handle = recorded_task(store, run_id, "call_ext_handed")
-    tasks_extension.pause()  # the task stands still until the next worker polls it
+    def start_run() -> str:
+        return extension_run(producer, llm_mock, tasks_extension, "call_ext_handed", "research",
+                             {"topic": "handed over", "seconds": 3})
 
-    first.process.send_signal(signal.SIGTERM)
-    assert first.process.wait(timeout=20) == 0
-    second = start_worker()
-    tasks_extension.resume()
-    record = wait_for_run(store, run_id, timeout=WAIT_S)
+    _handed_over(tasks_extension, start_worker, store, start_run, "call_ext_handed")
 
-    assert (record.status, record.termination_reason) == (RunStatus.COMPLETED, TerminationReason.COMPLETED)
-    assert _kinds(record) == [(StepKind.MODEL, None), (StepKind.HANDOFF, None), (StepKind.TOOL, ToolOutcome.OK),
-                              (StepKind.MODEL, None)]
-    step = tool_step(record)
-    assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "completed")
-    assert first.logged("mcp_task_handed_over", task_id=handle.task_id)
-    assert second.logged("mcp_task_reattached", task_id=handle.task_id)
-    assert tasks_extension.proxy.methods["tools/call"] == 1
     assert tool_messages(llm_mock, "call_ext_handed") == ["Research Report: handed over"]
 
 
