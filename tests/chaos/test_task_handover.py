@@ -80,7 +80,7 @@ def test_a_hand_over_mid_task_leaves_it_running_and_the_next_worker_polls_it_wit
     # The first worker kept its session for the task; the second ended it once the task was done: no leak.
     poll_until(lambda: everything.proxy.ended[handle.session_id] == 1, timeout=WAIT_S,
                failure=lambda: f"the kept MCP session {handle.session_id} was not ended: {everything.proxy.ended}")
-    assert second.logged("mcp_session_ended", session_id=handle.session_id)
+    second.wait_for_log("mcp_session_ended", timeout=WAIT_S, session_id=handle.session_id)
 
 
 def _killed_mid_task(llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess],
