@@ -25,7 +25,9 @@ from tests.mcp_task_helpers import ExtensionServer, tasks_extension_fixture  # n
 from tests.test_mcp_tasks import recorded_task, tool_messages, tool_step
 from tests.worker_helpers import WorkerProcess, wait_for_run
 
-pytestmark = pytest.mark.integration
+# The first test to start the server installs PyPI fastmcp-tasks in its own venv (~40 s, once: bench/_harness.py
+# python_package), within its timeout.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 WAIT_S = 60.0
 

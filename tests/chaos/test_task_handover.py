@@ -139,6 +139,7 @@ def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and
     assert everything.proxy.methods["tools/call"] == 1
 
 
+@pytest.mark.timeout(300)  # may install fastmcp-tasks first (tests/test_mcp_tasks_extension.py)
 def test_a_hand_over_mid_task_of_the_2026_extension_resumes_on_another_worker_with_no_second_tools_call(
     llm_mock: LlmMock, tasks_extension: ExtensionServer, start_worker: Callable[..., WorkerProcess], store: RunStore,
     producer: Producer,
@@ -152,6 +153,7 @@ def test_a_hand_over_mid_task_of_the_2026_extension_resumes_on_another_worker_wi
     assert tool_messages(llm_mock, "call_ext_handed") == ["Research Report: handed over"]
 
 
+@pytest.mark.timeout(300)  # may install fastmcp-tasks first (tests/test_mcp_tasks_extension.py)
 def test_a_cancel_after_a_hand_over_set_a_task_aside_still_cancels_the_task_on_its_server(
     llm_mock: LlmMock, tasks_extension: ExtensionServer, start_worker: Callable[..., WorkerProcess], store: RunStore,
     producer: Producer, publisher: CancelPublisher,
