@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from runbrake.broker.render import render_run
 from runbrake.shared import RunSpec, RunStatus, RunStore, TerminationReason, ToolOutcome
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
@@ -85,6 +86,9 @@ def test_a_cancel_sends_the_extensions_tasks_cancel_and_records_the_task_the_ser
     assert step.detail["side_effects"] == "unknown"
     assert tasks_extension.proxy.methods["tasks/cancel"] == 1
     assert tasks_extension.proxy.names[handle.task_id] >= 2  # its tasks/cancel and the tasks/get that confirmed it
+    # `runbrake show` says what became of the task, in either language (docs/labels.md).
+    assert "(MCP task cancelled)" in render_run(record)
+    assert "(MCP-Aufgabe abgebrochen)" in render_run(record, "de")
 
 
 def test_a_task_that_asks_for_input_is_cancelled_on_its_server_and_the_call_fails_saying_so(

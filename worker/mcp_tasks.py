@@ -49,7 +49,7 @@ from pydantic import ValidationError
 
 from runbrake.shared.errors import CallHandedOver, TaskUnknown, ToolArgumentsRefused, ToolTransportError
 from runbrake.shared.spec import McpServerSpec, OnWorkerLost
-from runbrake.shared.tool_result import Failure, ToolResult
+from runbrake.shared.tool_result import Failure, TaskStatus, ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_transport import MAX_MESSAGE_BYTES, TASKS_EXTENSION, McpConnection, TaskStarted
 
@@ -71,7 +71,7 @@ _TASK_NOT_FOUND: Final = ("not found", "unknown task", "no valid session", "expi
 examples say "Task not found" and "Task has expired" (SEP-2663, "Protocol Errors")."""
 LOST: Final = "the MCP task of the call is no longer known to its server (restarted, or its TTL passed)"
 """The content of a lost task's step."""
-LOST_STATUS: Final = "lost"
+LOST_STATUS: Final = TaskStatus.LOST.value
 """A lost task's ``detail.task_status`` (the others are the server's: ``working``, ``completed``, ``cancelled``…)."""
 
 
