@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from runbrake.broker.render import render_run
-from runbrake.shared import RunSpec, RunStatus, RunStore, TerminationReason, ToolOutcome
-from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
+from runbrake.shared import RunSpec, RunStatus, RunStore, ToolOutcome
+from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.records import TASK_PREFIX
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_task_helpers import ExtensionServer, tasks_extension_fixture  # noqa: F401 - the fixture
-from tests.test_mcp_tasks import recorded_task, tool_messages, tool_step
+from tests.test_mcp_tasks import cancelled_by_its_server, recorded_task, tool_messages, tool_step
 from tests.worker_helpers import WorkerProcess, wait_for_run
 
 # The first test to start the server installs PyPI fastmcp-tasks in its own venv (~40 s, once: bench/_harness.py
@@ -76,14 +76,8 @@ def test_a_cancel_sends_the_extensions_tasks_cancel_and_records_the_task_the_ser
                            {"topic": "never finished", "seconds": 300})
     handle = recorded_task(store, run_id, "call_ext_cancel")
 
-    assert cancel_run(store, publisher, run_id, reason="stop", requested_by="test").won
-    record = wait_for_run(store, run_id, lambda r: any(s.tool_outcome is not None for s in r.steps), timeout=WAIT_S)
+    record = cancelled_by_its_server(store, publisher, run_id, handle)
 
-    assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
-    step = tool_step(record)
-    assert step.tool_outcome is ToolOutcome.CANCELLED
-    assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "cancelled")
-    assert step.detail["side_effects"] == "unknown"
     assert tasks_extension.proxy.methods["tasks/cancel"] == 1
     assert tasks_extension.proxy.names[handle.task_id] >= 2  # its tasks/cancel and the tasks/get that confirmed it
     # `runbrake show` says what became of the task, in either language (docs/labels.md).

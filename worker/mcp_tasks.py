@@ -32,6 +32,7 @@ input request of a server (``tasks/update`` is never sent), as it answers no sam
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -63,6 +64,8 @@ _POLL_S: Final = (0.05, 5.0)
 """The bounds put on the interval a server asks polls at (``pollInterval``); 1 s when it asks none."""
 _CANCEL_WITHIN_S: Final = 10.0
 """How long ``tasks/cancel`` and the result of a task that completed anyway may take once a brake came."""
+_VERSION: Final = importlib.metadata.version("runbrake")
+"""This worker's version, in the client info of the extension's requests."""
 _CANCEL_POLL_S: Final = 0.1
 """The longest interval between polls of an extension task once it was asked to cancel: the brake is waiting."""
 _TASK_NOT_FOUND: Final = ("not found", "unknown task", "no valid session", "expired")
@@ -184,7 +187,7 @@ class TaskRpc:
 def _envelope(protocol: str) -> dict[str, Any]:
     """The ``_meta`` keys every request of a 2026-07-28 client carries, the tasks extension declared in its
     capabilities (SEP-2663, "Capability Negotiation")."""
-    return {PROTOCOL_VERSION_META_KEY: protocol, CLIENT_INFO_META_KEY: {"name": "runbrake", "version": "1"},
+    return {PROTOCOL_VERSION_META_KEY: protocol, CLIENT_INFO_META_KEY: {"name": "runbrake", "version": _VERSION},
             CLIENT_CAPABILITIES_META_KEY: {"extensions": {TASKS_EXTENSION: {}}}}
 
 
