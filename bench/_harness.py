@@ -453,6 +453,18 @@ class Bench:
         self.use_server(f"http://127.0.0.1:{port}/mcp", name)
         return process
 
+    def start_tasks_extension(self, name: str, *, concurrency: int = 10) -> ManagedProcess:
+        """tests/tasks_extension_server.py (the 2026-07-28 MCP tasks extension on PyPI ``fastmcp-tasks``, in a venv of
+        its own: :func:`python_package`) over streamable HTTP on a free loopback port, named ``name``; it runs at
+        most ``concurrency`` tasks at once (its Docket worker's, ``FASTMCP_DOCKET_CONCURRENCY``)."""
+        python, script = python_package(TASKS_SERVER), REPO / "tests" / "tasks_extension_server.py"
+        env = {**self.env, "FASTMCP_DOCKET_CONCURRENCY": str(concurrency)}
+        process, port = self._start_server(
+            "tasks extension server", lambda port: ([str(python), str(script), str(port)], env),
+            self.workdir / "tasks-extension.log")
+        self.use_server(f"http://127.0.0.1:{port}/mcp", name)
+        return process
+
     def admission(self) -> Admission:
         """What a producer checks specs against: this benchmark's catalog and settings."""
         return Admission.from_settings(self.settings)
@@ -515,6 +527,36 @@ def npm_package(name: str) -> Path:
         if installed.returncode != 0:
             raise BenchError(f"npm could not install {name}: {installed.stderr.strip()[-500:]}")
     return folder
+
+
+TASKS_SERVER = "fastmcp-tasks==4.1.4"
+"""A server side of the 2026-07-28 MCP tasks extension nobody here wrote (PyPI ``fastmcp-tasks``, on FastMCP and
+the same ``mcp`` SDK): tests/tasks_extension_server.py is served with it."""
+
+
+def python_package(requirement: str) -> Path:
+    """The Python of a venv of its own (``.venv/<name>``) that has ``requirement``, installed once: for a package
+    whose pins cannot share the project's venv (``fastmcp-tasks`` excludes the project's ``redis``). Built beside
+    and renamed into place, so that two test processes installing at once leave one whole venv."""
+    name = requirement.split("==", maxsplit=1)[0]
+    home = REPO / ".venv" / name
+    if not home.is_dir():
+        building = home.with_name(f"{name}.building-{os.getpid()}")
+        steps = ([sys.executable, "-m", "venv", str(building)],
+                 [str(building / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                  requirement])
+        try:
+            for step in steps:
+                done = subprocess.run(step, capture_output=True, text=True, timeout=600, check=False)
+                if done.returncode != 0:
+                    raise BenchError(f"could not install {requirement}: {done.stderr.strip()[-500:]}")
+            building.rename(home)
+        except OSError:
+            if not home.is_dir():
+                raise
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return home / "bin" / "python"
 
 
 def _check_rabbitmq(settings: Settings) -> None:

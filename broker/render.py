@@ -19,7 +19,7 @@ from runbrake.shared.status import RunStatus
 from runbrake.shared.steps import RunStep, StepKind, StepReason
 from runbrake.shared.store import RunRecord
 from runbrake.shared.timeline import Lang, label, outcome_label, step_outcome
-from runbrake.shared.tool_result import SideEffects
+from runbrake.shared.tool_result import SideEffects, TaskStatus
 
 _DETAIL_WIDTH = 60
 MAX_ARGUMENTS_CHARS: Final = 4000
@@ -87,6 +87,7 @@ def _when(epoch: float | None) -> str:
 
 _STEP_REASONS = frozenset(reason.value for reason in StepReason)
 _SIDE_EFFECTS = frozenset(effects.value for effects in SideEffects)
+_TASK_STATUSES = frozenset(status.value for status in TaskStatus)
 
 
 def _detail(step: RunStep, lang: Lang = "en") -> str:
@@ -96,6 +97,9 @@ def _detail(step: RunStep, lang: Lang = "en") -> str:
         reason = step.detail.get("reason")
         if reason in _STEP_REASONS:
             name = f"{name} ({label(f'step_reason.{reason}', lang)})"
+        task_status = step.detail.get("task_status")
+        if task_status in _TASK_STATUSES:
+            name = f"{name} ({label(f'task_status.{task_status}', lang)})"
         side_effects = step.detail.get("side_effects")
         if side_effects in _SIDE_EFFECTS:
             name = f"{name} ({label(f'side_effects.{side_effects}', lang)})"

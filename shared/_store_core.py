@@ -365,7 +365,7 @@ class ScriptCall:
 
 
 _READS_AND_DELETES: Final = frozenset({
-    "GET", "MGET", "EXISTS", "HGET", "HMGET", "HGETALL", "HEXISTS", "HLEN", "LRANGE", "LLEN", "LINDEX",
+    "GET", "MGET", "EXISTS", "HGET", "HMGET", "HGETALL", "HEXISTS", "HLEN", "HSCAN", "LRANGE", "LLEN", "LINDEX",
     "ZRANGE", "ZREVRANGE", "ZRANGEBYSCORE", "ZREVRANGEBYSCORE", "ZSCORE", "ZCARD", "ZCOUNT", "SCAN",
     "DEL", "UNLINK", "HDEL", "ZREM", "EXPIRE", "PEXPIRE", "PING", "ECHO", "TTL", "PTTL", "TYPE", "WAIT",
     "XRANGE", "XREVRANGE", "XLEN", "XREADGROUP", "XAUTOCLAIM", "XACK", "XPENDING",
@@ -1152,6 +1152,18 @@ def keep_task(keys: Keys, run_id: str, *, owner: str, call_id: str, task: str | 
             raise OwnershipLost(run_id)
 
     return _script(_scripts.KEEP_TASK, (keys.run(run_id),), args, f"keep a task of run {run_id}", parse)
+
+
+def tasks_left(keys: Keys, run_id: str) -> Op[dict[str, str]]:
+    """The run's recorded ``task:<call id>`` fields by call id: the MCP tasks a hand-over or a lost worker left
+    running (one HSCAN page: a run records a task per call in flight, far fewer than its ``COUNT``)."""
+    def parse(answers: list[Any]) -> dict[str, str]:
+        found = answers[0][1]  # redis-py answers HSCAN with (cursor, {field: value}); a pipeline may give the list
+        pairs = found.items() if isinstance(found, dict) else zip(found[::2], found[1::2], strict=True)
+        return {_text(name).removeprefix(TASK_PREFIX): _text(value) for name, value in pairs}
+
+    return Op(f"read the tasks of run {run_id}",
+              (Command(("HSCAN", keys.run(run_id), "0", "MATCH", f"{TASK_PREFIX}*", "COUNT", "1000")),), parse)
 
 
 def task_of(keys: Keys, run_id: str, call_id: str) -> Op[str | None]:

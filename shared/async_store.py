@@ -217,6 +217,10 @@ class AsyncRunStore:
         """Record (or forget, with None) the MCP task of a call in flight (owner-guarded: :func:`core.keep_task`)."""
         await self.execute(core.keep_task(self.keys, run_id, owner=owner, call_id=call_id, task=task))
 
+    async def tasks_left(self, run_id: str) -> dict[str, str]:
+        """The MCP tasks recorded for the run's calls, by call id (:func:`core.tasks_left`)."""
+        return await self.execute(core.tasks_left(self.keys, run_id))
+
     async def task_of(self, run_id: str, call_id: str) -> str | None:
         """The MCP task recorded for a call of the run, None when there is none."""
         return await self.execute(core.task_of(self.keys, run_id, call_id))

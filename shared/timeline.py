@@ -130,6 +130,12 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "step_reason.worker_lost": "cut off: its worker was lost",
         "side_effects.none": "not sent, no side effects",
         "side_effects.unknown": "sent, side effects unknown",
+        "task_status.working": "MCP task still working",
+        "task_status.input_required": "MCP task asked for input",
+        "task_status.completed": "MCP task completed",
+        "task_status.failed": "MCP task failed",
+        "task_status.cancelled": "MCP task cancelled",
+        "task_status.lost": "MCP task lost: its server no longer knows it",
     },
     "de": {
         "delivery.pending": "ausstehend",
@@ -221,6 +227,12 @@ LABELS: Mapping[Lang, Mapping[str, str]] = {
         "step_reason.worker_lost": "abgebrochen: sein Worker ging verloren",
         "side_effects.none": "nicht gesendet, keine Nebenwirkungen",
         "side_effects.unknown": "gesendet, Nebenwirkungen unbekannt",
+        "task_status.working": "MCP-Aufgabe läuft noch",
+        "task_status.input_required": "MCP-Aufgabe bat um Eingabe",
+        "task_status.completed": "MCP-Aufgabe abgeschlossen",
+        "task_status.failed": "MCP-Aufgabe fehlgeschlagen",
+        "task_status.cancelled": "MCP-Aufgabe abgebrochen",
+        "task_status.lost": "MCP-Aufgabe verloren: ihr Server kennt sie nicht mehr",
     },
 }
 

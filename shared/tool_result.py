@@ -27,6 +27,19 @@ class SideEffects(StrEnum):
     """Cut off after its request was sent: the server may have acted, in part or in full."""
 
 
+class TaskStatus(StrEnum):
+    """What became of a call's MCP task (a tool step's ``detail.task_status``): the server's last status (protocol
+    2025-11-25 and the 2026-07-28 tasks extension name the same five), or ``lost`` (worker/mcp_tasks.py)."""
+
+    WORKING = "working"
+    INPUT_REQUIRED = "input_required"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+    """The server no longer knows the task (it restarted, or its TTL passed)."""
+
+
 _TRUNCATION_MARK = "\n…[truncated {dropped} chars]"
 
 

@@ -6,6 +6,9 @@ process that forwards every byte both ways and counts the JSON-RPC methods the w
 The server keeps its tasks in memory per MCP session; :meth:`Everything.restart` starts it again on the same port
 (behind the same proxy), having forgotten every session and task. Its research task lasts ~4 s; a test that needs
 it to stand still while workers come and go pauses the server (SIGSTOP) rather than racing it.
+
+:class:`ExtensionServer` is the same for the 2026-07-28 tasks extension (SEP-2663): tests/tasks_extension_server.py
+on PyPI's ``fastmcp-tasks``, no MCP session, its tasks in its memory. The proxy also counts the ``Mcp-Name`` headers.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from bench._harness import EVERYTHING, npm_package
+from bench._harness import EVERYTHING, TASKS_SERVER, npm_package, python_package
 from tests.mcp_helpers import _stop, _wait_until_listening
 from tests.ports import free_port
 
 RESEARCH = "simulate-research-query"
 _METHOD = re.compile(rb'"method"\s*:\s*"([a-z/_]+)"')
+_NAME_HEADER = re.compile(rb"(?im)^mcp-name:[ \t]*([^\r\n]+)")
+_SESSION_ENDED = re.compile(rb"(?is)DELETE /[^\r\n]*\r\n(?:[^\r\n]+\r\n)*?mcp-session-id:[ \t]*([^\r\n]+)")
+EXTENSION_RESEARCH = "research"
 
 
 @dataclass
@@ -37,6 +43,10 @@ class CountingProxy:
     target: int
     port: int = 0
     methods: collections.Counter[str] = field(default_factory=collections.Counter)
+    names: collections.Counter[str] = field(default_factory=collections.Counter)
+    """The ``Mcp-Name`` headers of the requests (SEP-2663: a task's id on ``tasks/*``), counted by value."""
+    ended: collections.Counter[str] = field(default_factory=collections.Counter)
+    """The MCP sessions ended (``DELETE`` with their ``Mcp-Session-Id``), counted by id."""
     _loop: asyncio.AbstractEventLoop | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -82,10 +92,12 @@ class CountingProxy:
             while data := await reader.read(65536):
                 if count:
                     seen = tail + data
-                    for match in _METHOD.finditer(seen):
-                        if match.end() > len(tail):  # not counted with the previous chunk
-                            self.methods[match.group(1).decode()] += 1
-                    tail = seen[-64:]
+                    for pattern, counter in ((_METHOD, self.methods), (_NAME_HEADER, self.names),
+                                             (_SESSION_ENDED, self.ended)):
+                        for match in pattern.finditer(seen):
+                            if match.end() > len(tail):  # not counted with the previous chunk
+                                counter[match.group(1).decode().strip()] += 1
+                    tail = seen[-512:]
                 writer.write(data)
                 await writer.drain()
         except OSError:
@@ -116,11 +128,13 @@ class Everything:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.proxy.port}/mcp"
 
+    def command(self) -> list[str]:
+        return ["node", str(npm_package(EVERYTHING) / "dist" / "index.js"), "streamableHttp"]
+
     def start(self) -> None:
-        entry = npm_package(EVERYTHING) / "dist" / "index.js"
+        command = self.command()
         with self.log.open("ab") as out:
-            self.process = subprocess.Popen(["node", str(entry), "streamableHttp"], stdout=out, stderr=out,
-                                            stdin=subprocess.DEVNULL,
+            self.process = subprocess.Popen(command, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                                             env={"PATH": "/usr/local/bin:/usr/bin:/bin", "PORT": str(self.server_port)})
         if not _wait_until_listening(self.process, self.server_port):
             pytest.fail(f"server-everything did not start; its log:\n{self.log.read_text()[-2000:]}")
@@ -145,13 +159,32 @@ class Everything:
         self.start()
 
 
-@pytest.fixture(name="everything")
-def everything_fixture(tmp_path: Path) -> Iterator[Everything]:
+class ExtensionServer(Everything):
+    """tests/tasks_extension_server.py (the 2026-07-28 tasks extension, on PyPI ``fastmcp-tasks``) in its own venv,
+    reached through the counting proxy as :class:`Everything` is; its tasks are kept in its memory."""
+
+    def command(self) -> list[str]:
+        return [str(python_package(TASKS_SERVER)), str(Path(__file__).with_name("tasks_extension_server.py")),
+                str(self.server_port)]
+
+
+def _behind_proxy(kind: type[Everything], log: Path) -> Iterator[Everything]:
+    """A server of ``kind`` on a free port behind its counting proxy, for the test; stopped after."""
     server_port = free_port()
     proxy = CountingProxy(target=server_port)
     proxy.start()
-    server = Everything(proxy, server_port, tmp_path / "everything.log")
+    server = kind(proxy, server_port, log)
     server.start()
     yield server
     server.stop()
     proxy.stop()
+
+
+@pytest.fixture(name="tasks_extension")
+def tasks_extension_fixture(tmp_path: Path) -> Iterator[Everything]:
+    yield from _behind_proxy(ExtensionServer, tmp_path / "tasks-extension.log")
+
+
+@pytest.fixture(name="everything")
+def everything_fixture(tmp_path: Path) -> Iterator[Everything]:
+    yield from _behind_proxy(Everything, tmp_path / "everything.log")

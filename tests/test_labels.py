@@ -15,12 +15,12 @@ from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import StepKind, StepReason
 from runbrake.shared.stream_events import StreamEvent
 from runbrake.shared.timeline import LABELS, label
-from runbrake.shared.tool_result import SideEffects
+from runbrake.shared.tool_result import SideEffects, TaskStatus
 
 NAMED: tuple[tuple[str, type[StrEnum]], ...] = (
     ("status", RunStatus), ("reason", TerminationReason), ("kind", StepKind), ("outcome", ToolOutcome),
     ("event", StreamEvent), ("step_reason", StepReason), ("side_effects", SideEffects),
-    ("delivery", DeliveryStatus))
+    ("task_status", TaskStatus), ("delivery", DeliveryStatus))
 """Label key prefix and the enum whose values follow it. ``TerminationReason.NONE`` is never shown."""
 
 DOC_ROW = re.compile(r"^\| `(?P<value>[a-z_]+)` \| (?P<en>[^|]+) \| (?P<de>[^|]+) \|$")

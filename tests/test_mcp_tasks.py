@@ -55,6 +55,20 @@ def tool_step(record: RunRecord) -> Any:
     return step
 
 
+def cancelled_by_its_server(store: RunStore, publisher: CancelPublisher, run_id: str, handle: TaskHandle) -> RunRecord:
+    """Cancel the run whose task is ``handle``; its record once the call's step is in, checked to say the run was
+    cancelled and the call's task too, by its server (side effects unknown)."""
+    assert cancel_run(store, publisher, run_id, reason="stop", requested_by="test").won
+    record = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.TOOL for s in r.steps), timeout=WAIT_S)
+
+    assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
+    step = tool_step(record)
+    assert step.tool_outcome is ToolOutcome.CANCELLED
+    assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "cancelled")
+    assert step.detail["side_effects"] == "unknown"
+    return record
+
+
 def tool_messages(mock: LlmMock, call_id: str) -> list[str]:
     """What the model was shown as the result of ``call_id``."""
     return [m.get("content") or "" for body in mock.bodies() for m in body["messages"]
@@ -88,14 +102,8 @@ def test_a_cancel_sends_tasks_cancel_and_records_the_task_the_server_cancelled(
     run_id = research_run(producer, llm_mock, everything, "call_task_cancel")
     handle = recorded_task(store, run_id, "call_task_cancel")
 
-    assert cancel_run(store, publisher, run_id, reason="stop", requested_by="test").won
-    record = wait_for_run(store, run_id, lambda r: any(s.kind is StepKind.TOOL for s in r.steps), timeout=WAIT_S)
+    cancelled_by_its_server(store, publisher, run_id, handle)
 
-    assert (record.status, record.termination_reason) == (RunStatus.CANCELLED, TerminationReason.CANCELLED)
-    step = tool_step(record)
-    assert step.tool_outcome is ToolOutcome.CANCELLED
-    assert (step.detail["task_id"], step.detail["task_status"]) == (handle.task_id, "cancelled")
-    assert step.detail["side_effects"] == "unknown"
     assert everything.proxy.methods["tasks/cancel"] == 1
     assert everything.proxy.methods["tasks/result"] == 0
 

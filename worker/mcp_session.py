@@ -3,17 +3,27 @@
 
 A server such as the npm ``server-everything`` keeps its MCP tasks per session: a task a hand-over leaves running
 is polled by the next worker under the same session id, so that session must outlive this connection
-(worker/mcp_tasks.py; docs/usage.md, "Long tool calls as MCP tasks"). The SDK's client ends the session on close
-unless told at the start not to, and never says its id; this is its transport with both in view.
+(worker/mcp_tasks.py; docs/usage.md, "Long tool calls as MCP tasks"). The next worker *adopts* it, and ends it
+(``DELETE``) when it closes its own connection, unless a task of it was handed over again: no session outlives
+the tasks it was kept for.
+
+Why the SDK's private modules (``mcp.client._transport``, ``mcp.shared._compat``, ``mcp.shared._context_streams``):
+the public ``mcp.client.streamable_http.streamable_http_client`` of mcp 2.3.0 neither says the session's id nor
+lets the close decide whether to end it (``terminate_on_close`` is fixed at the start, before a hand-over is
+known), and nothing public gives the id instead (the ``Client`` and its session do not know it). So this enters
+the SDK's own ``StreamableHTTPTransport`` as ``streamable_http_client`` does, with the same private helpers; the
+pins in deploy/constraints.txt hold them still, and tests/test_mcp_tasks.py breaks first when they move.
 """
 
 from __future__ import annotations
 
 import contextlib
 from types import TracebackType
+from typing import Final
 
 import anyio
 import httpx2
+import structlog
 from mcp.client._transport import TransportStreams
 from mcp.client.streamable_http import StreamableHTTPTransport
 from mcp.shared._compat import resync_tracer
@@ -21,6 +31,11 @@ from mcp.shared._context_streams import create_context_streams
 from mcp.shared.message import SessionMessage
 
 __all__ = ["SessionHttp"]
+
+log = structlog.get_logger(__name__)
+
+_END_WITHIN_S: Final = 5.0
+"""How long ending an adopted session may hold up the close of the connection."""
 
 
 class SessionHttp:
@@ -31,13 +46,23 @@ class SessionHttp:
         self.http_client = http_client
         self._transport = StreamableHTTPTransport(url, max_sse_event_size=max_sse_event_size)
         self._stack = contextlib.AsyncExitStack()
-        self.keep = False
-        """Set, the session is not ended when the connection closes: a task of it is still to be polled."""
+        self._kept: set[str] = set()
+        self._adopted: set[str] = set()
 
     @property
     def session_id(self) -> str | None:
         """The server's ``Mcp-Session-Id``, once it gave one."""
         return self._transport.session_id
+
+    def keep(self, session_id: str) -> None:
+        """Not end ``session_id`` (this connection's, or one it adopted) when the connection closes: a task of it
+        is still to be polled, by the next worker."""
+        self._kept.add(session_id)
+
+    def adopt(self, session_id: str) -> None:
+        """End ``session_id``, another worker's session whose task this connection polls, when the connection
+        closes (unless it is kept again)."""
+        self._adopted.add(session_id)
 
     async def __aenter__(self) -> TransportStreams:
         # As the SDK's streamable_http_client does (mcp/client/streamable_http.py), entered by hand.
@@ -60,8 +85,23 @@ class SessionHttp:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool | None:
         try:
-            if self.session_id and not self.keep:
+            if self.session_id and self.session_id not in self._kept:
                 await self._transport.terminate_session(self.http_client)
+            for session_id in sorted(self._adopted - self._kept - {self.session_id}):
+                await self._end(session_id)
         finally:
             await self._stack.aclose()
         return None
+
+    async def _end(self, session_id: str) -> None:
+        """``DELETE`` the adopted ``session_id``, within :data:`_END_WITHIN_S`; a failure is logged, not raised (the
+        server ends it at its own timeout)."""
+        with anyio.move_on_after(_END_WITHIN_S) as late:
+            try:
+                response = await self.http_client.delete(self.url, headers={"mcp-session-id": session_id})
+            except httpx2.HTTPError as exc:
+                log.info("mcp_session_end_failed", session_id=session_id, error=str(exc))
+                return
+            log.info("mcp_session_ended", session_id=session_id, status=response.status_code)
+        if late.cancelled_caught:
+            log.info("mcp_session_end_failed", session_id=session_id, error=f"no answer within {_END_WITHIN_S:g} s")

@@ -19,7 +19,7 @@ from runbrake.shared import redaction
 from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.conversation import ToolCall
-from runbrake.worker.mcp_transport import McpConnection
+from runbrake.worker.mcp_transport import McpConnection, TaskStarted
 
 __all__ = ["execute", "finished", "from_answer", "not_connected"]
 
@@ -58,8 +58,15 @@ async def execute(
     except ToolTransportError as exc:
         result = ToolResult.error(str(exc))
     else:
-        result = from_answer(answer)
+        result = from_answer(answer) if isinstance(answer, CallToolResult) else _unwaited(call, answer)
     return finished(result, call, max_chars)
+
+
+def _unwaited(call: ToolCall, started: TaskStarted) -> ToolResult:
+    """A task the server made of a call that was not made to be waited on as one (worker/toolbox.py decides which
+    are): failed, saying so; the task is not followed."""
+    return ToolResult.error(f"MCP server {call.server!r} answered {call.tool} with an MCP task "
+                            f"({started.task.get('taskId')}) where this run waits for no task")
 
 
 def finished(result: ToolResult, call: ToolCall, max_chars: int) -> ToolResult:

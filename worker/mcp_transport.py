@@ -26,9 +26,10 @@ import math
 import os
 import ssl
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 import anyio
 import anyio.lowlevel
@@ -37,16 +38,18 @@ import structlog
 from anyio.abc import TaskGroup
 from mcp import Client, InputRequiredRoundsExceededError, MCPError, StdioServerParameters
 from mcp.client import Transport
+from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
 from mcp.client.stdio import get_default_environment
 from mcp.shared.dispatcher import ProgressFnT
-from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta
-from pydantic import ValidationError
+from mcp_types import INVALID_PARAMS, CallToolResult, RequestParamsMeta, Result
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from pydantic import ConfigDict, ValidationError
 
 from runbrake.shared import tracing
 from runbrake.shared.catalog import expand
 from runbrake.shared.errors import ToolArgumentsRefused, ToolCallCancelled, ToolTransportError
 from runbrake.shared.registry import TRANSPORTS
-from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
+from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec, TaskUse
 from runbrake.shared.tracing import TRACEPARENT
 from runbrake.worker.bounded_bodies import bound_bodies
 from runbrake.worker.conversation import ToolInfo
@@ -54,7 +57,7 @@ from runbrake.worker.mcp_progress import ProgressRoutes, ProgressTap
 from runbrake.worker.mcp_session import SessionHttp
 from runbrake.worker.mcp_stdio import bounded_stdio_client
 
-__all__ = ["MAX_MESSAGE_BYTES", "McpConnection", "is_transport_fault"]
+__all__ = ["MAX_MESSAGE_BYTES", "TASKS_EXTENSION", "McpConnection", "TaskStarted", "is_transport_fault"]
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +80,51 @@ _TRANSPORT_FAULTS: Final = (
     anyio.EndOfStream,
 )
 """What a dead, broken or misbehaving server makes the SDK raise; anything else is a bug and propagates."""
+
+TASKS_EXTENSION: Final = "io.modelcontextprotocol/tasks"
+"""The identifier of the MCP tasks extension of protocol 2026-07-28 (SEP-2663)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskStarted:
+    """What a ``tools/call`` came to when the server made it a task of the 2026-07-28 tasks extension (SEP-2663,
+    "Task Creation"): the server's ``Task`` as it answered (``taskId``, ``status``, ``pollIntervalMs``…)."""
+
+    task: Mapping[str, Any]
+
+
+class _TaskCreated(Result):
+    """The ``CreateTaskResult`` of the tasks extension: ``resultType: "task"`` and the task's fields, flat."""
+
+    model_config = ConfigDict(extra="allow")
+    result_type: Literal["task"]
+    task_id: str
+
+
+class _Claimed(Exception):
+    """Raised by the tasks claim's resolver, caught in :meth:`McpConnection.call`: the SDK's ``Client.call_tool``
+    would otherwise want a resolver to wait for the task to end, inside the call; runbrake waits for it outside
+    (worker/mcp_tasks.py), where a hand-over can leave it running."""
+
+    def __init__(self, created: _TaskCreated) -> None:
+        super().__init__(created.task_id)
+        self.task = created.model_dump(by_alias=True, exclude_none=True)
+
+
+async def _hand_out(created: _TaskCreated, _context: ClaimContext) -> CallToolResult:
+    raise _Claimed(created)
+
+
+class _TasksExtension(ClientExtension):
+    """The client side of the tasks extension, in the SDK's own terms (``mcp.client.extension``): advertised in
+    every request's capabilities, so the server may answer a ``tools/call`` with a task, which the claim hands
+    out of the call. Only for a catalog server whose ``tasks`` is not ``"off"``."""
+
+    identifier = TASKS_EXTENSION
+
+    def claims(self) -> Sequence[ResultClaim[Any]]:
+        return (ResultClaim(result_type="task", model=_TaskCreated, resolve=_hand_out,
+                            protocol_versions=frozenset(MODERN_PROTOCOL_VERSIONS)),)
 
 
 class McpConnection:
@@ -154,7 +202,9 @@ class McpConnection:
             with anyio.CancelScope(deadline=anyio.current_time() + connect_timeout_s) as connecting:
                 async with AsyncExitStack() as stack:
                     transport, self.session = _target(self.spec, self._progress)
-                    client = await stack.enter_async_context(Client(transport))
+                    # The tasks extension is offered to a server only where its catalog entry lets calls be tasks.
+                    extensions = [] if self.spec.tasks is TaskUse.OFF else [_TasksExtension()]
+                    client = await stack.enter_async_context(Client(transport, extensions=extensions))
                     connecting.deadline = math.inf
                     self._client = client
                     self._ready.set()
@@ -219,8 +269,9 @@ class McpConnection:
         timeout_s: float,
         interrupt: anyio.CancelScope,
         progress: ProgressFnT | None = None,
-    ) -> CallToolResult:
-        """Call ``tool`` and return the server's result, ``is_error`` results included.
+    ) -> CallToolResult | TaskStarted:
+        """Call ``tool`` and return the server's result, ``is_error`` results included, or the task the server made
+        of the call (the 2026-07-28 tasks extension: only where it offers it, :attr:`offers_task_extension`).
 
         Args:
             tool: the tool's name on the server.
@@ -255,6 +306,8 @@ class McpConnection:
                 await anyio.lowlevel.checkpoint()
                 sent = True
                 result = await client.call_tool(tool, dict(arguments), meta=meta)
+        except _Claimed as claimed:
+            return TaskStarted(claimed.task)
         except Exception as exc:
             if not is_transport_fault(exc):
                 raise
@@ -285,6 +338,15 @@ class McpConnection:
         tasks = client.server_capabilities.tasks
         return tasks is not None and tasks.requests is not None and tasks.requests.tools is not None \
             and tasks.requests.tools.call is not None
+
+    @property
+    def offers_task_extension(self) -> bool:
+        """The server offers the 2026-07-28 tasks extension (``capabilities.extensions`` names it) and this connection
+        declared it: the server may answer any ``tools/call`` with a task (SEP-2663, "Capability Negotiation")."""
+        client = self._client
+        if client is None or self.spec.tasks is TaskUse.OFF or client.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            return False
+        return TASKS_EXTENSION in (client.server_capabilities.extensions or {})
 
     @property
     def protocol_version(self) -> str:

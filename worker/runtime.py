@@ -45,7 +45,7 @@ from runbrake.shared.settings import Settings
 from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
-from runbrake.worker import metrics
+from runbrake.worker import mcp_tasks, metrics
 from runbrake.worker.agents import AgentCalls, Caller, ChildRuns, count_above
 from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall
@@ -447,6 +447,8 @@ class Runtime:
                 self.subscribers.skip(run_id, claim.found if claim.exists else None)
                 if claim.exists:
                     log.info("run_message_skipped", found=claim.found.value)
+                    if claim.found is RunStatus.CANCELLED:
+                        await self._cancel_tasks_left(run_id)
                 else:
                     # Not a duplicate: no such run where this worker looks. Producer and worker may be
                     # pointed at different Redis databases or namespaces; say where this one looked.
@@ -469,6 +471,23 @@ class Runtime:
                 self.registry.unregister(handle)
             log.info("run_segment_ended", outcome=outcome.value)  # the one line a segment's end costs
             return outcome
+
+    async def _cancel_tasks_left(self, run_id: str) -> None:
+        """A run cancelled while it waited for a worker may have MCP tasks a hand-over or a lost worker left running
+        (docs/usage.md, "Long tool calls as MCP tasks"): no call will poll them again, so the worker that takes the
+        run's message cancels them on their servers (worker/mcp_tasks.py ``cancel_left``). One HSCAN when none."""
+        tasks = await self._store.tasks_left(run_id)
+        if not tasks:
+            return
+        try:
+            record = await self._store.get(run_id)
+            spec = RunSpec.parse(dict(record.request))
+            admitted = await asyncio.to_thread(self._admission.admit, spec, tenant=await self._store.tenant_of(run_id))
+        except RunbrakeError as exc:
+            log.warning("mcp_tasks_left_running", tasks=len(tasks), why=str(exc))
+            return
+        cancelled = await mcp_tasks.cancel_left(admitted.servers, tasks)
+        log.info("mcp_tasks_left_cancelled", tasks=len(tasks), cancelled=cancelled)
 
     async def _ladder(self, run_id: str, owner: str, handle: RunHandle, claim: Claim, *, resume: bool) -> RunOutcome:
         budget: BudgetGuard | None = None

@@ -118,6 +118,11 @@ class Toolbox:
             return False
         return self._servers[call.server].tasks.as_task(connection.task_support.get(call.tool))
 
+    def _waits_for_tasks(self, connection: McpConnection, call: ToolCall) -> bool:
+        """Whether ``call`` goes through worker/mcp_tasks.py: made as a 2025-11-25 task, or to a server of the
+        2026-07-28 tasks extension, which decides itself which calls it answers with a task (SEP-2663)."""
+        return connection.offers_task_extension or (bool(self._as_task(call)) and connection.offers_tasks)
+
     def cancel_grace(self, call: ToolCall) -> float | None:
         """How long a cancel lets ``call`` go on: its server's or tool's ``on_cancel = "finish"`` grace."""
         server = self._servers.get(call.server)
@@ -144,7 +149,7 @@ class Toolbox:
         timeout_s = min(limits) if limits else DEFAULT_TIMEOUT_S
         progress = None if self._calls is None else self._calls.for_call(call)
         try:
-            if self._tasks is not None and self._as_task(call) and connection.offers_tasks:
+            if self._tasks is not None and self._waits_for_tasks(connection, call):
                 result = await mcp_tasks.call_as_task(connection, call, self._tasks, timeout_s=timeout_s,
                                                       interrupt=interrupt, progress=progress,
                                                       lost=lambda c: server.worker_lost_policy(c.tool),
