@@ -11,6 +11,7 @@
      ├── RunNotFound                 no run with that id
      ├── TransitionRefused           a guarded transition found another status (``found``)
      ├── RunBoundReached             a run reached max_steps or the tool calls a turn may ask for
+     ├── LostCallFails               a call a lost worker cut off, found lost, whose tool says on_worker_lost = "fail"
      ├── IdempotencyConflict         an idempotency key came again with a different spec
      ├── QuotaExceeded               a tenant's quota refused an enqueue (nothing written)
      ├── InvalidRunId                a malformed run id
@@ -45,6 +46,7 @@
     Exception                        private to one module, never raised past it
      ├── _Stalled                    an events stream's client stopped reading (broker/events.py)
      ├── _HandOverDue                the loop's drain deadline passed (worker/loop.py)
+     ├── _Claimed                    a call's answer was an MCP task: out of the SDK's call (worker/mcp_transport.py)
      ├── _ChildFailed                a schema check's child did not start, died or closed its pipe
      │                               (shared/schema_check.py)
      ├── _Late                       a schema check's child did not answer within its bound (shared/schema_check.py)
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from runbrake.shared.status import RunStatus
+    from runbrake.shared.tool_result import ToolResult
 
 
 class RunbrakeError(Exception):
@@ -211,6 +214,19 @@ class RunBoundReached(RunbrakeError):
     def __init__(self, reason: TerminationReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class LostCallFails(RunbrakeError):
+    """Raised, with the call's result, where the worker that took a run up finds lost a call a lost worker left
+    running (an MCP task its server no longer knows: worker/mcp_tasks.py) and the tool says ``on_worker_lost =
+    "fail"``: the step is recorded, then the run ends ``failed`` with ``lease_lost``, as the sweep ends a run whose
+    call of that policy it cut off (docs/leases.md, "Lost workers")."""
+
+    reason: TerminationReason | None = TerminationReason.LEASE_LOST
+
+    def __init__(self, message: str, result: ToolResult) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class IdempotencyConflict(RunbrakeError):

@@ -24,6 +24,7 @@ import anyio
 from runbrake.shared.errors import (
     CallHandedOver,
     CancelRequested,
+    LostCallFails,
     OwnershipLost,
     ProviderError,
     RetriedAttempt,
@@ -425,6 +426,7 @@ class ToolLoop:
 
         Never raises but for the task's own cancellation: what stops the turn (the probe's cancel, a bound
         reached, a store that stayed away) is kept in ``turn`` and cuts off the calls still in flight."""
+        fails: LostCallFails | None = None
         try:
             started = self._clock()
             problem = call.problem or self._runner.problem(call)
@@ -437,6 +439,8 @@ class ToolLoop:
                     try:
                         await self._sending(call.id, turn.round, interrupt)
                         result = await self._runner.execute(call, interrupt=interrupt)
+                    except LostCallFails as exc:
+                        result, fails = exc.result, exc  # recorded, then the run fails
                     finally:
                         turn.release(interrupt)
                 step = RunStep.tool(round=turn.round, server=call.server, name=call.tool, result=result,
@@ -452,7 +456,9 @@ class ToolLoop:
             turn.results[index] = Message(role="tool", content=step.content, tool_call_id=call.id)
             # The turn's last step marks the model call that follows it.
             last = len(turn.results) == len(turn.calls) and not self._hooks.handing_over
-            await self._hooks.record(step, turn.then if last and turn.stopped_by is None else None)
+            await self._hooks.record(step, turn.then if last and turn.stopped_by is None and fails is None else None)
+            if fails is not None:
+                turn.stop(fails)
         except CallHandedOver:
             turn.detached.add(index)  # its task or child run goes on: the next worker re-attaches
         except (CancelRequested, SteerRequested, OwnershipLost, Exception) as exc:  # noqa: BLE001 - raised after the turn

@@ -48,7 +48,13 @@ from mcp_types import CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, PROTOC
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
-from runbrake.shared.errors import CallHandedOver, TaskUnknown, ToolArgumentsRefused, ToolTransportError
+from runbrake.shared.errors import (
+    CallHandedOver,
+    LostCallFails,
+    TaskUnknown,
+    ToolArgumentsRefused,
+    ToolTransportError,
+)
 from runbrake.shared.spec import McpServerSpec, OnWorkerLost
 from runbrake.shared.tool_result import Failure, TaskStatus, ToolResult
 from runbrake.worker.conversation import ToolCall
@@ -339,12 +345,14 @@ async def call_as_task(
 
     Raises:
         CallHandedOver: a hand-over stopped the wait; the task runs on, for the next worker.
+        LostCallFails: the server no longer knows the task and ``lost`` says ``fail`` (the lost result with it).
     """
     recorded = await records.task_of(call.id)
     handle = None if recorded is None else TaskHandle.from_json(recorded)
     if handle is not None and handle.server != connection.server:
         handle = None
     waiting = _Waiting(connection, call, records, progress, answer)
+    fails = False
     try:
         result = await waiting.run(handle, timeout_s, interrupt)
     except TaskUnknown as exc:
@@ -357,6 +365,7 @@ async def call_as_task(
                 return await call_as_task(connection, call, records, timeout_s=timeout_s, interrupt=interrupt,
                                           progress=progress, lost=lambda _call: OnWorkerLost.REPORT, answer=answer)
             result = replace(ToolResult.cancelled(LOST), task=(handle.task_id, LOST_STATUS))
+            fails = lost(call) is OnWorkerLost.FAIL
     except ToolArgumentsRefused as exc:
         result = ToolResult.error(str(exc), failure=Failure.ARGUMENTS)
     except ToolTransportError as exc:
@@ -364,6 +373,11 @@ async def call_as_task(
     if handle is not None or waiting.recorded:
         # Forgotten once the call has its result, whatever it came to: a later call of the same id starts afresh.
         await records.keep_task(call.id, None)
+    if fails:
+        assert handle is not None  # only a recorded task is lost
+        raise LostCallFails(f"the MCP task {handle.task_id} of {call.qualified_name}, left running by a worker that "
+                            f"was lost, is no longer known to its server, and the tool's catalog entry says "
+                            f"on_worker_lost = \"fail\": a person must look at it", result)
     return result
 
 

@@ -539,7 +539,7 @@ class Runtime:
         not to, and re-raise what stops the worker itself. ``stopped_by``: the reason the segment's budget
         stopped the run with, when its fence won (worker/budget.py, ``BudgetGuard.stopped``)."""
         ending = ending_of(exc)
-        if ending.reason is TerminationReason.LEASE_LOST:
+        if isinstance(exc, OwnershipLost):
             # The run was reaped (this worker looked dead) or taken over: it is not ours to write any more.
             log.warning("run_ownership_lost", owner=owner)
             return RunOutcome.LOST

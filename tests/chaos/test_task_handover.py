@@ -121,8 +121,9 @@ def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and
     llm_mock: LlmMock, everything: Everything, start_worker: Callable[..., WorkerProcess], store: RunStore,
     producer: Producer, policy: str,
 ) -> None:
-    """As docs/usage.md says ("Long tool calls as MCP tasks"): ``report`` and ``fail`` both hand the lost result to
-    the model (the run is not failed: the task was no worker's to lose; ``retry`` makes the call again)."""
+    """As docs/usage.md says ("Long tool calls as MCP tasks"): the lost call follows the tool's ``on_worker_lost``:
+    ``report`` hands the lost result to the model, ``fail`` records it and ends the run ``failed`` with
+    ``lease_lost``, its error naming the call (``retry`` makes the call again)."""
     run_id, handle = _killed_mid_task(llm_mock, everything, start_worker, store, producer, f"call_forgot_{policy}",
                                       on_worker_lost=policy)
     everything.restart()  # every session and task forgotten
@@ -130,12 +131,19 @@ def test_a_task_the_server_forgot_is_recorded_lost_with_unknown_side_effects_and
 
     record = wait_for_run(store, run_id, timeout=WAIT_S)
 
-    assert record.status is RunStatus.COMPLETED
     step = tool_step(record)
     assert step.tool_outcome is ToolOutcome.CANCELLED
     assert (step.detail["task_id"], step.detail["task_status"], step.detail["side_effects"]) == (
         handle.task_id, "lost", "unknown")
-    assert any("no longer known" in text for text in tool_messages(llm_mock, f"call_forgot_{policy}"))
+    told = [text for text in tool_messages(llm_mock, f"call_forgot_{policy}") if "no longer known" in text]
+    if policy == "report":
+        assert record.status is RunStatus.COMPLETED
+        assert told
+    else:
+        assert (record.status, record.termination_reason) == (RunStatus.FAILED, TerminationReason.LEASE_LOST)
+        assert handle.task_id in (record.error or "")
+        assert 'on_worker_lost = "fail"' in (record.error or "")
+        assert not told  # no model call after the lost call
     assert everything.proxy.methods["tools/call"] == 1
 
 
