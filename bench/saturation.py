@@ -28,13 +28,17 @@ What it does, in its own namespace, on loopback only, for each offered load N (a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import re
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from bench._harness import (
     Bench,
@@ -44,7 +48,6 @@ from bench._harness import (
     cpu_seconds,
     free_port,
     machine,
-    pids_named,
     print_machine,
     summary_ms,
     wait_until,
@@ -81,14 +84,40 @@ def long_call_spec(seconds: float) -> RunSpec:
 
 
 def metric(port: int, name: str) -> float | None:
-    """One gauge of the worker's ``/metrics``."""
+    """One sample of the worker's ``/metrics`` (``name`` with its labels, if any, as the text shows them)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
             text = answer.read().decode()
     except OSError:
         return None
-    found = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else None
+
+
+def full_collections(port: int) -> dict[str, float | None]:
+    """The worker's full garbage collections so far: how many, and their mean pause in ms."""
+    count = metric(port, 'runbrake_gc_pause_seconds_count{generation="2"}')
+    total = metric(port, 'runbrake_gc_pause_seconds_sum{generation="2"}')
+    return {"count": count, "mean_ms": round(1000 * total / count, 1) if count and total is not None else None}
+
+
+def listening_pids(port: int) -> list[int]:
+    """The processes with a socket listening on TCP ``port`` (Linux's /proc/net/tcp{,6}): the shared Redis and
+    RabbitMQ, not the private instances other tests start beside them under the same command name."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rpartition(":")[2], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                    pids.append(int(entry.name))
+    return pids
 
 
 class Load:
@@ -110,6 +139,7 @@ class Load:
         rss_kib = status_kib(worker.pid, "VmRSS")
         hold = self._hold(worker)
         cancel = self._cancels(held, worker)
+        collections = full_collections(self.metrics_port)
         broken = self._broken(held, set(cancel.pop("cancelled")), worker)
         worker.log.read_new()
         lapsed = sum(1 for e in worker.log.entries if e.get("event") == "lease_not_renewed")
@@ -120,7 +150,7 @@ class Load:
             "offered": self.offered, "held": len(held), "calls_broken": broken, "leases_lapsed": lapsed,
             "handed_back": handed_back, "cancel": cancel,
             "kib_per_run_held": round((rss_kib - idle_kib) / max(len(held), 1), 1),
-            "rss_mib": round(rss_kib / 1024, 1), **hold, "worker_exit": code,
+            "rss_mib": round(rss_kib / 1024, 1), **hold, "full_collections": collections, "worker_exit": code,
         }
 
     def _held(self, ids: list[str], worker: Worker) -> list[str]:
@@ -142,18 +172,21 @@ class Load:
         return [r for r, s in zip(ids, statuses, strict=True) if s is RunStatus.RUNNING]
 
     def _hold(self, worker: Worker) -> dict[str, Any]:
-        pids = {"worker": [worker.pid], "server": [self.server.pid], "redis": pids_named("redis-server"),
-                "rabbitmq": pids_named("beam.smp")}
+        settings = self.bench.settings
+        pids = {"worker": [worker.pid], "server": [self.server.pid],
+                "redis": listening_pids(urlsplit(settings.redis_url).port or 6379),
+                "rabbitmq": listening_pids(urlsplit(settings.rabbitmq_url).port or 5672)}
         before = {k: sum(cpu_seconds(p) or 0.0 for p in v) for k, v in pids.items()}
-        lags = []
+        lags, rates = [], []
         for _ in range(int(HOLD_S)):
             time.sleep(1.0)  # sampling a gauge once a second over the hold
             lag = metric(self.metrics_port, "runbrake_event_loop_lag_seconds")
             if lag is not None:
                 lags.append(lag)
+            rates.append(metric(self.metrics_port, "runbrake_admission_rate"))
         after = {k: sum(cpu_seconds(p) or 0.0 for p in v) for k, v in pids.items()}
         return {**{f"{k}_cpu_pct": round(100 * (after[k] - before[k]) / HOLD_S) for k in pids},
-                "loop_lag_ms": summary_ms(lags)}
+                "loop_lag_ms": summary_ms(lags), "admission_rate": rates}
 
     def _cancels(self, held: list[str], worker: Worker) -> dict[str, Any]:
         publisher = CancelPublisher(self.bench.settings)
@@ -215,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"lapsed {row['leases_lapsed']}, cancel p50 {row['cancel'].get('p50', '-')} / p99 "
                   f"{row['cancel'].get('p99', '-')} ms, loop lag p50 {row['loop_lag_ms'].get('p50', '-')} ms, "
                   f"{row['kib_per_run_held']} KiB a run, CPU worker {row['worker_cpu_pct']} % server "
-                  f"{row['server_cpu_pct']} % redis {row['redis_cpu_pct']} % rabbitmq {row['rabbitmq_cpu_pct']} %",
+                  f"{row['server_cpu_pct']} % redis {row['redis_cpu_pct']} % rabbitmq {row['rabbitmq_cpu_pct']} %, "
+                  f"full collections {row['full_collections']}",
                   flush=True)
         path = bench.write_results({"machine": info, "args": vars(args), "loads": rows})
     print(f"results: {path}")

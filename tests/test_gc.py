@@ -1,6 +1,7 @@
 """The worker's garbage collection (worker/intake.py, ``tune_gc`` and ``Collector``): with its thresholds a cycle
 waits for 50,000 more allocations before even a young collection, so the collector part frees it on a timer
-(``RUNBRAKE_GC_INTERVAL_S``; docs/benchmarks.md, "Soak: the RSS growth")."""
+(``RUNBRAKE_GC_INTERVAL_S``; docs/benchmarks.md, "Soak: the RSS growth"), freezing what survived so that the
+next walks only what came since, and thawing the frozen heap once it doubled."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from runbrake.shared.settings import Settings
-from runbrake.worker.intake import GC_THRESHOLDS, Collector, tune_gc
+from runbrake.worker.intake import GC_THRESHOLDS, THAW_GROWTH, Collector, tune_gc
 from tests.polling import poll_until
 
 
@@ -32,7 +33,7 @@ def cycle(freed: threading.Event) -> None:
 @pytest.fixture
 def tuned_gc() -> Iterator[None]:
     """This process's collector as a worker's (``tune_gc``), put back as it was afterwards."""
-    thresholds = gc.get_threshold()
+    thresholds, callbacks = gc.get_threshold(), list(gc.callbacks)
     gc.collect()
     tune_gc()
     try:
@@ -40,6 +41,7 @@ def tuned_gc() -> Iterator[None]:
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+        gc.callbacks[:] = callbacks
         gc.collect()
 
 
@@ -63,6 +65,40 @@ def test_a_cycle_the_thresholds_leave_alone_is_freed_by_the_collector_within_its
 
 
 @pytest.mark.usefixtures("tuned_gc")
+def test_what_survives_a_collection_is_frozen_so_the_next_walks_only_what_came_since() -> None:
+    collector = Collector(1)  # ticked here, not started
+    collector.tick()
+    before = gc.get_freeze_count()
+    kept = [Node() for _ in range(1_000)]
+    freed = threading.Event()
+    cycle(freed)
+    collector.tick()
+    assert freed.is_set(), "the garbage that came since the last collection is collected"
+    assert gc.get_freeze_count() >= before + len(kept), "what survived is frozen"
+    del kept
+
+
+@pytest.mark.usefixtures("tuned_gc")
+def test_a_cycle_that_died_frozen_is_freed_once_the_frozen_heap_has_doubled() -> None:
+    collector = Collector(1)
+    collector.tick()
+    freed = threading.Event()
+    holder = [Node()]
+    holder[0].other = Node()
+    holder[0].other.other = holder[0]
+    weakref.finalize(holder[0], freed.set)
+    collector.tick()  # frozen while alive
+    holder.clear()
+    collector.tick()
+    assert not freed.is_set(), "a frozen cycle is out of the collector's sight"
+    ballast = [[] for _ in range(int(THAW_GROWTH * gc.get_freeze_count()) + 1)]
+    collector.tick()  # the ballast is frozen: the frozen heap more than doubled
+    collector.tick()  # so this one thaws it and collects everything
+    assert freed.is_set()
+    del ballast
+
+
+@pytest.mark.usefixtures("tuned_gc")
 def test_an_interval_of_zero_turns_the_collector_off() -> None:
     collector = Collector(0)
     collector.start()
@@ -71,7 +107,7 @@ def test_an_interval_of_zero_turns_the_collector_off() -> None:
     assert collector.health().detail == "off"
 
 
-def test_a_worker_collects_every_minute_by_default_and_the_setting_is_read() -> None:
-    assert Settings.from_env({}).gc_interval_s == 60.0
+def test_a_worker_collects_every_ten_seconds_by_default_and_the_setting_is_read() -> None:
+    assert Settings.from_env({}).gc_interval_s == 10.0
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "0"}).gc_interval_s == 0.0
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "2.5"}).gc_interval_s == 2.5

@@ -81,10 +81,39 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    gc.callbacks.append(_CollectionTimer())
+
+
+LONG_PAUSE_S = 0.1
+"""A collection that held the interpreter this long or longer is logged (``gc_long_pause``)."""
+
+
+class _CollectionTimer:
+    """A ``gc.callbacks`` entry timing each collection (``runbrake_gc_pause_seconds{generation}``): a
+    collection holds the interpreter, so a cancel that comes during one waits for it. Collections never
+    overlap (the interpreter runs one at a time), so one start time is enough."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        metrics.GC_PAUSE.labels(generation=str(info["generation"])).observe(pause)
+        if pause >= LONG_PAUSE_S:
+            log.info("gc_long_pause", generation=info["generation"], pause_ms=round(pause * 1000, 1),
+                     collected=info["collected"], frozen=gc.get_freeze_count())
+
+
+THAW_GROWTH = 2.0
+"""The frozen heap thaws for one whole collection once it has grown this many times over since the last."""
 
 
 class Collector(Periodic):
-    """A full collection every ``RUNBRAKE_GC_INTERVAL_S`` (0: never; Python's thresholds alone).
+    """Every ``RUNBRAKE_GC_INTERVAL_S`` (0: never; Python's thresholds alone), a collection of what the process
+    allocated since the last one, and the survivors frozen.
 
     With :data:`GC_THRESHOLDS` a young collection comes only after 50,000 more objects than were freed, and
     the older generations' after 20 and 100 of those: on a worker at 5 runs a second, minutes apart, and
@@ -92,14 +121,40 @@ class Collector(Periodic):
     frames: about 600 objects a second there) that were alive at a young collection then wait in an older
     generation, and the worker's RSS rose with them for the whole 30-minute soak
     (docs/benchmarks.md, "Soak: the RSS growth"). A collection on a timer bounds how long garbage waits,
-    whatever the allocation rate; it walks every object not frozen, so it takes longer the more runs are in
-    flight."""
+    whatever the allocation rate.
+
+    A full collection walks every object not frozen: with the runs it holds alive it found 140 objects of
+    garbage in 0.45 s at 500 runs (docs/benchmarks.md, "Saturation: the collector's pause"), the interpreter
+    held all along. So after each collection the survivors are frozen (``gc.freeze``), and the next walks
+    only what came since. A cycle frozen while alive is not found once it dies: the frozen heap grows with
+    them, so when it has grown :data:`THAW_GROWTH` times over since the last thaw it is thawed for one whole
+    collection (logged ``gc_thawed``): garbage stays below the heap's size, and the one long pause comes
+    after the heap doubled, not every interval."""
 
     def __init__(self, interval_s: float) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
+        self._thawed_at: int | None = None
+        """The frozen heap after the last whole collection (the boot heap ``tune_gc`` froze, before the first)."""
 
     def tick(self) -> None:
+        if self._thawed_at is None:
+            self._thawed_at = gc.get_freeze_count()
+        if gc.get_freeze_count() > THAW_GROWTH * max(self._thawed_at, 1):
+            self.thaw()
+            return
         gc.collect()
+        gc.freeze()
+
+    def thaw(self) -> None:
+        """One whole collection, every object in sight, then the survivors frozen again."""
+        frozen = gc.get_freeze_count()
+        started = time.perf_counter()
+        gc.unfreeze()
+        collected = gc.collect()
+        gc.freeze()
+        self._thawed_at = gc.get_freeze_count()
+        log.info("gc_thawed", frozen_before=frozen, collected=collected, frozen_after=self._thawed_at,
+                 pause_ms=round((time.perf_counter() - started) * 1000, 1))
 
 
 class HandBack(RunbrakeError, Retry):
@@ -129,8 +184,9 @@ class Slots:
     def __init__(self, capacity: int, admits: Callable[[int], bool] | None = None) -> None:
         self.capacity = capacity
         self._admits = admits
-        """Whether the process's health lets it take one more run, given the runs in flight
-        (worker/saturation.py); None: only the count decides."""
+        """Whether the process's health and its admission rate let it take one more run, given the runs in
+        flight (worker/saturation.py); a yes counts against the rate, so it is asked only with a slot free.
+        None: only the count decides."""
         self._taken = 0
         self._closed = False
         self._changed = threading.Condition()

@@ -98,9 +98,11 @@ def run_worker_process(
                       worker=lambda: identity.id)
     topology = Topology.of(settings)
     watch = LoopWatch(running_loop, concurrency=concurrency, max_lag_ms=settings.admit_max_lag_ms,
-                      max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs)
+                      max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs,
+                      max_cpu_pct=settings.admit_max_cpu_pct,
+                      in_flight=lambda: intake.in_flight)  # the intake, built next, asks the watch
     intake = Intake(runtime, concurrency=concurrency, watch=watch)
-    metrics.SATURATION.set_function(lambda: watch.saturation(intake.in_flight))
+    metrics.SATURATION.set_function(watch.saturation)
     declare_run_actor(broker, intake, settings)
     queues = {topology.run_queue}
     if include_noop:
