@@ -3,9 +3,10 @@
 Run from the repository root::
 
     .venv/bin/python -m bench.saturation [--offered 250,1000,2000,4000] [--call-s 120] [--cancels 20]
-        [--concurrency N]
+        [--concurrency N] [--memory-dir DIR]
 
-A short sanity run: ``--offered 50 --call-s 20 --cancels 5``.
+A short sanity run: ``--offered 50 --call-s 20 --cancels 5``. What a held run keeps (bench/_memtrace.py's
+dumps, idle and with the runs held): ``--offered 200 --call-s 120 --cancels 0 --memory-dir DIR``.
 
 What it does, in its own namespace, on loopback only, for each offered load N (a fresh worker each):
 
@@ -19,7 +20,8 @@ What it does, in its own namespace, on loopback only, for each offered load N (a
 4. over a 10 s hold: the CPU of the worker, the node server, Redis and RabbitMQ; the worker's event-loop lag
    (``runbrake_event_loop_lag_seconds``, read each second) and RSS per run held;
 5. cancels ``--cancels`` held runs one at a time: from just before ``cancel_run`` to the cancelled tool
-   step's ``recorded_at``;
+   step's ``recorded_at`` (``missed``: not recorded within 10 s; ``ended_first``: the run ended before the
+   cancel, so there is nothing to time);
 6. waits until every held run not cancelled has ended: **calls broken** are those whose tool step is not
    ``ok`` or whose run did not complete; **leases lapsed** are the worker's ``lease_not_renewed`` lines;
 7. stops the worker (SIGTERM), prints the table and writes ``bench/results/saturation.json``.
@@ -32,6 +34,7 @@ import contextlib
 import os
 import random
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -132,11 +135,13 @@ class Load:
 
     def run(self) -> dict[str, Any]:
         self.bench.env["RUNBRAKE_METRICS_PORT"] = str(self.metrics_port)
-        worker = self.bench.start_worker(concurrency=self.args.concurrency or self.offered)
+        worker = self._start_worker()
         idle_kib = status_kib(worker.pid, "VmRSS")
+        self._dump_heap(worker)
         ids = enqueue_all(self.bench, [long_call_spec(self.args.call_s) for _ in range(self.offered)])
         held = self._held(ids, worker)
         rss_kib = status_kib(worker.pid, "VmRSS")
+        self._dump_heap(worker)
         hold = self._hold(worker)
         cancel = self._cancels(held, worker)
         collections = full_collections(self.metrics_port)
@@ -152,6 +157,25 @@ class Load:
             "kib_per_run_held": round((rss_kib - idle_kib) / max(len(held), 1), 1),
             "rss_mib": round(rss_kib / 1024, 1), **hold, "full_collections": collections, "worker_exit": code,
         }
+
+    def _start_worker(self) -> Worker:
+        """The worker, under bench/_memtrace.py with ``--memory-dir``."""
+        concurrency = str(self.args.concurrency or self.offered)
+        if self.args.memory_dir is None:
+            return self.bench.start_worker(concurrency=int(concurrency))
+        return self.bench.start_logging_process("worker", [
+            "-m", "bench._memtrace", "--trace", "--garbage", str(self.args.memory_dir), "runbrake.worker",
+            "--concurrency", concurrency], timeout=300)
+
+    def _dump_heap(self, worker: Worker) -> None:
+        """With ``--memory-dir``: ask bench/_memtrace.py for a dump of the worker's heap, and wait for it."""
+        if self.args.memory_dir is None:
+            return
+        path = self.args.memory_dir / f"{worker.pid}.jsonl"
+        lines = len(path.read_text().splitlines()) if path.exists() else 0
+        os.kill(worker.pid, signal.SIGUSR2)
+        wait_until(lambda: path.exists() and len(path.read_text().splitlines()) > lines, timeout=300,
+                   what="the worker's heap dump", interval=0.5, alive=[worker.process])
 
     def _held(self, ids: list[str], worker: Worker) -> list[str]:
         last, grew_at = -1, time.monotonic()
@@ -192,14 +216,14 @@ class Load:
         publisher = CancelPublisher(self.bench.settings)
         rng = random.Random(self.offered)
         picked = rng.sample(held, min(self.args.cancels, len(held)))
-        samples, missed = [], 0
+        samples, missed, ended = [], 0, 0
         try:
             for run_id in picked:
                 time.sleep(rng.uniform(0, 0.1))  # not in step with the backstop's timer
                 t0 = time.time()
                 if not cancel_run(self.bench.store, publisher, run_id, reason="bench",
                                   requested_by="bench.saturation").won:
-                    missed += 1
+                    ended += 1  # its call ended first: no cancel to time
                     continue
                 try:
                     samples.append(wait_until(lambda run_id=run_id: self._tool_step_at(run_id),
@@ -209,7 +233,7 @@ class Load:
                     missed += 1
         finally:
             publisher.close()
-        return {**summary_ms(samples), "missed": missed, "cancelled": picked}
+        return {**summary_ms(samples), "missed": missed, "ended_first": ended, "cancelled": picked}
 
     def _tool_step_at(self, run_id: str) -> float | None:
         return next((s.recorded_at for s in self.bench.store.get(run_id).steps if s.kind is StepKind.TOOL), None)
@@ -234,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cancels", type=int, default=20, help="cancels amid the runs held (20)")
     parser.add_argument("--concurrency", type=int, default=0, help="--concurrency (default: the runs offered)")
     parser.add_argument("--keep", action="store_true", help="keep the logs (printed path)")
+    parser.add_argument("--memory-dir", type=Path, default=None,
+                        help="run the worker under bench/_memtrace.py --trace --garbage and dump its heap here idle "
+                             "and with the runs held (slows the worker severalfold: for what a run keeps, not speed)")
     args = parser.parse_args(argv)
     configure_logging("WARNING")
     info = machine()
@@ -244,12 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for offered in [int(n) for n in args.offered.split(",")]:
             row = Load(bench, server, offered, args).run()
             rows.append(row)
+            cancel = row["cancel"]
             print(f"offered {row['offered']:>5}: held {row['held']:>5}, broken {row['calls_broken']}, "
-                  f"lapsed {row['leases_lapsed']}, cancel p50 {row['cancel'].get('p50', '-')} / p99 "
-                  f"{row['cancel'].get('p99', '-')} ms, loop lag p50 {row['loop_lag_ms'].get('p50', '-')} ms, "
+                  f"lapsed {row['leases_lapsed']}, cancel p50 {cancel.get('p50', '-')} / p99 {cancel.get('p99', '-')} "
+                  f"ms ({cancel['missed']} missed, {cancel['ended_first']} ended first), "
+                  f"loop lag p50 {row['loop_lag_ms'].get('p50', '-')} ms, "
                   f"{row['kib_per_run_held']} KiB a run, CPU worker {row['worker_cpu_pct']} % server "
                   f"{row['server_cpu_pct']} % redis {row['redis_cpu_pct']} % rabbitmq {row['rabbitmq_cpu_pct']} %, "
-                  f"full collections {row['full_collections']}",
+                  f"collections (generation 2) {row['full_collections']}",
                   flush=True)
         path = bench.write_results({"machine": info, "args": vars(args), "loads": rows})
     print(f"results: {path}")
