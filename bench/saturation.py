@@ -19,9 +19,9 @@ What it does, in its own namespace, on loopback only, for each offered load N (a
    (``held``: what the process took; the rest waits ``queued``);
 4. over a 10 s hold: the CPU of the worker, the node server, Redis and RabbitMQ; the worker's event-loop lag
    (``runbrake_event_loop_lag_seconds``, read each second) and RSS per run held;
-5. cancels ``--cancels`` held runs one at a time: from just before ``cancel_run`` to the cancelled tool
-   step's ``recorded_at`` (``missed``: not recorded within 10 s; ``ended_first``: the run ended before the
-   cancel, so there is nothing to time);
+5. cancels ``--cancels`` held runs (of the half started last) one at a time: from just before ``cancel_run``
+   to the cancelled tool step's ``recorded_at`` (``missed``: not recorded within 10 s; ``ended_first``: the
+   run ended before the cancel, so there is nothing to time);
 6. waits until every held run not cancelled has ended: **calls broken** are those whose tool step is not
    ``ok`` or whose run did not complete; **leases lapsed** are the worker's ``lease_not_renewed`` lines;
 7. stops the worker (SIGTERM), prints the table and writes ``bench/results/saturation.json``.
@@ -215,7 +215,10 @@ class Load:
     def _cancels(self, held: list[str], worker: Worker) -> dict[str, Any]:
         publisher = CancelPublisher(self.bench.settings)
         rng = random.Random(self.offered)
-        picked = rng.sample(held, min(self.args.cancels, len(held)))
+        # From the half started last: the runs held first may be near their call's end (the ramp takes a while).
+        started = {run_id: self.bench.store.get(run_id).started_at or 0.0 for run_id in held}
+        late = sorted(held, key=started.__getitem__)[len(held) // 2:]
+        picked = rng.sample(late, min(self.args.cancels, len(late)))
         samples, missed, ended = [], 0, 0
         try:
             for run_id in picked:

@@ -249,7 +249,8 @@ class Settings:
     fast. `--concurrency` stays the upper bound."""
     admit_max_cpu_pct: Annotated[float, _number(float, 0, 100.0)] = 35.0
     """The share of one core past which a worker process takes no new run, in percent (0: not watched): the
-    CPU it used over the last second, divided by its runs in flight, is projected to one run more. The loop's
+    CPU it used over the last second (plus the time its threads waited for a core the machine gave to
+    others), divided by its runs in flight, is projected to one run more. The loop's
     lag stays near zero until the loop is nearly always busy and then grows fast; the CPU grows in proportion
     to the runs held, so this bound refuses the run that would cost the held runs their prompt cancels before
     the lag shows (docs/leases.md, "Capacity: runs in flight")."""

@@ -15,8 +15,9 @@ A lag bound alone reacts late: the loop's lag stays near zero until the loop is 
 it grows by hundreds of milliseconds within seconds (docs/benchmarks.md, "Saturation": 1,257 runs admitted
 at 2,000 offered before a 50 ms bound closed the gate, and the cancels amid them took 0.4-0.9 s). So two
 things act before the lag shows. The process's **CPU** (the share of one core it used over the last second,
-which grows in proportion to the runs it holds) is projected to one run more, and a run that would take it
-past ``RUNBRAKE_ADMIT_MAX_CPU_PCT`` is refused. And new runs are taken at a **rate** (:class:`Ramp`) that
+plus the time its threads waited for a core the machine gave to others: :func:`cpu_demand_s`; it grows in
+proportion to the runs held) is projected to one run more, and a run that would take it past
+``RUNBRAKE_ADMIT_MAX_CPU_PCT`` is refused. And new runs are taken at a **rate** (:class:`Ramp`) that
 grows like TCP's slow start while the loop answers promptly and is halved, with a second without
 admissions, as soon as the lag rises past a quarter of its bound, before it reaches it.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -59,6 +61,23 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def cpu_demand_s() -> float:
+    """The CPU time this process's threads have used so far, plus the time they waited, runnable, for a CPU
+    the machine gave to others, in seconds (``/proc/self/task/*/schedstat``: run and run-queue wait, in ns).
+    On a quiet machine the wait is nil and this is the CPU used; on a busy one it is what the process asked
+    for, which its CPU alone understates. Where there is no such file: the CPU used (``time.process_time``)."""
+    total_ns = 0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended meanwhile
+                with open(f"{task.path}/schedstat", encoding="ascii") as stat:
+                    run_ns, wait_ns = stat.read().split()[:2]
+                total_ns += int(run_ns) + int(wait_ns)
+    except OSError:
+        return time.process_time()
+    return total_ns / 1e9 if total_ns else time.process_time()
 
 
 ROUND: Final = 10
@@ -143,9 +162,9 @@ class LoopWatch(Periodic):
         self._ramp = Ramp()
         self._ticks = 0
         self._round_lag_s = 0.0
-        self._round_at = (time.monotonic(), time.process_time())
+        self._round_at = (time.monotonic(), cpu_demand_s())
         self._cpu = 0.0
-        """The share of one core the process used over the last round."""
+        """The share of one core the process used, or waited for, over the last round (:func:`cpu_demand_s`)."""
         self._cpu_per_run = 1.0
         """What one run more is expected to cost: that share divided by the runs in flight at the round's end
         (a whole core until the first round)."""
@@ -202,12 +221,12 @@ class LoopWatch(Periodic):
 
     def _next_round(self) -> None:
         """Once a second: the CPU used since the last round and the rate for the next."""
-        now, cpu_now = time.monotonic(), time.process_time()
+        now, cpu_now = time.monotonic(), cpu_demand_s()
         in_flight = self._in_flight()
         with self._lock:
             then, cpu_then = self._round_at
             self._round_at = (now, cpu_now)
-            self._cpu = (cpu_now - cpu_then) / max(now - then, 1e-3)
+            self._cpu = max(cpu_now - cpu_then, 0.0) / max(now - then, 1e-3)  # < 0: a busy thread ended
             # With no run in flight the whole process's CPU is one run's: an estimate too high, never too low.
             self._cpu_per_run = self._cpu / max(in_flight, 1)
             lag, last = self._lag_s, self._round_lag_s
@@ -236,8 +255,8 @@ class LoopWatch(Periodic):
             return self._closed_by
         projected = (in_flight + 1) * self._cpu_per_run
         if self.max_cpu and projected > self.max_cpu:
-            return (f"CPU {self._cpu:.0%} of a core, {projected:.0%} projected with one run more, "
-                    f"over {self.max_cpu:.0%}")
+            return (f"CPU {self._cpu:.0%} of a core used or waited for, {projected:.0%} projected with one run "
+                    f"more, over {self.max_cpu:.0%}")
         if self._ramp.left <= 0:
             return f"admission rate: {self._ramp.rate} runs this second taken"
         return ""
