@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -80,14 +80,27 @@ def test_a_worker_past_a_health_bound_leaves_the_excess_queued_and_serves_the_ru
     assert len([e for e in read_events(toolbox_http.events) if e["event"] == "finished"]) == 5
 
 
-def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop_answers() -> None:
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running on a thread of its own, as a worker's does."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop_answers(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
     watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=1, max_rss_mb=0, min_runs=2, max_cpu_pct=0,
                       in_flight=lambda: 2)
+    busy = threading.Event()
     try:
-        busy = threading.Event()
         loop.call_soon_threadsafe(busy.wait, 30)  # the loop runs nothing else until it is set
 
         def closed() -> bool:
@@ -108,9 +121,7 @@ def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop
         poll_until(opened, timeout=10, failure=lambda: f"the gate stayed closed: {watch.refusal()}")
         assert watch.refusal() == ""
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
+        busy.set()
 
 
 def test_the_admission_rate_doubles_while_it_is_used_and_halves_with_a_round_off_when_the_lag_rises() -> None:
@@ -133,10 +144,9 @@ def test_the_admission_rate_doubles_while_it_is_used_and_halves_with_a_round_off
     assert ramp.rate == 2 * FIRST_RATE, "past the threshold the cut set, the rate grows by a step, not doubles"
 
 
-def test_a_run_that_would_take_the_process_past_its_cpu_bound_is_refused_before_the_loop_lags() -> None:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+def test_a_run_that_would_take_the_process_past_its_cpu_bound_is_refused_before_the_loop_lags(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
     # 20 runs in flight and a bound of 10 % of a core: a process busy on another thread is past it at once.
     watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=10_000, max_rss_mb=0, min_runs=2, max_cpu_pct=10,
                       in_flight=lambda: 20)
@@ -162,6 +172,3 @@ def test_a_run_that_would_take_the_process_past_its_cpu_bound_is_refused_before_
     finally:
         spinning.clear()
         spinner.join(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
