@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from runbrake.shared.settings import Settings
-from runbrake.worker.intake import GC_THRESHOLDS, THAW_GROWTH, Collector, tune_gc
+from runbrake.worker.intake import GC_THRESHOLDS, Collector, tune_gc
 from tests.polling import poll_until
 
 
@@ -52,7 +52,7 @@ def test_a_cycle_the_thresholds_leave_alone_is_freed_by_the_collector_within_its
     cycle(freed)
     kept = [[] for _ in range(1_000)]  # allocations well under the 50,000 of a young collection
     assert not freed.is_set()  # nothing collects it yet: without the collector it would wait
-    collector = Collector(0.05)
+    collector = Collector(0.05, in_flight=lambda: 0)
     collector.start()
     try:
         poll_until(freed.is_set, timeout=30, failure=lambda: "the collector did not free the cycle")
@@ -66,7 +66,7 @@ def test_a_cycle_the_thresholds_leave_alone_is_freed_by_the_collector_within_its
 
 @pytest.mark.usefixtures("tuned_gc")
 def test_what_survives_a_collection_is_frozen_so_the_next_walks_only_what_came_since() -> None:
-    collector = Collector(1)  # ticked here, not started
+    collector = Collector(1, in_flight=lambda: 1)  # ticked here, not started
     collector.tick()
     before = gc.get_freeze_count()
     kept = [Node() for _ in range(1_000)]
@@ -78,29 +78,40 @@ def test_what_survives_a_collection_is_frozen_so_the_next_walks_only_what_came_s
     del kept
 
 
+def run_heap(objects: int) -> list[Node]:
+    """What a run keeps alive, as far as the collector can tell: objects in cycles (each its own), which only
+    a collection frees once the run drops them."""
+    heap = [Node() for _ in range(objects)]
+    for node in heap:
+        node.other = node
+    return heap
+
+
 @pytest.mark.usefixtures("tuned_gc")
-def test_a_cycle_that_died_frozen_is_freed_once_the_frozen_heap_has_doubled() -> None:
-    collector = Collector(1)
-    collector.tick()
+def test_more_runs_held_do_not_thaw_the_frozen_heap_but_garbage_as_large_as_it_does() -> None:
+    runs: list[list[Node]] = []
+    collector = Collector(1, in_flight=lambda: len(runs))
+    collector.tick()  # the boot heap
     freed = threading.Event()
     holder = [Node()]
     holder[0].other = Node()
     holder[0].other.other = holder[0]
     weakref.finalize(holder[0], freed.set)
-    collector.tick()  # frozen while alive
-    holder.clear()
-    collector.tick()
-    assert not freed.is_set(), "a frozen cycle is out of the collector's sight"
-    ballast = [[] for _ in range(int(THAW_GROWTH * gc.get_freeze_count()) + 1)]
-    collector.tick()  # the ballast is frozen: the frozen heap more than doubled
-    collector.tick()  # so this one thaws it and collects everything
+    runs.append(run_heap(20_000))
+    collector.tick()  # one run's heap and the cycle frozen while alive: the objects per run seen
+    holder.clear()  # the cycle dies frozen: only a thaw frees it
+    for _ in range(3):  # the runs held grow eightfold: each run's heap is frozen, as many per run as before
+        runs.extend(run_heap(20_000) for _ in range(len(runs)))
+        collector.tick()
+    assert not freed.is_set(), "the runs' growth thawed the frozen heap"
+    del runs[len(runs) // 4:]  # three runs in four end: their cycles are frozen garbage now
+    collector.tick()  # per run in flight the frozen heap grew fourfold: this one thaws it and collects it all
     assert freed.is_set()
-    del ballast
 
 
 @pytest.mark.usefixtures("tuned_gc")
 def test_an_interval_of_zero_turns_the_collector_off() -> None:
-    collector = Collector(0)
+    collector = Collector(0, in_flight=lambda: 0)
     collector.start()
     collector.join(10)
     assert not collector.is_alive()  # it returned at once: no tick ever comes

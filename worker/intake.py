@@ -108,7 +108,8 @@ class _CollectionTimer:
 
 
 THAW_GROWTH = 2.0
-"""The frozen heap thaws for one whole collection once it has grown this many times over since the last."""
+"""The frozen heap thaws for one whole collection once its objects per run in flight have grown this many times
+over the fewest seen since the last thaw."""
 
 
 class Collector(Periodic):
@@ -123,27 +124,42 @@ class Collector(Periodic):
     (docs/benchmarks.md, "Soak: the RSS growth"). A collection on a timer bounds how long garbage waits,
     whatever the allocation rate.
 
-    A full collection walks every object not frozen: with the runs it holds alive it found 140 objects of
-    garbage in 0.45 s at 500 runs (docs/benchmarks.md, "Saturation: the collector's pause"), the interpreter
-    held all along. So after each collection the survivors are frozen (``gc.freeze``), and the next walks
-    only what came since. A cycle frozen while alive is not found once it dies: the frozen heap grows with
-    them, so when it has grown :data:`THAW_GROWTH` times over since the last thaw it is thawed for one whole
-    collection (logged ``gc_thawed``): garbage stays below the heap's size, and the one long pause comes
-    after the heap doubled, not every interval."""
+    A full collection walks every object not frozen: with the runs it holds alive it took 0.45-1.03 s to
+    find 140-185 objects of garbage at 500-650 runs held (docs/benchmarks.md, "Saturation: the collector's
+    pause"), the interpreter held all along. So after each collection the survivors are frozen
+    (``gc.freeze``), and the next walks only what came since. A cycle frozen while alive is not found once it
+    dies (a run's, as it ends): the frozen heap grows with them. Its objects per run in flight stay level
+    while runs come and go with nothing leaked, and grow with the garbage; once they have grown
+    :data:`THAW_GROWTH` times over the fewest seen since the last thaw, the heap is thawed for one whole
+    collection (logged ``gc_thawed``). Garbage stays below the live heap's size, and the long pause comes
+    once the garbage has grown that large (or as runs end, when the process holds fewer), not every interval
+    and not while the runs held grow."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, *, in_flight: Callable[[], int]) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
-        self._thawed_at: int | None = None
-        """The frozen heap after the last whole collection (the boot heap ``tune_gc`` froze, before the first)."""
+        self._in_flight = in_flight
+        self._boot: int | None = None
+        """The boot heap ``tune_gc`` froze (what is frozen at the first tick): live for good, no run's."""
+        self._fewest: float | None = None
+        """The fewest frozen objects per run in flight seen since the last thaw (None: no run seen yet)."""
+
+    def _per_run(self) -> float | None:
+        """Frozen objects, the boot heap's aside, per run in flight; None with no run in flight."""
+        runs = self._in_flight()
+        return (gc.get_freeze_count() - (self._boot or 0)) / runs if runs else None
 
     def tick(self) -> None:
-        if self._thawed_at is None:
-            self._thawed_at = gc.get_freeze_count()
-        if gc.get_freeze_count() > THAW_GROWTH * max(self._thawed_at, 1):
+        if self._boot is None:
+            self._boot = gc.get_freeze_count()
+        per_run = self._per_run()
+        if per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
             self.thaw()
             return
         gc.collect()
         gc.freeze()
+        per_run = self._per_run()
+        if per_run is not None:
+            self._fewest = per_run if self._fewest is None else min(self._fewest, per_run)
 
     def thaw(self) -> None:
         """One whole collection, every object in sight, then the survivors frozen again."""
@@ -152,9 +168,9 @@ class Collector(Periodic):
         gc.unfreeze()
         collected = gc.collect()
         gc.freeze()
-        self._thawed_at = gc.get_freeze_count()
-        log.info("gc_thawed", frozen_before=frozen, collected=collected, frozen_after=self._thawed_at,
-                 pause_ms=round((time.perf_counter() - started) * 1000, 1))
+        self._fewest = self._per_run()
+        log.info("gc_thawed", frozen_before=frozen, collected=collected, frozen_after=gc.get_freeze_count(),
+                 runs_in_flight=self._in_flight(), pause_ms=round((time.perf_counter() - started) * 1000, 1))
 
 
 class HandBack(RunbrakeError, Retry):

@@ -138,7 +138,7 @@ def run_worker_process(
         Redriver(settings, store, producer),
         EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
         WebhookDispatcher(settings, RunStore.connect(settings)),  # docs/webhooks.md; its own connections
-        Collector(settings.gc_interval_s),  # a full collection on a timer (worker/intake.py)
+        Collector(settings.gc_interval_s, in_flight=lambda: intake.in_flight),  # collections on a timer (intake.py)
         watch,  # admission by health (worker/saturation.py)
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
