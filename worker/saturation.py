@@ -11,15 +11,15 @@ bound the consumer thread holds its message for a while and then hands it back t
 ``RUNBRAKE_ADMIT_MIN_RUNS`` runs in flight always takes one: a lag it did not cause (a collection, a
 neighbour on the machine) must not starve it.
 
-A lag bound alone reacts late: the loop's lag stays near zero until the loop is nearly always busy, and then
-it grows by hundreds of milliseconds within seconds (docs/benchmarks.md, "Saturation (`bench/saturation.py`)":
+A lag bound alone reacts late: the loop's lag stays near zero until the loop is nearly always busy, and then it
+grows by hundreds of milliseconds within seconds (docs/benchmarks.md, "Saturation (`bench/saturation.py`)":
 1,257 runs admitted at 2,000 offered before a 50 ms bound closed the gate, and the cancels amid them took
-0.4-0.9 s). So two things act before the lag shows. The process's **CPU** (the share of one core it used over the last second,
-plus the time its threads waited for a core the machine gave to others: :func:`cpu_demand_s`; it grows in
-proportion to the runs held) is projected to one run more, and a run that would take it past
-``RUNBRAKE_ADMIT_MAX_CPU_PCT`` is refused. And new runs are taken at a **rate** (:class:`Ramp`) that
-grows like TCP's slow start while the loop answers promptly and is halved, with a second without
-admissions, as soon as the lag rises past a quarter of its bound, before it reaches it.
+0.4-0.9 s). So two things act before the lag shows. The process's **CPU** (the share of one core it used over
+the last second, plus the time its threads waited for a core the machine gave to others: :func:`cpu_demand_s`;
+it grows in proportion to the runs held) is projected to one run more, and a run that would take it past
+``RUNBRAKE_ADMIT_MAX_CPU_PCT`` is refused. And new runs are taken at a **rate** (:class:`Ramp`) that grows like
+TCP's slow start while the loop answers promptly and is halved, with a second without admissions, as soon as the
+lag rises past a quarter of its bound, before it reaches it.
 """
 
 from __future__ import annotations
