@@ -290,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{row['server_cpu_pct']} % redis {row['redis_cpu_pct']} % rabbitmq {row['rabbitmq_cpu_pct']} %, "
                   f"collections (generation 2) {row['full_collections']}",
                   flush=True)
-        path = bench.write_results({"machine": info, "args": vars(args), "loads": rows})
+        path = bench.write_results({"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
+                                                              for k, v in vars(args).items()}, "loads": rows})
     print(f"results: {path}")
     return 0
 
