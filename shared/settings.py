@@ -234,18 +234,26 @@ class Settings:
     """How long the worker's event loop may hold Python's GIL while another thread waits for it, in
     milliseconds (`sys.setswitchinterval`; Python's own default is 5): a cancel reaches the cancel
     listener's thread while the loop is busy, and waits this long at most before it is handled."""
-    gc_interval_s: Annotated[float, _number(float, 0, 3600.0)] = 60.0
-    """How often a worker process runs a full garbage collection, in seconds (0: never; Python's allocation
-    thresholds alone). The worker's thresholds make collections of older objects hours apart, and the cycles
-    its runs leave (cancel scopes, exceptions) waited that long: its RSS rose 9.5 % over a 30-minute soak
-    (docs/benchmarks.md, "Soak: the RSS growth"). Each collection walks every object the worker holds:
-    some milliseconds at tens of runs in flight, longer at thousands, when a longer interval costs less."""
+    gc_interval_s: Annotated[float, _number(float, 0, 3600.0)] = 10.0
+    """How often a worker process collects the garbage among the objects it allocated since the last time, in
+    seconds (0: never; Python's allocation thresholds alone); the survivors are then frozen out of the
+    collector's sight, and the whole heap is collected once the frozen part has doubled. The worker's
+    thresholds make collections of older objects hours apart, and the cycles its runs leave (cancel scopes,
+    exceptions) waited that long: its RSS rose 9.5 % over a 30-minute soak (docs/benchmarks.md, "Soak: the
+    RSS growth"). A shorter interval makes each collection shorter (it walks what came since the last)."""
     admit_max_lag_ms: Annotated[float, _number(float, 0, 10_000.0)] = 50.0
     """The event loop's lag past which a worker process takes no new run, in milliseconds (0: not watched).
     The lag is how late a callback scheduled on the loop from another thread runs, the 90th percentile of
     the last second; past it a run's message is held and then handed back to the queue for a worker with
     room (docs/leases.md, "Capacity: runs in flight"), so the runs the process holds keep their cancels
     fast. `--concurrency` stays the upper bound."""
+    admit_max_cpu_pct: Annotated[float, _number(float, 0, 100.0)] = 35.0
+    """The share of one core past which a worker process takes no new run, in percent (0: not watched): the
+    CPU it used over the last second (plus the time its threads waited for a core the machine gave to
+    others), divided by its runs in flight, is projected to one run more. The loop's
+    lag stays near zero until the loop is nearly always busy and then grows fast; the CPU grows in proportion
+    to the runs held, so this bound refuses the run that would cost the held runs their prompt cancels before
+    the lag shows (docs/leases.md, "Capacity: runs in flight")."""
     admit_max_rss_mb: Annotated[int, _integer(0, 1_048_576)] = 0
     """The resident memory past which a worker process takes no new run, in MiB (0: not watched). Set it
     below the container's memory limit: a process that stops taking runs is not OOM-killed with all of them."""

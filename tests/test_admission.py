@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -14,7 +14,7 @@ from runbrake.shared import RunStatus, RunStore, ToolOutcome
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.operations import cancel
-from runbrake.worker.saturation import LoopWatch
+from runbrake.worker.saturation import FIRST_RATE, ROUND, LoopWatch, Ramp
 from tests.mcp_helpers import Toolbox, read_events, wait_for_event
 from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, call, has_step, spec, wait_for_run
@@ -34,13 +34,23 @@ def most_calls_at_once(toolbox: Toolbox) -> int:
     return most
 
 
+BOUNDS = {
+    # 1 MiB: every process is past it.
+    "memory": ({"RUNBRAKE_ADMIT_MAX_RSS_MB": "1", "RUNBRAKE_ADMIT_MAX_CPU_PCT": "0"}, "resident memory"),
+    # 0.1 % of a core: a process with runs in flight uses more, whatever the machine, so one run more is past it.
+    "cpu": ({"RUNBRAKE_ADMIT_MAX_CPU_PCT": "0.1"}, "projected with one run more"),
+}
+
+
 @pytest.mark.integration
-def test_a_worker_past_its_memory_bound_leaves_the_excess_queued_and_serves_the_runs_it_holds(
-    toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer, store: RunStore,
-    publisher: CancelPublisher,
+@pytest.mark.parametrize("bound", BOUNDS)
+def test_a_worker_past_a_health_bound_leaves_the_excess_queued_and_serves_the_runs_it_holds(
+    bound: str, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer,
+    store: RunStore, publisher: CancelPublisher,
 ) -> None:
-    # A memory bound of 1 MiB: every process is past it, so only the floor lets runs in.
-    worker = start_worker(concurrency=64, RUNBRAKE_ADMIT_MAX_RSS_MB="1", RUNBRAKE_ADMIT_MIN_RUNS=str(FLOOR))
+    # Past the bound from the start, so only the floor lets runs in.
+    env, reason = BOUNDS[bound]
+    worker = start_worker(concurrency=64, RUNBRAKE_ADMIT_MIN_RUNS=str(FLOOR), **env)
     runs = [producer.enqueue(spec({"toolbox": toolbox_http.spec},
                                   [{"tool_calls": [call("slow", seconds=6)]}, {"content": "done"}])).run_id
             for _ in range(6)]
@@ -49,7 +59,7 @@ def test_a_worker_past_its_memory_bound_leaves_the_excess_queued_and_serves_the_
     # A consumer thread held a fourth run for a while, then handed it back unclaimed, naming the bound.
     [handed, *_] = poll_until(lambda: worker.logged("run_handed_back") or None, timeout=30,
                               failure=lambda: "the worker never handed a run back")
-    assert "resident memory" in handed["reason"]
+    assert reason in handed["reason"]
     assert handed["reason"].startswith(f"{FLOOR} runs in flight here")
     assert store.get(handed["run_id"]).status is RunStatus.QUEUED
 
@@ -70,13 +80,27 @@ def test_a_worker_past_its_memory_bound_leaves_the_excess_queued_and_serves_the_
     assert len([e for e in read_events(toolbox_http.events) if e["event"] == "finished"]) == 5
 
 
-def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop_answers() -> None:
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running on a thread of its own, as a worker's does."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=1, max_rss_mb=0, min_runs=2)
     try:
-        busy = threading.Event()
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop_answers(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=1, max_rss_mb=0, min_runs=2, max_cpu_pct=0,
+                      in_flight=lambda: 2)
+    busy = threading.Event()
+    try:
         loop.call_soon_threadsafe(busy.wait, 30)  # the loop runs nothing else until it is set
 
         def closed() -> bool:
@@ -86,17 +110,65 @@ def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop
         poll_until(closed, timeout=10, failure=lambda: "a loop that answered nothing kept admitting runs")
         assert watch.admits(1), "below the floor a run is always admitted"
         assert "event loop lag" in watch.refusal()
-        assert watch.saturation(2) > 1.0
+        assert watch.saturation() > 1.0
 
         busy.set()
 
         def opened() -> bool:
-            watch.tick()
+            watch.tick()  # a round after the lag fell the rate is no longer cut
             return watch.admits(2)
 
         poll_until(opened, timeout=10, failure=lambda: f"the gate stayed closed: {watch.refusal()}")
         assert watch.refusal() == ""
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
+        busy.set()
+
+
+def test_the_admission_rate_doubles_while_it_is_used_and_halves_with_a_round_off_when_the_lag_rises() -> None:
+    ramp = Ramp()
+    taken = [ramp.take() for _ in range(FIRST_RATE + 1)]
+    assert taken == [True] * FIRST_RATE + [False], "a round's allowance is its rate"
+    ramp.next_round(grow=True, cut=False)
+    assert ramp.rate == 2 * FIRST_RATE, "slow start: a healthy round that used its rate doubles it"
+    ramp.next_round(grow=True, cut=False)
+    assert ramp.rate == 2 * FIRST_RATE, "a round that used none of its rate does not grow it"
+    while ramp.take():
+        pass
+    ramp.next_round(grow=True, cut=True)
+    assert (ramp.rate, ramp.left) == (FIRST_RATE, 0), "a rising lag halves the rate and takes nothing this round"
+    assert not ramp.take()
+    ramp.next_round(grow=True, cut=False)
+    while ramp.take():
+        pass
+    ramp.next_round(grow=True, cut=False)
+    assert ramp.rate == 2 * FIRST_RATE, "past the threshold the cut set, the rate grows by a step, not doubles"
+
+
+def test_a_run_that_would_take_the_process_past_its_cpu_bound_is_refused_before_the_loop_lags(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # 20 runs in flight and a bound of 10 % of a core: a process busy on another thread is past it at once.
+    watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=10_000, max_rss_mb=0, min_runs=2, max_cpu_pct=10,
+                      in_flight=lambda: 20)
+    spinning = threading.Event()
+    spinning.set()
+
+    def spin() -> None:
+        while spinning.is_set():
+            sum(range(1_000))
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        def refused() -> bool:
+            for _ in range(ROUND):
+                watch.tick()
+            return not watch.admits(20)
+
+        poll_until(refused, timeout=30, failure=lambda: f"a busy process admitted a run: {watch.refusal()!r}")
+        assert "projected with one run more" in watch.refusal()
+        assert watch.saturation() > 1.0
+        assert watch.admits(1), "below the floor a run is always admitted"
+    finally:
+        spinning.clear()
+        spinner.join(10)

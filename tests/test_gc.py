@@ -1,6 +1,7 @@
 """The worker's garbage collection (worker/intake.py, ``tune_gc`` and ``Collector``): with its thresholds a cycle
 waits for 50,000 more allocations before even a young collection, so the collector part frees it on a timer
-(``RUNBRAKE_GC_INTERVAL_S``; docs/benchmarks.md, "Soak: the RSS growth")."""
+(``RUNBRAKE_GC_INTERVAL_S``; docs/benchmarks.md, "Soak: the RSS growth"), freezing what survived so that the
+next walks only what came since, and thawing the frozen heap once it doubled."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def cycle(freed: threading.Event) -> None:
 @pytest.fixture
 def tuned_gc() -> Iterator[None]:
     """This process's collector as a worker's (``tune_gc``), put back as it was afterwards."""
-    thresholds = gc.get_threshold()
+    thresholds, callbacks = gc.get_threshold(), list(gc.callbacks)
     gc.collect()
     tune_gc()
     try:
@@ -40,6 +41,7 @@ def tuned_gc() -> Iterator[None]:
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+        gc.callbacks[:] = callbacks
         gc.collect()
 
 
@@ -50,7 +52,7 @@ def test_a_cycle_the_thresholds_leave_alone_is_freed_by_the_collector_within_its
     cycle(freed)
     kept = [[] for _ in range(1_000)]  # allocations well under the 50,000 of a young collection
     assert not freed.is_set()  # nothing collects it yet: without the collector it would wait
-    collector = Collector(0.05)
+    collector = Collector(0.05, in_flight=lambda: 0)
     collector.start()
     try:
         poll_until(freed.is_set, timeout=30, failure=lambda: "the collector did not free the cycle")
@@ -63,15 +65,60 @@ def test_a_cycle_the_thresholds_leave_alone_is_freed_by_the_collector_within_its
 
 
 @pytest.mark.usefixtures("tuned_gc")
+def test_what_survives_a_collection_is_frozen_so_the_next_walks_only_what_came_since() -> None:
+    collector = Collector(1, in_flight=lambda: 1)  # ticked here, not started
+    collector.tick()
+    before = gc.get_freeze_count()
+    kept = [Node() for _ in range(1_000)]
+    freed = threading.Event()
+    cycle(freed)
+    collector.tick()
+    assert freed.is_set(), "the garbage that came since the last collection is collected"
+    assert gc.get_freeze_count() >= before + len(kept), "what survived is frozen"
+    del kept
+
+
+def run_heap(objects: int) -> list[Node]:
+    """What a run keeps alive, as far as the collector can tell: objects in cycles (each its own), which only
+    a collection frees once the run drops them."""
+    heap = [Node() for _ in range(objects)]
+    for node in heap:
+        node.other = node
+    return heap
+
+
+@pytest.mark.usefixtures("tuned_gc")
+def test_more_runs_held_do_not_thaw_the_frozen_heap_but_garbage_as_large_as_it_does() -> None:
+    runs: list[list[Node]] = []
+    collector = Collector(1, in_flight=lambda: len(runs))
+    collector.tick()  # the boot heap
+    freed = threading.Event()
+    holder = [Node()]
+    holder[0].other = Node()
+    holder[0].other.other = holder[0]
+    weakref.finalize(holder[0], freed.set)
+    runs.append(run_heap(20_000))
+    collector.tick()  # one run's heap and the cycle frozen while alive: the objects per run seen
+    holder.clear()  # the cycle dies frozen: only a thaw frees it
+    for _ in range(3):  # the runs held grow eightfold: each run's heap is frozen, as many per run as before
+        runs.extend(run_heap(20_000) for _ in range(len(runs)))
+        collector.tick()
+    assert not freed.is_set(), "the runs' growth thawed the frozen heap"
+    del runs[len(runs) // 4:]  # three runs in four end: their cycles are frozen garbage now
+    collector.tick()  # per run in flight the frozen heap grew fourfold: this one thaws it and collects it all
+    assert freed.is_set()
+
+
+@pytest.mark.usefixtures("tuned_gc")
 def test_an_interval_of_zero_turns_the_collector_off() -> None:
-    collector = Collector(0)
+    collector = Collector(0, in_flight=lambda: 0)
     collector.start()
     collector.join(10)
     assert not collector.is_alive()  # it returned at once: no tick ever comes
     assert collector.health().detail == "off"
 
 
-def test_a_worker_collects_every_minute_by_default_and_the_setting_is_read() -> None:
-    assert Settings.from_env({}).gc_interval_s == 60.0
+def test_a_worker_collects_every_ten_seconds_by_default_and_the_setting_is_read() -> None:
+    assert Settings.from_env({}).gc_interval_s == 10.0
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "0"}).gc_interval_s == 0.0
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "2.5"}).gc_interval_s == 2.5

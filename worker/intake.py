@@ -81,10 +81,40 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    gc.callbacks.append(_CollectionTimer())
+
+
+LONG_PAUSE_S = 0.1
+"""A collection that held the interpreter this long or longer is logged (``gc_long_pause``)."""
+
+
+class _CollectionTimer:
+    """A ``gc.callbacks`` entry timing each collection (``runbrake_gc_pause_seconds{generation}``): a
+    collection holds the interpreter, so a cancel that comes during one waits for it. Collections never
+    overlap (the interpreter runs one at a time), so one start time is enough."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        metrics.GC_PAUSE.labels(generation=str(info["generation"])).observe(pause)
+        if pause >= LONG_PAUSE_S:
+            log.info("gc_long_pause", generation=info["generation"], pause_ms=round(pause * 1000, 1),
+                     collected=info["collected"], frozen=gc.get_freeze_count())
+
+
+THAW_GROWTH = 2.0
+"""The frozen heap thaws for one whole collection once its objects per run in flight have grown this many times
+over the fewest seen since the last thaw."""
 
 
 class Collector(Periodic):
-    """A full collection every ``RUNBRAKE_GC_INTERVAL_S`` (0: never; Python's thresholds alone).
+    """Every ``RUNBRAKE_GC_INTERVAL_S`` (0: never; Python's thresholds alone), a collection of what the process
+    allocated since the last one, and the survivors frozen.
 
     With :data:`GC_THRESHOLDS` a young collection comes only after 50,000 more objects than were freed, and
     the older generations' after 20 and 100 of those: on a worker at 5 runs a second, minutes apart, and
@@ -92,14 +122,55 @@ class Collector(Periodic):
     frames: about 600 objects a second there) that were alive at a young collection then wait in an older
     generation, and the worker's RSS rose with them for the whole 30-minute soak
     (docs/benchmarks.md, "Soak: the RSS growth"). A collection on a timer bounds how long garbage waits,
-    whatever the allocation rate; it walks every object not frozen, so it takes longer the more runs are in
-    flight."""
+    whatever the allocation rate.
 
-    def __init__(self, interval_s: float) -> None:
+    A full collection walks every object not frozen: with the runs it holds alive it took 0.45-1.03 s to
+    find 140-185 objects of garbage at 500-650 runs held (docs/benchmarks.md, "Saturation: the collector's
+    pause"), the interpreter held all along. So after each collection the survivors are frozen
+    (``gc.freeze``), and the next walks only what came since. A cycle frozen while alive is not found once it
+    dies (a run's, as it ends): the frozen heap grows with them. Its objects per run in flight stay level
+    while runs come and go with nothing leaked, and grow with the garbage; once they have grown
+    :data:`THAW_GROWTH` times over the fewest seen since the last thaw, the heap is thawed for one whole
+    collection (logged ``gc_thawed``). Garbage stays below the live heap's size, and the long pause comes
+    once the garbage has grown that large (or as runs end, when the process holds fewer), not every interval
+    and not while the runs held grow."""
+
+    def __init__(self, interval_s: float, *, in_flight: Callable[[], int]) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
+        self._in_flight = in_flight
+        self._boot: int | None = None
+        """The boot heap ``tune_gc`` froze (what is frozen at the first tick): live for good, no run's."""
+        self._fewest: float | None = None
+        """The fewest frozen objects per run in flight seen since the last thaw (None: no run seen yet)."""
+
+    def _per_run(self) -> float | None:
+        """Frozen objects, the boot heap's aside, per run in flight; None with no run in flight."""
+        runs = self._in_flight()
+        return (gc.get_freeze_count() - (self._boot or 0)) / runs if runs else None
 
     def tick(self) -> None:
+        if self._boot is None:
+            self._boot = gc.get_freeze_count()
+        per_run = self._per_run()
+        if per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
+            self.thaw()
+            return
         gc.collect()
+        gc.freeze()
+        per_run = self._per_run()
+        if per_run is not None:
+            self._fewest = per_run if self._fewest is None else min(self._fewest, per_run)
+
+    def thaw(self) -> None:
+        """One whole collection, every object in sight, then the survivors frozen again."""
+        frozen = gc.get_freeze_count()
+        started = time.perf_counter()
+        gc.unfreeze()
+        collected = gc.collect()
+        gc.freeze()
+        self._fewest = self._per_run()
+        log.info("gc_thawed", frozen_before=frozen, collected=collected, frozen_after=gc.get_freeze_count(),
+                 runs_in_flight=self._in_flight(), pause_ms=round((time.perf_counter() - started) * 1000, 1))
 
 
 class HandBack(RunbrakeError, Retry):
@@ -129,8 +200,9 @@ class Slots:
     def __init__(self, capacity: int, admits: Callable[[int], bool] | None = None) -> None:
         self.capacity = capacity
         self._admits = admits
-        """Whether the process's health lets it take one more run, given the runs in flight
-        (worker/saturation.py); None: only the count decides."""
+        """Whether the process's health and its admission rate let it take one more run, given the runs in
+        flight (worker/saturation.py); a yes counts against the rate, so it is asked only with a slot free.
+        None: only the count decides."""
         self._taken = 0
         self._closed = False
         self._changed = threading.Condition()

@@ -65,6 +65,15 @@ CANCEL_LATENCY = Histogram(
     registry=REGISTRY,
 )
 
+GC_PAUSE = Histogram(
+    "runbrake_gc_pause_seconds",
+    "How long each of Python's garbage collections in this process held the interpreter, by generation (2: a "
+    "full collection; worker/intake.py, Collector).",
+    ["generation"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+    registry=REGISTRY,
+)
+
 RUNS_IN_FLIGHT = Gauge(
     "runbrake_runs_in_flight", "Runs this worker process is executing (its registry of active runs).",
     registry=REGISTRY,
@@ -82,7 +91,14 @@ EVENT_LOOP_LAG = Gauge(
 SATURATION = Gauge(
     "runbrake_worker_saturation",
     "How saturated this process is, 1.0 at a bound: the largest of its runs in flight against --concurrency, its "
-    "event loop's lag against RUNBRAKE_ADMIT_MAX_LAG_MS and its RSS against RUNBRAKE_ADMIT_MAX_RSS_MB.",
+    "event loop's lag against RUNBRAKE_ADMIT_MAX_LAG_MS, its CPU against RUNBRAKE_ADMIT_MAX_CPU_PCT and its RSS "
+    "against RUNBRAKE_ADMIT_MAX_RSS_MB.",
+    registry=REGISTRY,
+)
+ADMISSION_RATE = Gauge(
+    "runbrake_admission_rate",
+    "How many new runs a second this process may take now: grown like TCP's slow start while its loop answers "
+    "promptly, halved when the loop's lag rises (worker/saturation.py, Ramp).",
     registry=REGISTRY,
 )
 QUEUE_DEPTH = Gauge(

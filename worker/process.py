@@ -98,9 +98,11 @@ def run_worker_process(
                       worker=lambda: identity.id)
     topology = Topology.of(settings)
     watch = LoopWatch(running_loop, concurrency=concurrency, max_lag_ms=settings.admit_max_lag_ms,
-                      max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs)
+                      max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs,
+                      max_cpu_pct=settings.admit_max_cpu_pct,
+                      in_flight=lambda: intake.in_flight)  # the intake, built next, asks the watch
     intake = Intake(runtime, concurrency=concurrency, watch=watch)
-    metrics.SATURATION.set_function(lambda: watch.saturation(intake.in_flight))
+    metrics.SATURATION.set_function(watch.saturation)
     declare_run_actor(broker, intake, settings)
     queues = {topology.run_queue}
     if include_noop:
@@ -136,7 +138,7 @@ def run_worker_process(
         Redriver(settings, store, producer),
         EventRelay(settings, RunStore.connect(settings)),  # docs/messages.md, "Run events"; its own connections
         WebhookDispatcher(settings, RunStore.connect(settings)),  # docs/webhooks.md; its own connections
-        Collector(settings.gc_interval_s),  # a full collection on a timer (worker/intake.py)
+        Collector(settings.gc_interval_s, in_flight=lambda: intake.in_flight),  # collections on a timer (intake.py)
         watch,  # admission by health (worker/saturation.py)
         *health_parts(settings, store, index=index, listener_ready=listener.ready, draining=draining,
                       consumers=lambda: intake.consumer_status(topology.run_queue)),
