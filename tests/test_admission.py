@@ -97,8 +97,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 def test_a_loop_that_stays_busy_closes_the_gate_and_it_opens_again_once_the_loop_answers(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=1, max_rss_mb=0, min_runs=2, max_cpu_pct=0,
-                      in_flight=lambda: 2)
+    watch = _watch(loop, max_lag_ms=1, max_cpu_pct=0, in_flight=2)
     busy = threading.Event()
     try:
         loop.call_soon_threadsafe(busy.wait, 30)  # the loop runs nothing else until it is set
@@ -148,8 +147,7 @@ def test_a_run_that_would_take_the_process_past_its_cpu_bound_is_refused_before_
     loop: asyncio.AbstractEventLoop,
 ) -> None:
     # 20 runs in flight and a bound of 10 % of a core: a process busy on another thread is past it at once.
-    watch = LoopWatch(lambda: loop, concurrency=100, max_lag_ms=10_000, max_rss_mb=0, min_runs=2, max_cpu_pct=10,
-                      in_flight=lambda: 20)
+    watch = _watch(loop, max_lag_ms=10_000, max_cpu_pct=10, in_flight=20)
     spinning = threading.Event()
     spinning.set()
 
@@ -172,3 +170,9 @@ def test_a_run_that_would_take_the_process_past_its_cpu_bound_is_refused_before_
     finally:
         spinning.clear()
         spinner.join(10)
+
+
+def _watch(loop: asyncio.AbstractEventLoop, *, max_lag_ms: float, max_cpu_pct: float, in_flight: int) -> LoopWatch:
+    """A watch of ``loop`` (a floor of 2 runs, no RSS bound) for a process with ``in_flight`` runs."""
+    return LoopWatch(lambda: loop, concurrency=100, max_lag_ms=max_lag_ms, max_rss_mb=0, min_runs=2,
+                     max_cpu_pct=max_cpu_pct, in_flight=lambda: in_flight)
