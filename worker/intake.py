@@ -47,7 +47,7 @@ from runbrake.shared.errors import RunbrakeError
 from runbrake.worker import metrics
 from runbrake.worker.parts import Periodic
 from runbrake.worker.runtime import Runtime
-from runbrake.worker.saturation import LoopWatch
+from runbrake.worker.saturation import LoopWatch, resident_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -104,12 +104,12 @@ class _CollectionTimer:
         metrics.GC_PAUSE.labels(generation=str(info["generation"])).observe(pause)
         if pause >= LONG_PAUSE_S:
             log.info("gc_long_pause", generation=info["generation"], pause_ms=round(pause * 1000, 1),
-                     collected=info["collected"], frozen=gc.get_freeze_count())
+                     collected=info["collected"])
 
 
 THAW_GROWTH = 2.0
-"""The frozen heap thaws for one whole collection once its objects per run in flight have grown this many times
-over the fewest seen since the last thaw."""
+"""The frozen heap thaws for one whole collection once the process's resident memory per run in flight has grown
+this many times over the least seen since the last thaw."""
 
 
 class Collector(Periodic):
@@ -128,29 +128,31 @@ class Collector(Periodic):
     find 140-185 objects of garbage at 500-650 runs held (docs/benchmarks.md, "Saturation: the collector's
     pause"), the interpreter held all along. So after each collection the survivors are frozen
     (``gc.freeze``), and the next walks only what came since. A cycle frozen while alive is not found once it
-    dies (a run's, as it ends): the frozen heap grows with them. Its objects per run in flight stay level
-    while runs come and go with nothing leaked, and grow with the garbage; once they have grown
-    :data:`THAW_GROWTH` times over the fewest seen since the last thaw, the heap is thawed for one whole
-    collection (logged ``gc_thawed``). Garbage stays below the live heap's size, and the long pause comes
-    once the garbage has grown that large (or as runs end, when the process holds fewer), not every interval
-    and not while the runs held grow."""
+    dies (a run's, as it ends): the frozen heap grows with them. The process's resident memory per run in
+    flight stays level while runs come and go with nothing leaked, and grows with the garbage; once it has grown
+    :data:`THAW_GROWTH` times over the least seen since the last thaw, the heap is thawed for one whole
+    collection (logged ``gc_thawed``). Memory, not the frozen objects: ``gc.get_freeze_count`` walks the frozen
+    list with the interpreter held, about 0.1 µs an object, 0.2 s at the 2 million objects of 1,000 runs held
+    (docs/benchmarks.md, "Saturation (`bench/saturation.py`)"). Garbage stays below the live heap's size, and the
+    long pause comes once the garbage has grown that large (or as runs end, when the process holds fewer), not
+    every interval and not while the runs held grow."""
 
     def __init__(self, interval_s: float, *, in_flight: Callable[[], int]) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
         self._in_flight = in_flight
         self._boot: int | None = None
-        """The boot heap ``tune_gc`` froze (what is frozen at the first tick): live for good, no run's."""
+        """The resident bytes at the first tick (the process built to start): no run's."""
         self._fewest: float | None = None
-        """The fewest frozen objects per run in flight seen since the last thaw (None: no run seen yet)."""
+        """The least resident bytes per run in flight seen since the last thaw (None: no run seen yet)."""
 
     def _per_run(self) -> float | None:
-        """Frozen objects, the boot heap's aside, per run in flight; None with no run in flight."""
+        """Resident bytes, the boot's aside, per run in flight; None with no run in flight."""
         runs = self._in_flight()
-        return (gc.get_freeze_count() - (self._boot or 0)) / runs if runs else None
+        return max(resident_bytes() - (self._boot or 0), 0) / runs if runs else None
 
     def tick(self) -> None:
         if self._boot is None:
-            self._boot = gc.get_freeze_count()
+            self._boot = resident_bytes()
         per_run = self._per_run()
         if per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
             self.thaw()
