@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="bound on each round, in seconds")
     parser.add_argument("--keep-logs", action="store_true", help="keep the workers' and the server's logs")
     parser.add_argument("--profile", action="store_true",
-                        help="sample runbrake's worker with py-spy during its rounds and say where its CPU went")
+                        help="sample each side's worker with py-spy during its rounds and say where its CPU went")
     args = parser.parse_args(argv)
     if min(args.runs, args.rounds, args.threads, args.producers) < 1 or args.warmup < 0:
         parser.error("--runs, --rounds, --threads and --producers must be at least 1, --warmup at least 0")
@@ -323,18 +323,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 warm = side.run_round(args.warmup, "warmup", timeout=args.timeout)
                 if warm.problems:
                     raise BenchError(f"{name}'s warm-up went wrong: {warm.problems}")
-        rounds, samples = [], []
+        rounds: list[dict[str, Any]] = []
+        samples: dict[str, list[str]] = {name: [] for name in SIDES}
         for number in range(1, args.rounds + 1):
             for name in SIDES:
                 other = sides[SIDES[1 - SIDES.index(name)]]
                 print(f"round {number}: {name}, {args.runs}…")
-                recording = (_profile.Recording(runbrake_worker.pid, bench.workdir / f"profile-{number}.txt")
-                             if args.profile and name == "runbrake" else None)
+                recording = (_profile.Recording(sides[name].worker.pid, bench.workdir / f"profile-{name}-{number}.txt")
+                             if args.profile else None)
                 rounds.append({"round": number, **measure_round(
                     sides[name], other, args.runs, f"round-{number}", server_pid=endpoint.pid, timeout=args.timeout,
                 )})
                 if recording is not None:
-                    samples += recording.stop()
+                    samples[name] += recording.stop()
         peak_kib = {name: side.worker.peak_rss_kib() for name, side in sides.items()}
         runbrake_log = runbrake_worker.log_counts()
     # Everything has stopped and been cleaned up; what follows only reports.
@@ -355,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ratio_runbrake_to_peer": ratios(summary),
         "worker_peak_rss_mb": {name: None if kib is None else round(kib / 1024, 1) for name, kib in peak_kib.items()},
         "runbrake_worker_log": runbrake_log,
-        "runbrake_worker_cpu_shares": _profile.shares(samples) if args.profile else None,
+        "worker_cpu_shares": ({name: _profile.shares(lines) for name, lines in samples.items()}
+                              if args.profile else None),
         "correct": correct,
     }
     path = bench.write_results(results)
@@ -390,10 +392,9 @@ def print_results(results: Mapping[str, Any], path: Path) -> None:
     ratio = results["ratio_runbrake_to_peer"]
     print(f"runbrake ÷ peer: worker CPU per run {_ratio(ratio['worker_cpu_per_run'])}, "
           f"runs/s {_ratio(ratio['runs_per_s'])}")
-    shares = results["runbrake_worker_cpu_shares"]
-    if shares:
-        cpu_ms = results["sides"]["runbrake"]["cpu_ms_per_run"]["worker"]
-        print("where runbrake's worker CPU went (py-spy, busy samples of its rounds):")
+    for name, shares in (results["worker_cpu_shares"] or {}).items():
+        cpu_ms = results["sides"][name]["cpu_ms_per_run"]["worker"]
+        print(f"where the {name}'s worker CPU went (py-spy, busy samples of its rounds):")
         for part, share in shares.items():
             print(f"  {share:6.1%} {share * cpu_ms:6.2f} ms/run  {part}")
     rss = results["worker_peak_rss_mb"]

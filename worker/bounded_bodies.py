@@ -6,7 +6,8 @@ wraps each response's body, before a byte of it is read, in a stream that counts
 raises :class:`ResponseTooLarge` past the bound; the rest is never read and the connection is closed. A
 compressed body is counted as it decodes (the response then reads it as the identity encoding), so a small
 gzip bomb does not get past the count. Wherever the body is read (``aread`` inside an SDK, a stream read
-chunk by chunk), the count is the same.
+chunk by chunk), the count is the same. A body whose ``Content-Length`` is within the bound and that is not
+encoded is left as it is: HTTP/1.1 reads no more than that.
 
 :class:`ResponseTooLarge` is an ``httpx2.StreamError`` too, because that is what the MCP SDK's streamable HTTP
 client catches around a JSON answer (``_handle_json_response``): there it resolves the call with a JSON-RPC
@@ -44,6 +45,8 @@ def bound_bodies(max_bytes: int, *, what: str, event_streams: bool = True) -> Ca
     async def hook(response: httpx2.Response) -> None:
         if not event_streams and _is_event_stream(response):
             return
+        if _declared_within(response, max_bytes):
+            return
         raw = response.stream
         assert isinstance(raw, httpx2.AsyncByteStream)
         # Decoded here, counted as decoded: the response itself then reads the identity encoding.
@@ -55,6 +58,15 @@ def bound_bodies(max_bytes: int, *, what: str, event_streams: bool = True) -> Ca
         response.stream = _BoundedBody(decoding, max_bytes, what)
 
     return hook
+
+
+def _declared_within(response: httpx2.Response, max_bytes: int) -> bool:
+    """Whether the body is framed by a ``Content-Length`` within the bound and not encoded: HTTP/1.1 then reads
+    exactly that many bytes (h11 ends the body there), so there is nothing to count. Skipping the count saves a
+    second response's iteration of every small JSON answer (bench/overhead.py's profile: 0.6 ms of CPU a run)."""
+    length = response.headers.get("content-length")
+    return ("content-encoding" not in response.headers and length is not None and length.isdigit()
+            and int(length) <= max_bytes)
 
 
 def _is_event_stream(response: httpx2.Response) -> bool:
