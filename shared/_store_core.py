@@ -1674,6 +1674,17 @@ def outbox_ack(keys: Keys, entries: Sequence[OutboxEntry], group: str = RELAY_GR
         lambda answers: sum(int(a) for a in answers))
 
 
+def outbox_ack_and_new(keys: Keys, done: Sequence[OutboxEntry], relay: str, *, count: int,
+                       block_ms: int | None = None, group: str = RELAY_GROUP) -> Op[list[OutboxEntry]]:
+    """:func:`outbox_ack` of the entries the reader is done with, then :func:`outbox_new`, in one round trip:
+    a reader's round costs the read alone (worker/outbox_reader.py, ``OutboxReader.done``)."""
+    ack = outbox_ack(keys, done, group)
+    read = outbox_new(keys, relay, count=count, block_ms=block_ms, group=group)
+    acks = len(ack.calls)
+    return Op("acknowledge published events and read the outbox", ack.calls + read.calls,
+              lambda answers: read.parse(answers[acks:]))
+
+
 def outbox_after(keys: Keys, after: str | None, *, count: int) -> Op[tuple[list[OutboxEntry], str | None]]:
     """The next ``count`` events after ``after`` (a stream id; None: from the oldest kept), and the id of the
     oldest event kept (None when the outbox is empty): one shard (a single Redis; ``GET /v1/events``)."""

@@ -581,11 +581,12 @@ class OutboxCursor:
         pending ones were trimmed before they were taken."""
         return self._store.execute(core.outbox_pending(self._store.keys, reader, count=count, group=self.group))
 
-    def new(self, reader: str, *, count: int, block_ms: int | None = None) -> list[OutboxEntry]:
+    def new(self, reader: str, *, count: int, block_ms: int | None = None,
+            done: Sequence[OutboxEntry] = ()) -> list[OutboxEntry]:
         """The next entries nobody in the group was handed yet (waiting up to ``block_ms`` for one on a single
-        Redis)."""
-        return self._store.execute(core.outbox_new(self._store.keys, reader, count=count, block_ms=block_ms,
-                                                   group=self.group))
+        Redis), after acknowledging ``done`` in the same round trip."""
+        return self._store.execute(core.outbox_ack_and_new(self._store.keys, done, reader, count=count,
+                                                           block_ms=block_ms, group=self.group))
 
     def ack(self, entries: Sequence[OutboxEntry]) -> int:
         """Acknowledge entries the reader is done with (they stay in the outbox until the retention ends)."""

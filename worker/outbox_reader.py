@@ -66,6 +66,9 @@ class OutboxReader(PartThread):
         self._take_over = True
         """Whether the next round looks for entries handed out and not acknowledged (after the lease was taken
         or renewed, and while such entries remain)."""
+        self.done: list[OutboxEntry] = []
+        """Entries this reader is done with (published, queued), acknowledged with the next round's read in one
+        round trip, or at once when the lease is lost or the reader stops (:meth:`_acknowledge_done`)."""
 
     def run(self) -> None:
         backoff = _FIRST_BACKOFF_S
@@ -104,6 +107,7 @@ class OutboxReader(PartThread):
             self._interrupted()
             self._close()
             with contextlib.suppress(StoreError):
+                self._acknowledge_done()
                 self._cursor.release(self.name_in_group)
             log.info(f"{self.event}_stopped", **self._totals())
 
@@ -119,6 +123,9 @@ class OutboxReader(PartThread):
         leading = self._cursor.lease(self.name_in_group, lease_s=LEASE_S)
         if leading:
             self._renewed_at, self._take_over = asked_at, True
+        if not leading:
+            # What this reader published is acknowledged now, not left for the next holder to publish again.
+            self._acknowledge_done()
         if leading != self.leading:
             log.info(f"{self.event}_{self.working}" if leading else f"{self.event}_standing_by",
                      reader=self.name_in_group)
@@ -130,6 +137,7 @@ class OutboxReader(PartThread):
         failure), oldest first, looked for after each renewal of the lease until none is left; else the next
         new ones, waiting up to ``block_ms`` on a single Redis."""
         if self._take_over:
+            self._acknowledge_done()
             entries, trimmed = self._cursor.pending(self.name_in_group, count=count)
             if trimmed:
                 log.error(f"{self.event}_events_trimmed_{self.unread}", events=trimmed,
@@ -137,7 +145,15 @@ class OutboxReader(PartThread):
             if entries:
                 return entries
             self._take_over = False
-        return self._cursor.new(self.name_in_group, count=count, block_ms=block_ms)
+        entries = self._cursor.new(self.name_in_group, count=count, block_ms=block_ms, done=self.done)
+        self.done = []
+        return entries
+
+    def _acknowledge_done(self) -> None:
+        """Acknowledge :attr:`done` now (a failure leaves it for the next try: acknowledging is idempotent)."""
+        if self.done:
+            self._cursor.ack(self.done)
+            self.done = []
 
     def _work(self) -> None:
         """One round of work, while this reader holds the lease."""

@@ -209,7 +209,7 @@ class EventRelay(OutboxReader):
             else:
                 messages.append(message)
         self._publisher.publish(messages, still_leading=self._renew)
-        self._cursor.ack(entries)
+        self.done += entries
         self.published += len(messages)
 
     def _interrupted(self) -> None:

@@ -175,7 +175,7 @@ class WebhookDispatcher(OutboxReader):
             now = time.time()
             for entry in entries:
                 self._queue_entry(entry, catalog, now)
-        self._cursor.ack(entries)
+        self.done += entries
         return len(entries)
 
     def _learn_notify(self, entries: Sequence[OutboxEntry]) -> None:
