@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import anyio
 import structlog
@@ -140,6 +141,18 @@ class ChildRuns:
         publisher.publish(run_id)
 
 
+class Slot(Protocol):
+    """The slot of the caller's segment (worker/intake.py, ``Seat``): lent while its agent calls wait, so that the
+    worker takes another run meanwhile (its child, say), and taken back before its turn goes on."""
+
+    def lend(self) -> None:
+        """An agent call starts waiting (its run's calls waiting at once lend one slot)."""
+
+    async def take_back(self, *, now: bool) -> None:
+        """The call stops waiting: the run's slot again once a slot is free, waiting on the loop for one; ``now``, at
+        once (a call cut off: its run records how it ended without waiting for another run to end)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     """The run whose segment makes agent calls: what its children inherit."""
@@ -149,6 +162,8 @@ class Caller:
     tenant: str | None
     tree: TreeLink | None
     budget: BudgetGuard | None
+    slot: Slot | None = None
+    """Lent while the run's agent calls wait (None: the calls hold it)."""
 
     def link(self) -> TreeLink:
         """A child's place in the tree."""
@@ -190,16 +205,17 @@ class AgentCalls:
         child: list[str] = []
         result: ToolResult | None = None
         with interrupt:
-            result = await self._call(call, self._agents[call.tool], text, child)
+            result = await self._call(call, self._agents[call.tool], text, child, interrupt)
         if result is not None:
             return result
         return await self._cut_off(call, child[0] if child else None)
 
-    async def _call(self, call: ToolCall, agent: AgentSpec, text: str, child: list[str]) -> ToolResult:
+    async def _call(self, call: ToolCall, agent: AgentSpec, text: str, child: list[str],
+                    interrupt: anyio.CancelScope) -> ToolResult:
         started = await self._start(call, agent, text, child)
         if isinstance(started, ToolResult):
             return started
-        status = await self._wait(started)
+        status = await self._lending(started, interrupt)
         if status is RunStatus.CANCELLED and (
                 self._caller.handle.cancel_seen or await self._runs.store.cancel_requested(self._caller.run_id)):
             # The cancel of the tree reached the child before the caller's wake-up reached this call: it is the
@@ -248,6 +264,18 @@ class AgentCalls:
             await runs.send(created.run_id)
             log.info("agent_call_started", agent=call.tool, child_run_id=created.run_id, depth=link.depth)
         return created.run_id
+
+    async def _lending(self, child: str, interrupt: anyio.CancelScope) -> RunStatus:
+        """:meth:`_wait`, the caller's slot lent meanwhile (docs/leases.md, "Capacity: runs in flight"): taken back
+        before the turn goes on, at once when the call was cut off."""
+        slot = self._caller.slot
+        if slot is None:
+            return await self._wait(child)
+        slot.lend()
+        try:
+            return await self._wait(child)
+        finally:
+            await slot.take_back(now=interrupt.cancel_called)
 
     async def _wait(self, child: str) -> RunStatus:
         """Until the child ends (its terminal status), counting the use below against the caller's budget: woken
