@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
-from runbrake.shared._store_core import add_below, below_use
+from runbrake.shared import RunRecord, RunStatus, RunStep, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared._store_core import add_below, append_step, below_use
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
@@ -438,3 +438,22 @@ def test_a_child_runs_end_and_its_use_name_the_runs_above_on_the_tree_wakes_chan
         pubsub.close()
     assert heard == [middle, root, middle, root]  # the use below counted above; the leaf ended, the middle ended
     assert [store.execute(below_use(store.keys, r)) for r in (middle, root)] == [(120, 0.0), (120, 0.0)]
+
+
+@pytest.mark.integration
+def test_a_model_step_below_counts_against_each_run_above_once_even_when_its_append_is_sent_again(
+    store: RunStore,
+) -> None:
+    """The step's append carries the count above (shared/_store_core.py, ``append_step``): one round trip, and an
+    append retried after a lost answer (the same token) neither records the step nor counts its use twice."""
+    spec = {"input": "x", "model": {"provider": "scripted", "turns": [{"content": "ok"}]}}
+    root = store.create(spec).run_id
+    child = store.create(spec, tree=TreeLink(caller_run_id=root, root_run_id=root, depth=1, ancestors=(root,))).run_id
+    step = RunStep(kind=StepKind.MODEL, round=1, content="ok",
+                   detail={"usage": {"input_tokens": 30, "output_tokens": 12, "cost_usd": 0.5}})
+
+    answers = [store.execute(append_step(store.keys, child, step, token="t1", above=(root,))) for _ in range(2)]
+    store.execute(append_step(store.keys, child, step, token="t2", above=(root,)))
+
+    assert [a.step.sequence for a in answers] == [1, 1]  # the second send of t1 recorded nothing
+    assert store.execute(below_use(store.keys, root)) == (84, 1.0)  # t1 once, t2 once

@@ -42,13 +42,12 @@ from runbrake.shared.agents import AGENT_INPUT_SCHEMA, AgentSpec, child_request
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.budget import BUDGET_REQUESTER
 from runbrake.shared.catalog import Admission
-from runbrake.shared.errors import CallHandedOver, RunbrakeError, SpecError, StoreError
+from runbrake.shared.errors import CallHandedOver, SpecError, StoreError
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.records import RunRecord, TreeLink
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import AGENT_SERVER, RunSpec
 from runbrake.shared.status import RunStatus
-from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.conversation import ToolCall, ToolInfo
@@ -326,17 +325,3 @@ class AgentCalls:
 
 def _refused(call: ToolCall, why: str) -> ToolResult:
     return ToolResult.error(f"the agent {call.tool!r} was not called: {why}")
-
-
-async def count_above(store: AsyncRunStore, tree: TreeLink | None, step: RunStep) -> None:
-    """A child run's recorded model step counts against the budget of every run above it (their hashes'
-    ``below_tokens`` and ``below_cost_usd``, which their waiting calls read)."""
-    usage = step.detail.get("usage")
-    if tree is None or step.kind is not StepKind.MODEL or not isinstance(usage, dict):
-        return
-    tokens = sum(v for k in ("input_tokens", "output_tokens") if isinstance(v := usage.get(k), int))
-    cost = usage.get("cost_usd")
-    try:
-        await store.add_below(tree.ancestors, tokens, float(cost) if isinstance(cost, int | float) else 0.0)
-    except RunbrakeError as exc:
-        log.warning("agent_use_not_counted", error=str(exc))

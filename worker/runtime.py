@@ -46,7 +46,7 @@ from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import mcp_tasks, metrics
-from runbrake.worker.agents import AgentCalls, Caller, ChildRuns, Slot, count_above
+from runbrake.worker.agents import AgentCalls, Caller, ChildRuns, Slot
 from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall
 from runbrake.worker.deltas import DeltaPublisher, StreamedText
@@ -121,17 +121,17 @@ class RunHooks:
             step = self._budget.priced(step)
         step = self._subscribers.before_step(self._handle.run_id, step)
         token = uuid.uuid4().hex
+        # A model step below the first run of a tree counts against every run above it in the same round trip.
+        above = () if self._tree is None else self._tree.ancestors
         appended = await durably(
             lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner,
-                                            sent=sent),
+                                            sent=sent, above=above),
             within_s=self._lease_s, what="append_step")
         self._probed = True
         self._marked_model = None if sent is None else sent.model
         if sent is not None:
             self._marked.update(sent.calls)
         await self._subscribers.step(self._handle.run_id, appended.step)
-        if self._tree is not None:
-            await count_above(self._store, self._tree, appended.step)
         if appended.cancelled or self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
         if self._budget is not None:
