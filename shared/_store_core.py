@@ -1287,6 +1287,18 @@ def status(keys: Keys, run_id: str) -> Op[RunStatus]:
     return Op(f"read run {run_id}", (Command(("HGET", keys.run(run_id), "status")),), parse)
 
 
+def child_status(keys: Keys, child_run_id: str, caller_run_id: str) -> Op[tuple[RunStatus, bool]]:
+    """A child run's status and whether its caller's cancel key is set, in one round trip: what a waiting agent
+    call reads when woken (worker/agents.py); :class:`RunNotFound` when the child is absent."""
+    def parse(answers: list[Any]) -> tuple[RunStatus, bool]:
+        if answers[0] is None:
+            raise RunNotFound(child_run_id)
+        return RunStatus.parse(answers[0], run_id=child_run_id), bool(answers[1])
+
+    return Op(f"read run {child_run_id} and probe run {caller_run_id}", (
+        Command(("HGET", keys.run(child_run_id), "status")), Command(("EXISTS", keys.cancel(caller_run_id)))), parse)
+
+
 def recent_ids(keys: Keys, *, count: int) -> Op[list[str]]:
     """The ids of the ``count`` most recently created runs, newest first."""
     if not keys.cluster:

@@ -272,6 +272,10 @@ class AsyncRunStore:
         """The run's status alone (RunNotFound when absent)."""
         return await self.execute(core.status(self.keys, run_id))
 
+    async def child_status(self, child_run_id: str, caller_run_id: str) -> tuple[RunStatus, bool]:
+        """A child run's status, and whether its caller's cancel key is set, in one round trip."""
+        return await self.execute(core.child_status(self.keys, child_run_id, caller_run_id))
+
     async def add_child(self, caller_run_id: str, call_id: str, child_run_id: str) -> None:
         """Record the child run a call of the caller started, before the caller waits for it."""
         await self.execute(core.add_child(self.keys, caller_run_id, call_id, child_run_id))

@@ -9,9 +9,10 @@ trees").
    after a lost one makes the call again and finds the same child); written queued with its place in the tree
    (caller, root, depth, ancestors) and its message sent, like any run, to any worker;
 2. records the child on the caller (its ``children`` hash) before it waits;
-3. waits, as a tool call waits for its server: in a scope the loop hands out, holding the caller's slot, woken
-   when a run below ends or spends (worker/tree_wakes.py), then reading the child's status (and the use of the
-   runs below, for the caller's budget), and reading them every ``FALLBACK_S`` without a wake;
+3. waits, as a tool call waits for its server: in a scope the loop hands out, the caller's slot lent meanwhile
+   (:class:`Slot`), woken when a run below ends or spends (worker/tree_wakes.py), then reading the child's status
+   with the caller's cancel key (and the use of the runs below, for the caller's budget), and reading them every
+   ``FALLBACK_S`` without a wake;
 4. hands the child's answer back as the tool result (``output``, or ``output_json`` as JSON), a failed or
    cancelled child as a failed result the model can act on, each with ``child_run_id``.
 
@@ -214,12 +215,12 @@ class AgentCalls:
         started = await self._start(call, agent, text, child)
         if isinstance(started, ToolResult):
             return started
-        status = await self._lending(started, interrupt)
-        if status is RunStatus.CANCELLED and (
-                self._caller.handle.cancel_seen or await self._runs.store.cancel_requested(self._caller.run_id)):
+        status, caller_cancelled = await self._lending(started, interrupt)
+        if status is RunStatus.CANCELLED and (self._caller.handle.cancel_seen or caller_cancelled):
             # The cancel of the tree reached the child before the caller's wake-up reached this call: it is the
             # caller's own cancel, and the call is cut off by it, not failed (the child's record is not read: a
-            # tree's cancel would read every one at once, in the moment its calls are recorded).
+            # tree's cancel would read every one at once, in the moment its calls are recorded; the caller's cancel
+            # key is read with the child's status, in one round trip).
             return replace(ToolResult.cancelled(f"the call of the agent {call.tool!r} was cut off"),
                            child_run_id=started)
         return self._answer(call, await self._runs.store.get(started))
@@ -264,7 +265,7 @@ class AgentCalls:
             log.info("agent_call_started", agent=call.tool, child_run_id=created.run_id, depth=link.depth)
         return created.run_id
 
-    async def _lending(self, child: str, interrupt: anyio.CancelScope) -> RunStatus:
+    async def _lending(self, child: str, interrupt: anyio.CancelScope) -> tuple[RunStatus, bool]:
         """:meth:`_wait`, the caller's slot lent meanwhile (docs/leases.md, "Capacity: runs in flight"): taken back
         before the turn goes on, at once when the call was cut off."""
         slot = self._caller.slot
@@ -276,15 +277,17 @@ class AgentCalls:
         finally:
             await slot.take_back(now=interrupt.cancel_called)
 
-    async def _wait(self, child: str) -> RunStatus:
-        """Until the child ends (its terminal status), counting the use below against the caller's budget: woken
-        when a run below ends or spends (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
+    async def _wait(self, child: str) -> tuple[RunStatus, bool]:
+        """Until the child ends: its terminal status, and whether the caller's cancel key was set then; counting the
+        use below against the caller's budget meanwhile: woken when a run below ends or spends
+        (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
         store, budget = self._runs.store, self._caller.budget
         with self._runs.wakes.watch(self._caller.run_id) as woken:
             while True:
                 woken.clear()  # before the reads: a wake that comes during them is not lost
-                if (status := await store.status(child)).is_terminal:
-                    return status
+                status, caller_cancelled = await store.child_status(child, self._caller.run_id)
+                if status.is_terminal:
+                    return status, caller_cancelled
                 if budget is not None:
                     await budget.count_below(*await store.below_use(self._caller.run_id))
                 with anyio.move_on_after(FALLBACK_S):
