@@ -3,7 +3,7 @@ the cancel of a single run in the same tool call (docs/usage.md, "Agent trees").
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.agent_tree [--trees 50] [--singles 50] [--fanout 5] [--processes 1]
+    .venv/bin/python -m bench.agent_tree [--trees 50] [--singles 50] [--fanout 5] [--processes 1] [--profile]
 
 What it does, in its own namespace, on loopback only:
 
@@ -35,6 +35,7 @@ from llm_mock_api import MockServer, MockServerOptions
 from llm_mock_api.types.reply import ReplyObject
 from llm_mock_api.types.reply import ToolCall as MockToolCall
 
+from bench import _profile
 from bench._harness import Bench, BenchError, free_port, machine, print_machine, summary_ms, wait_until
 from bench._harness import _listening as listening
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
@@ -160,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--processes", type=int, default=1, help="worker processes (the tree's runs spread over them)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (the worker's log)")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample the (first) worker with py-spy during the trees and say where its CPU went; the "
+                             "raw samples are kept in the scratch folder (with --keep)")
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "FANOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.profile and _profile.py_spy() is None:
+        parser.error("--profile: py-spy is not installed (pip install -e '.[bench]')")
     if args.serve:
         serve(int(args.serve[0]), int(args.serve[1]))
         return 0
@@ -170,23 +176,28 @@ def main(argv: list[str] | None = None) -> int:
     name = "agent_tree" if args.processes == 1 else f"agent_tree-{args.processes}-processes"
     with Bench(name, keep=args.keep) as bench:
         trees = TreeBench(bench, args.fanout)
-        for _ in range(args.processes):
-            bench.start_worker(concurrency=args.concurrency)
+        workers = [bench.start_worker(concurrency=args.concurrency) for _ in range(args.processes)]
         singles = [trees.single() for _ in range(args.singles)]
         trees.by_depth.clear()
+        recording = _profile.Recording(workers[0].pid, bench.workdir / "profile.txt") if args.profile else None
         tree_times = [trees.tree() for _ in range(args.trees)]
+        shares = _profile.shares(recording.stop()) if recording is not None else None
         results: dict[str, Any] = {
             "machine": info, "fanout": args.fanout, "runs_per_tree": 1 + args.fanout + args.fanout ** 2,
             "processes": args.processes,
             "single_ms": summary_ms(singles), "tree_ms": summary_ms(tree_times), "aim_p99_ms": AIM_P99_MS,
             "tree_ms_by_depth": {depth: summary_ms(values) for depth, values in sorted(trees.by_depth.items())}}
         results["ratio_p50"] = round(results["tree_ms"]["p50"] / results["single_ms"]["p50"], 2)
+        if shares is not None:
+            results["worker_cpu_shares"] = {part: round(share, 3) for part, share in shares.items()}
         bench.write_results(results)
     print(f"single run: {results['single_ms']}")
     print(f"tree of {results['runs_per_tree']}: {results['tree_ms']} (aim p99 <= {AIM_P99_MS} ms)")
     print(f"ratio of the p50s: {results['ratio_p50']}")
     for depth, summary in results["tree_ms_by_depth"].items():
         print(f"  runs at depth {depth}: {summary}")
+    for part, share in (results.get("worker_cpu_shares") or {}).items():
+        print(f"  worker CPU, {part}: {share:.1%}")
     return 0
 
 

@@ -769,16 +769,24 @@ return 1
 """A caller records the child run its agent call started before it waits for it (docs/usage.md, "Agent
 trees"); the hash expires with the caller's run once that has a retention expiry, and goes with it when swept."""
 
-# KEYS: an ancestor's run.  ARGV: tokens, cost in USD ('' = none), the tree-wakes channel, the ancestor's id
+# KEYS: an ancestor's run.  ARGV: tokens, cost in USD ('' = none), the tree-wakes channel, the ancestor's id, and
+# with a step's append, the run below and the append's token ('' = none)
 ADD_BELOW = _script("add_below", """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[5] and ARGV[5] ~= '' then
+  local counted = 'below_counted:' .. ARGV[5]
+  if redis.call('HGET', KEYS[1], counted) == ARGV[6] then return 0 end
+  redis.call('HSET', KEYS[1], counted, ARGV[6])
+end
 if ARGV[1] ~= '0' then redis.call('HINCRBY', KEYS[1], 'below_tokens', ARGV[1]) end
 if ARGV[2] ~= '' then redis.call('HINCRBYFLOAT', KEYS[1], 'below_cost_usd', ARGV[2]) end
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return 1
 """)
 """A model step of a run below counts against each run above it in its agent tree, whose budget reads it
-(shared/_store_core.py, ``budget_use``), and wakes the ancestor's waiting call to count it now."""
+(shared/_store_core.py, ``budget_use``), and wakes the ancestor's waiting call to count it now. Sent with the
+step's append, in its round trip: the ancestor keeps the last append token it counted of each run below, so an
+append sent again (a retry after a lost answer) is counted once."""
 
 ALL = (CREATE, CLAIM, RESUME_CLAIM, SUSPEND, HANDOFF, APPROVE, SETTLE, CANCEL, APPEND_STEP, RENEW_LEASE, EXPIRED_LEASES,
        ADD_CHILD, ADD_BELOW, STEER, STEER_WAITING, STEER_APPLY, REAP, BEAT, LAPSE, RESTAMP, MARK_SENT, RECLAIM, REDRIVE,

@@ -868,13 +868,14 @@ def server_counter(step: RunStep) -> str:
 
 
 def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owner: str = "",
-                sent: Sent | None = None) -> Op[Appended]:
+                sent: Sent | None = None, above: Sequence[str] = ()) -> Op[Appended]:
     """Record a step (the store assigns its sequence) and probe the cancel key, in one script; with ``sent``,
     the marks of the calls that go out right after it, written with it while the run runs (no round trip of
-    their own: docs/leases.md, "Lost workers").
+    their own: docs/leases.md, "Lost workers"); with ``above`` (the runs above it in its agent tree), a model
+    step's use counted against each of them (:func:`add_below`), in the same round trip.
 
     The answer raises :class:`RunNotFound` when the run does not exist. ``token`` names this append: sent
-    again (a retry after a lost answer), it is recorded once.
+    again (a retry after a lost answer), it is recorded once, and counted above once.
     """
     recorded_at = time.time()
     body = step_body(step)
@@ -892,16 +893,26 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
             raise RunNotFound(run_id)
         return Appended(step.with_sequence(int(sequence), recorded_at), cancelled=bool(cancelled))
 
-    return _script(
+    token = token or uuid.uuid4().hex
+    append = _script(
         _scripts.APPEND_STEP,
         (keys.run(run_id), keys.steps(run_id), keys.servers(keys.shard(run_id)), keys.cancel(run_id),
          keys.servers_hour(recorded_at, keys.shard(run_id)), keys.outbox_of(run_id)),
-        (body, recorded_at, counter, Ident(run_id), Ident(token or uuid.uuid4().hex), Ident(owner),
+        (body, recorded_at, counter, Ident(run_id), Ident(token), Ident(owner),
          1 if answered else 0, *tokens, _cost(usage), step.tool_call_id or "",
          *(sent.arguments() if sent else ()), keys.retention_s,
          Ident(keys.events)),
         f"append a step to run {run_id}", parse,
     )
+    cost = _cost(usage)
+    if not above or not (sum(tokens) or cost):
+        return append
+    # Each ancestor's run is a key of its own slot: its own script, pipelined with the append (add_below).
+    counted = tuple(ScriptCall(_scripts.ADD_BELOW, (keys.run(ancestor),),
+                               (sum(tokens), cost, Ident(keys.tree_wakes), Ident(ancestor), Ident(run_id),
+                                Ident(token)))
+                    for ancestor in above)
+    return dataclasses.replace(append, calls=(*append.calls, *counted))
 
 
 def _tokens(usage: object, kind: str) -> int:
@@ -1274,6 +1285,18 @@ def status(keys: Keys, run_id: str) -> Op[RunStatus]:
         return RunStatus.parse(answers[0], run_id=run_id)
 
     return Op(f"read run {run_id}", (Command(("HGET", keys.run(run_id), "status")),), parse)
+
+
+def child_status(keys: Keys, child_run_id: str, caller_run_id: str) -> Op[tuple[RunStatus, bool]]:
+    """A child run's status and whether its caller's cancel key is set, in one round trip: what a waiting agent
+    call reads when woken (worker/agents.py); :class:`RunNotFound` when the child is absent."""
+    def parse(answers: list[Any]) -> tuple[RunStatus, bool]:
+        if answers[0] is None:
+            raise RunNotFound(child_run_id)
+        return RunStatus.parse(answers[0], run_id=child_run_id), bool(answers[1])
+
+    return Op(f"read run {child_run_id} and probe run {caller_run_id}", (
+        Command(("HGET", keys.run(child_run_id), "status")), Command(("EXISTS", keys.cancel(caller_run_id)))), parse)
 
 
 def recent_ids(keys: Keys, *, count: int) -> Op[list[str]]:

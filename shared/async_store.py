@@ -226,10 +226,12 @@ class AsyncRunStore:
         return await self.execute(core.task_of(self.keys, run_id, call_id))
 
     async def append_step(self, run_id: str, step: RunStep, *, token: str = "", owner: str = "",
-                          sent: Sent | None = None) -> Appended:
+                          sent: Sent | None = None, above: Sequence[str] = ()) -> Appended:
         """Record a step and probe the cancel key, in one round trip (once per ``token``; refused with
-        :class:`OwnershipLost` unless ``owner`` still holds the run), with the marks of the calls ``sent`` next."""
-        return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner, sent=sent))
+        :class:`OwnershipLost` unless ``owner`` still holds the run), with the marks of the calls ``sent`` next, and
+        a model step's use counted against the runs ``above`` it in its agent tree (:func:`core.append_step`)."""
+        return await self.execute(core.append_step(self.keys, run_id, step, token=token, owner=owner, sent=sent,
+                                                   above=above))
 
     async def apply_steer(self, run_id: str, request: SteerRequest, step: RunStep, *, owner: str,
                           token: str) -> Appended | None:
@@ -270,6 +272,10 @@ class AsyncRunStore:
         """The run's status alone (RunNotFound when absent)."""
         return await self.execute(core.status(self.keys, run_id))
 
+    async def child_status(self, child_run_id: str, caller_run_id: str) -> tuple[RunStatus, bool]:
+        """A child run's status, and whether its caller's cancel key is set, in one round trip."""
+        return await self.execute(core.child_status(self.keys, child_run_id, caller_run_id))
+
     async def add_child(self, caller_run_id: str, call_id: str, child_run_id: str) -> None:
         """Record the child run a call of the caller started, before the caller waits for it."""
         await self.execute(core.add_child(self.keys, caller_run_id, call_id, child_run_id))
@@ -277,10 +283,6 @@ class AsyncRunStore:
     async def children(self, run_id: str) -> dict[str, str]:
         """The child runs of ``run_id``, by the id of the call that started each."""
         return (await self.execute(core.children(self.keys, [run_id])))[0]
-
-    async def add_below(self, ancestors: Sequence[str], tokens: int, cost_usd: float) -> None:
-        """Count a child run's model step against every run above it."""
-        await self.execute(core.add_below(self.keys, ancestors, tokens, cost_usd))
 
     async def below_use(self, run_id: str) -> tuple[int, float]:
         """(tokens, cost in USD) the runs below ``run_id`` used."""

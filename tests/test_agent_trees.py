@@ -10,26 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from runbrake.shared import RunRecord, RunStatus, RunStore, StepKind, TerminationReason, ToolOutcome
-from runbrake.shared._store_core import add_below, below_use
+from runbrake.shared import RunRecord, RunStatus, RunStep, RunStore, StepKind, TerminationReason, ToolOutcome
+from runbrake.shared._store_core import add_below, append_step, below_use
 from runbrake.shared.catalog import Admission, Catalog
 from runbrake.shared.errors import ConfigError, SpecError
 from runbrake.shared.messaging.cancel import CancelPublisher, cancel_run
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.records import TreeLink
 from runbrake.shared.spec import RunSpec
+from runbrake.worker.intake import Slots
 from runbrake.worker.registry import ActiveRuns
 from tests.catalog_helpers import add_to_catalog
 from tests.llm_mock import LlmMock, reply
 from tests.mcp_helpers import Toolbox, matching_events, wait_for_event
 from tests.polling import poll_until
+from tests.ports import free_port
 from tests.test_cli import runbrake
 from tests.test_tenants import set_catalog
-from tests.worker_helpers import WorkerProcess, call, wait_for_run
+from tests.worker_helpers import WorkerProcess, call, scrape_metrics, wait_for_run
 
 WAIT_S = 30.0
 MODEL = {"provider": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"}
@@ -89,6 +92,39 @@ def test_a_runs_cancel_wake_up_reaches_the_runs_below_it_that_the_process_execut
         return [registry.with_below(run_id) for run_id in ("root", "middle", "leaf", "elsewhere")]
 
     assert asyncio.run(reached()) == [["root", "middle", "leaf"], ["middle", "leaf"], ["leaf"], []]
+
+
+def test_a_slot_lent_by_a_waiting_caller_comes_back_to_it_before_any_new_run_takes_one() -> None:
+    """worker/intake.py ``Slots``: a caller lends its slot while it waits; taking it back, it waits on the loop for
+    the next slot given back, ahead of the consumer threads; cut off, it takes one at once, past capacity."""
+    async def scenario() -> list[tuple[int, int]]:
+        slots = Slots(1)
+        seen = []
+        assert slots.acquire(0)  # the caller runs
+        slots.lend()  # and waits for its child, which takes the slot
+        assert slots.acquire(0)
+        seen.append((slots.running, slots.lent))
+        back = asyncio.ensure_future(slots.take_back())  # the caller's child answered: it wants its slot again
+        await asyncio.sleep(0)  # yields once: asyncio runs the ready task up to its wait, deterministically
+        assert not back.done()
+        assert not slots.acquire(0)  # no new run jumps ahead of it
+        slots.release()  # the child's segment ended: its slot goes to the caller
+        await asyncio.wait_for(back, timeout=5)
+        seen.append((slots.running, slots.lent))
+        slots.lend()  # waits again; another run takes the slot; the caller is cut off meanwhile
+        assert slots.acquire(0)
+        cut_off = asyncio.ensure_future(slots.take_back())
+        await asyncio.sleep(0)
+        cut_off.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut_off
+        seen.append((slots.running, slots.lent))
+        slots.release()  # a slot taken past capacity ends with its run; it is handed to nobody
+        slots.release()
+        seen.append((slots.running, slots.in_flight))
+        return seen
+
+    assert asyncio.run(scenario()) == [(1, 1), (1, 0), (2, 0), (0, 0)]
 
 
 @pytest.mark.integration
@@ -341,6 +377,44 @@ def test_a_child_waiting_for_approval_is_shown_at_the_root_and_its_approval_comp
 
 
 @pytest.mark.integration
+def test_a_three_level_tree_completes_on_one_worker_of_concurrency_one_each_waiting_caller_lending_its_slot(
+    llm_mock: LlmMock, toolbox_http: Toolbox, start_worker: Callable[..., WorkerProcess], producer: Producer,
+    store: RunStore,
+) -> None:
+    """A caller waiting for its child gives its slot back (docs/leases.md, "Capacity: runs in flight"): with one
+    slot, the root's child and grandchild run on the same worker. Holding it (as before), the child's message would
+    be handed back for ever while the root waited."""
+    metrics_port = free_port()
+    start_worker(concurrency=1, RUNBRAKE_METRICS_PORT=str(metrics_port))
+    _tree_catalog(llm_mock, toolbox_http, planner=_agent("Plans", agents=["researcher"]),
+                  researcher={**RESEARCHER, "approval_required": ["toolbox.get-sum"]})
+    delegate = reply(tools=[("agent__researcher", {"input": "add them"}, "call_p")])
+    llm_mock.server.when("plan it").reply(delegate).times(1)
+    llm_mock.server.when("add them").reply(reply(tools=[("toolbox__get-sum", {"a": 2, "b": 3}, "call_sum")])).times(1)
+    llm_mock.server.when_tool_result("call_sum").reply(reply("5"))
+    llm_mock.server.when_tool_result("call_p").reply(reply("the sum is 5"))
+    run = producer.enqueue(_caller([{"tool_calls": [_ask("planner", "plan it")]}, {"content": "done"}], ["planner"]))
+    [planner] = _children(store, run.run_id, 1)
+    [researcher] = _children(store, planner, 1)
+    wait_for_run(store, researcher, lambda r: r.status is RunStatus.WAITING_FOR_APPROVAL, timeout=WAIT_S)
+
+    # The grandchild waits for approval (in flight nowhere); its caller and the root wait for their children, in
+    # flight here, each with its slot lent.
+    lent = poll_until(lambda: (m := scrape_metrics(metrics_port))[("runbrake_slots_lent", ())] == 2 and m,
+                      timeout=WAIT_S, failure=lambda: f"slots lent: {scrape_metrics(metrics_port)}")
+    assert lent[("runbrake_runs_in_flight", ())] == 2
+    assert runbrake("approve", researcher).returncode == 0
+
+    records = [wait_for_run(store, r, timeout=WAIT_S) for r in (run.run_id, planner, researcher)]
+    assert [(r.status, r.output) for r in records] == [
+        (RunStatus.COMPLETED, "done"), (RunStatus.COMPLETED, "the sum is 5"), (RunStatus.COMPLETED, "5")]
+    assert [s.content for s in records[0].steps if s.kind is StepKind.TOOL] == ["the sum is 5"]
+    ended = poll_until(lambda: (m := scrape_metrics(metrics_port))[("runbrake_runs_in_flight", ())] == 0 and m,
+                       timeout=WAIT_S, failure=lambda: f"runs in flight: {scrape_metrics(metrics_port)}")
+    assert ended[("runbrake_slots_lent", ())] == 0
+
+
+@pytest.mark.integration
 def test_a_child_runs_end_and_its_use_name_the_runs_above_on_the_tree_wakes_channel(store: RunStore) -> None:
     """What wakes a waiting agent call (worker/tree_wakes.py): the child's terminal transition names its caller,
     a model step below names each run above; a first run's end names nobody."""
@@ -364,3 +438,22 @@ def test_a_child_runs_end_and_its_use_name_the_runs_above_on_the_tree_wakes_chan
         pubsub.close()
     assert heard == [middle, root, middle, root]  # the use below counted above; the leaf ended, the middle ended
     assert [store.execute(below_use(store.keys, r)) for r in (middle, root)] == [(120, 0.0), (120, 0.0)]
+
+
+@pytest.mark.integration
+def test_a_model_step_below_counts_against_each_run_above_once_even_when_its_append_is_sent_again(
+    store: RunStore,
+) -> None:
+    """The step's append carries the count above (shared/_store_core.py, ``append_step``): one round trip, and an
+    append retried after a lost answer (the same token) neither records the step nor counts its use twice."""
+    spec = {"input": "x", "model": {"provider": "scripted", "turns": [{"content": "ok"}]}}
+    root = store.create(spec).run_id
+    child = store.create(spec, tree=TreeLink(caller_run_id=root, root_run_id=root, depth=1, ancestors=(root,))).run_id
+    step = RunStep(kind=StepKind.MODEL, round=1, content="ok",
+                   detail={"usage": {"input_tokens": 30, "output_tokens": 12, "cost_usd": 0.5}})
+
+    answers = [store.execute(append_step(store.keys, child, step, token="t1", above=(root,))) for _ in range(2)]
+    store.execute(append_step(store.keys, child, step, token="t2", above=(root,)))
+
+    assert [a.step.sequence for a in answers] == [1, 1]  # the second send of t1 recorded nothing
+    assert store.execute(below_use(store.keys, root)) == (84, 1.0)  # t1 once, t2 once

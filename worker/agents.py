@@ -9,9 +9,10 @@ trees").
    after a lost one makes the call again and finds the same child); written queued with its place in the tree
    (caller, root, depth, ancestors) and its message sent, like any run, to any worker;
 2. records the child on the caller (its ``children`` hash) before it waits;
-3. waits, as a tool call waits for its server: in a scope the loop hands out, holding the caller's slot, woken
-   when a run below ends or spends (worker/tree_wakes.py), then reading the child's status (and the use of the
-   runs below, for the caller's budget), and reading them every ``FALLBACK_S`` without a wake;
+3. waits, as a tool call waits for its server: in a scope the loop hands out, the caller's slot lent meanwhile
+   (:class:`Slot`), woken when a run below ends or spends (worker/tree_wakes.py), then reading the child's status
+   with the caller's cancel key (and the use of the runs below, for the caller's budget), and reading them every
+   ``FALLBACK_S`` without a wake;
 4. hands the child's answer back as the tool result (``output``, or ``output_json`` as JSON), a failed or
    cancelled child as a failed result the model can act on, each with ``child_run_id``.
 
@@ -33,6 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import anyio
 import structlog
@@ -41,13 +43,12 @@ from runbrake.shared.agents import AGENT_INPUT_SCHEMA, AgentSpec, child_request
 from runbrake.shared.async_store import AsyncRunStore
 from runbrake.shared.budget import BUDGET_REQUESTER
 from runbrake.shared.catalog import Admission
-from runbrake.shared.errors import CallHandedOver, RunbrakeError, SpecError, StoreError
+from runbrake.shared.errors import CallHandedOver, SpecError, StoreError
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.records import RunRecord, TreeLink
 from runbrake.shared.settings import Settings
 from runbrake.shared.spec import AGENT_SERVER, RunSpec
 from runbrake.shared.status import RunStatus
-from runbrake.shared.steps import RunStep, StepKind
 from runbrake.shared.tool_result import Failure, ToolResult
 from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.conversation import ToolCall, ToolInfo
@@ -140,6 +141,18 @@ class ChildRuns:
         publisher.publish(run_id)
 
 
+class Slot(Protocol):
+    """The slot of the caller's segment (worker/intake.py, ``Seat``): lent while its agent calls wait, so that the
+    worker takes another run meanwhile (its child, say), and taken back before its turn goes on."""
+
+    def lend(self) -> None:
+        """An agent call starts waiting (its run's calls waiting at once lend one slot)."""
+
+    async def take_back(self, *, now: bool) -> None:
+        """The call stops waiting: the run's slot again once a slot is free, waiting on the loop for one; ``now``, at
+        once (a call cut off: its run records how it ended without waiting for another run to end)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     """The run whose segment makes agent calls: what its children inherit."""
@@ -149,6 +162,8 @@ class Caller:
     tenant: str | None
     tree: TreeLink | None
     budget: BudgetGuard | None
+    slot: Slot | None = None
+    """Lent while the run's agent calls wait (None: the calls hold it)."""
 
     def link(self) -> TreeLink:
         """A child's place in the tree."""
@@ -190,21 +205,22 @@ class AgentCalls:
         child: list[str] = []
         result: ToolResult | None = None
         with interrupt:
-            result = await self._call(call, self._agents[call.tool], text, child)
+            result = await self._call(call, self._agents[call.tool], text, child, interrupt)
         if result is not None:
             return result
         return await self._cut_off(call, child[0] if child else None)
 
-    async def _call(self, call: ToolCall, agent: AgentSpec, text: str, child: list[str]) -> ToolResult:
+    async def _call(self, call: ToolCall, agent: AgentSpec, text: str, child: list[str],
+                    interrupt: anyio.CancelScope) -> ToolResult:
         started = await self._start(call, agent, text, child)
         if isinstance(started, ToolResult):
             return started
-        status = await self._wait(started)
-        if status is RunStatus.CANCELLED and (
-                self._caller.handle.cancel_seen or await self._runs.store.cancel_requested(self._caller.run_id)):
+        status, caller_cancelled = await self._lending(started, interrupt)
+        if status is RunStatus.CANCELLED and (self._caller.handle.cancel_seen or caller_cancelled):
             # The cancel of the tree reached the child before the caller's wake-up reached this call: it is the
             # caller's own cancel, and the call is cut off by it, not failed (the child's record is not read: a
-            # tree's cancel would read every one at once, in the moment its calls are recorded).
+            # tree's cancel would read every one at once, in the moment its calls are recorded; the caller's cancel
+            # key is read with the child's status, in one round trip).
             return replace(ToolResult.cancelled(f"the call of the agent {call.tool!r} was cut off"),
                            child_run_id=started)
         return self._answer(call, await self._runs.store.get(started))
@@ -249,15 +265,29 @@ class AgentCalls:
             log.info("agent_call_started", agent=call.tool, child_run_id=created.run_id, depth=link.depth)
         return created.run_id
 
-    async def _wait(self, child: str) -> RunStatus:
-        """Until the child ends (its terminal status), counting the use below against the caller's budget: woken
-        when a run below ends or spends (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
+    async def _lending(self, child: str, interrupt: anyio.CancelScope) -> tuple[RunStatus, bool]:
+        """:meth:`_wait`, the caller's slot lent meanwhile (docs/leases.md, "Capacity: runs in flight"): taken back
+        before the turn goes on, at once when the call was cut off."""
+        slot = self._caller.slot
+        if slot is None:
+            return await self._wait(child)
+        slot.lend()
+        try:
+            return await self._wait(child)
+        finally:
+            await slot.take_back(now=interrupt.cancel_called)
+
+    async def _wait(self, child: str) -> tuple[RunStatus, bool]:
+        """Until the child ends: its terminal status, and whether the caller's cancel key was set then; counting the
+        use below against the caller's budget meanwhile: woken when a run below ends or spends
+        (worker/tree_wakes.py), else looking again at ``FALLBACK_S``."""
         store, budget = self._runs.store, self._caller.budget
         with self._runs.wakes.watch(self._caller.run_id) as woken:
             while True:
                 woken.clear()  # before the reads: a wake that comes during them is not lost
-                if (status := await store.status(child)).is_terminal:
-                    return status
+                status, caller_cancelled = await store.child_status(child, self._caller.run_id)
+                if status.is_terminal:
+                    return status, caller_cancelled
                 if budget is not None:
                     await budget.count_below(*await store.below_use(self._caller.run_id))
                 with anyio.move_on_after(FALLBACK_S):
@@ -298,17 +328,3 @@ class AgentCalls:
 
 def _refused(call: ToolCall, why: str) -> ToolResult:
     return ToolResult.error(f"the agent {call.tool!r} was not called: {why}")
-
-
-async def count_above(store: AsyncRunStore, tree: TreeLink | None, step: RunStep) -> None:
-    """A child run's recorded model step counts against the budget of every run above it (their hashes'
-    ``below_tokens`` and ``below_cost_usd``, which their waiting calls read)."""
-    usage = step.detail.get("usage")
-    if tree is None or step.kind is not StepKind.MODEL or not isinstance(usage, dict):
-        return
-    tokens = sum(v for k in ("input_tokens", "output_tokens") if isinstance(v := usage.get(k), int))
-    cost = usage.get("cost_usd")
-    try:
-        await store.add_below(tree.ancestors, tokens, float(cost) if isinstance(cost, int | float) else 0.0)
-    except RunbrakeError as exc:
-        log.warning("agent_use_not_counted", error=str(exc))

@@ -67,10 +67,15 @@ class CancelListener(ConsumerThread):
             if run_id in reached and run_id not in fenced:
                 log.warning("cancel_message_without_fence", run_id=run_id)
                 span.fail("no cancel key: a forged or stale wake-up")
-            interrupted = [i for i in reached if i in fenced and self._registry.interrupt(i)]
+            interrupted = self._registry.interrupt_tree([i for i in reached if i in fenced])
             span.set({"runbrake.cancel.interrupted": run_id in interrupted, "runbrake.cancel.below": len(reached) - 1})
-        for woken in interrupted:
-            log.info("cancel_message_delivered", run_id=woken, **({} if woken == run_id else {"above": run_id}))
+        # One line for the runs below (a tree's wake-up reaches dozens): rendering each on this thread holds the
+        # interpreter from the loop that records them.
+        below = len(interrupted) - (run_id in interrupted)
+        if run_id in interrupted:
+            log.info("cancel_message_delivered", run_id=run_id, **({"below": below} if below else {}))
+        elif below:
+            log.info("cancel_message_delivered_below", run_id=run_id, below=below)
 
     def _fenced(self, run_ids: list[str]) -> set[str]:
         """Which of ``run_ids`` have their cancel key set: one read for the run alone, one MGET for a tree's."""

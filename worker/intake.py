@@ -29,6 +29,7 @@ segment, since Dramatiq's time limit and shutdown notices only reach a thread th
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import gc
@@ -196,18 +197,26 @@ class CapacityClosed(HandBack):
 
 
 class Slots:
-    """A counter of runs in flight, at most ``capacity``; taken on a consumer thread, given back on the loop.
+    """A counter of runs in flight, at most ``capacity`` running; taken on a consumer thread, given back on the loop.
 
-    Not a ``threading.Semaphore``: a closed gate must wake its waiters, and :meth:`wait_idle` must see zero.
+    A run waiting for an agent run it called lends its slot (:meth:`lend`) and takes one again before its turn goes
+    on (:meth:`take_back`): it stays in flight, but not running. Not a ``threading.Semaphore``: a closed gate must
+    wake its waiters, :meth:`wait_idle` must see zero, and a slot given back goes to a run taking its own back before
+    any consumer thread.
     """
 
     def __init__(self, capacity: int, admits: Callable[[int], bool] | None = None) -> None:
         self.capacity = capacity
         self._admits = admits
-        """Whether the process's health and its admission rate let it take one more run, given the runs in
-        flight (worker/saturation.py); a yes counts against the rate, so it is asked only with a slot free.
-        None: only the count decides."""
+        """Whether the process's health and its admission rate let it take one more run, given the runs running
+        (worker/saturation.py); a yes counts against the rate, so it is asked only with a slot free. None: only
+        the count decides."""
         self._taken = 0
+        """Runs holding a slot: running."""
+        self._lent = 0
+        """Runs in flight that lent their slot (waiting for an agent run) and have not taken one back."""
+        self._returning: collections.deque[asyncio.Future[None]] = collections.deque()
+        """The runs waiting on the loop to take a slot back, first come first: a slot given back goes to them."""
         self._closed = False
         self._changed = threading.Condition()
 
@@ -220,47 +229,145 @@ class Slots:
         """
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not self._closed and (self._taken >= self.capacity or not self._admitted()):
+            while not self._closed and (self._full() or not self._admitted()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 # In slices: Dramatiq delivers its Interrupt (a time limit) only between Python bytecodes. A
                 # slot given back notifies; a health that recovers does not, so it is looked at more often.
-                self._changed.wait(min(left, WAIT_SLICE_S if self._taken >= self.capacity else HEALTH_SLICE_S))
+                self._changed.wait(min(left, WAIT_SLICE_S if self._full() else HEALTH_SLICE_S))
             if self._closed:
                 raise CapacityClosed("the worker stopped taking runs")
             self._taken += 1
             return True
 
+    def _full(self) -> bool:
+        return self._taken >= self.capacity or bool(self._returning)
+
     def _admitted(self) -> bool:
         return self._admits is None or self._admits(self._taken)
 
     def release(self) -> None:
+        """A segment that holds a slot ended."""
         with self._changed:
-            self._taken -= 1
+            self._give_back()
+
+    def lend(self) -> None:
+        """A run that holds a slot waits for an agent run it called (worker/agents.py): the slot goes to a run taking
+        its own back, else to the next message; the run stays in flight. On the loop."""
+        with self._changed:
+            self._lent += 1
+            self._give_back()
+
+    async def take_back(self, *, now: bool = False) -> None:
+        """Take a slot again for a run that lent its own (:meth:`lend`): at once when one is free, else the next one
+        given back, before any consumer thread; awaited on the loop, never blocking it. ``now``, or cancelled while
+        waiting: at once all the same, past ``capacity`` if need be (a run cut off records how it ended without
+        waiting for another to end)."""
+        with self._changed:
+            if now or not self._full():
+                self._lent -= 1
+                self._taken += 1
+                return
+            waiter = asyncio.get_running_loop().create_future()
+            self._returning.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            with self._changed:
+                if waiter in self._returning:  # not handed a slot yet: take one past capacity, then go
+                    self._returning.remove(waiter)
+                    self._lent -= 1
+                    self._taken += 1
+            raise
+
+    def _give_back(self) -> None:
+        """One slot freed (under the lock): to the first run taking its own back, else to the consumer threads. A
+        slot taken past capacity (:meth:`take_back` ``now``) just ends."""
+        while self._returning and self._taken <= self.capacity:
+            waiter = self._returning.popleft()
+            try:
+                waiter.get_loop().call_soon_threadsafe(_hand_slot, waiter)
+            except RuntimeError:
+                continue  # its loop closed, and its run with it
+            self._lent -= 1  # the slot passes to it: it runs again, the count of slots taken is unchanged
+            return
+        self._taken -= 1
+        self._changed.notify_all()
+
+    def leave_lent(self) -> None:
+        """A segment whose slot was still lent ended."""
+        with self._changed:
+            self._lent -= 1
             self._changed.notify_all()
 
     def close(self) -> None:
-        """Take no more runs: every waiter (and every later :meth:`acquire`) raises :class:`CapacityClosed`."""
+        """Take no more runs: every waiter (and every later :meth:`acquire`) raises :class:`CapacityClosed`. Runs taking
+        a slot back still get one as others end."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
 
     @property
     def in_flight(self) -> int:
+        """Runs in flight: running, or waiting with their slot lent."""
+        with self._changed:
+            return self._taken + self._lent
+
+    @property
+    def running(self) -> int:
+        """Runs holding a slot (and those taking one back past capacity)."""
         with self._changed:
             return self._taken
 
+    @property
+    def lent(self) -> int:
+        """Runs in flight whose slot is lent (``runbrake_slots_lent``)."""
+        with self._changed:
+            return self._lent
+
     def wait_idle(self, timeout: float, *, unless: threading.Event | None = None) -> bool:
-        """Block until no slot is taken, at most ``timeout`` seconds or until ``unless`` is set; True when idle."""
+        """Block until no run is in flight (none holds a slot, none lent one), at most ``timeout`` seconds or until
+        ``unless`` is set; True when idle."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while self._taken:
+            while self._taken or self._lent:
                 left = deadline - time.monotonic()
                 if left <= 0 or (unless is not None and unless.is_set()):
                     return False
                 self._changed.wait(min(left, WAIT_SLICE_S))
             return True
+
+
+def _hand_slot(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():  # cancelled meanwhile: the slot is its all the same (Slots.take_back)
+        waiter.set_result(None)
+
+
+class Seat:
+    """One segment's slot, as its agent calls lend it (worker/agents.py, ``Slot``): the run's calls waiting at
+    once lend one slot, the first to wait lends it and the last to stop takes it back."""
+
+    def __init__(self, slots: Slots) -> None:
+        self._slots = slots
+        self._waiting = 0
+
+    def lend(self) -> None:
+        self._waiting += 1
+        if self._waiting == 1:
+            self._slots.lend()
+
+    async def take_back(self, *, now: bool) -> None:
+        self._waiting -= 1
+        if self._waiting == 0:
+            await self._slots.take_back(now=now)
+
+    def leave(self) -> None:
+        """The segment ended: its slot is given back (or, were it still lent, its place in flight)."""
+        if self._waiting:
+            self._slots.leave_lent()
+        else:
+            self._slots.release()
 
 
 RESTART_DELAY_S = 0.5
@@ -421,7 +528,8 @@ class Intake:
             raise WorkerFull(why)
         try:
             decided: concurrent.futures.Future[bool] = concurrent.futures.Future()
-            asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided, traceparent), _loop())
+            asyncio.run_coroutine_threadsafe(self._segment(run_id, resume, decided, traceparent, Seat(self._slots)),
+                                             _loop())
         except BaseException:
             self._slots.release()
             raise
@@ -433,14 +541,16 @@ class Intake:
             return
 
     def _why_full(self) -> str:
-        in_flight = self._slots.in_flight
-        refusal = self._watch.refusal() if self._watch is not None and in_flight < self.concurrency else ""
-        return f"{in_flight} runs in flight here" + (f" ({refusal})" if refusal else "")
+        running, lent = self._slots.running, self._slots.lent
+        refusal = self._watch.refusal() if self._watch is not None and running < self.concurrency else ""
+        return (f"{running} runs in flight here" + (f", {lent} more waiting for agent runs" if lent else "")
+                + (f" ({refusal})" if refusal else ""))
 
     async def _segment(self, run_id: str, resume: bool, decided: concurrent.futures.Future[bool],
-                       traceparent: str | None = None) -> None:
-        """The segment on the loop; tells ``decided`` how the claim went, and gives the slot back, whatever
-        happens. Its task is known to :meth:`interrupt_all` for as long as it runs."""
+                       traceparent: str | None, seat: Seat) -> None:
+        """The segment on the loop, in ``seat`` (its slot, which its agent calls lend while they wait); tells
+        ``decided`` how the claim went, and gives the slot back, whatever happens. Its task is known to
+        :meth:`interrupt_all` for as long as it runs."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -449,7 +559,7 @@ class Intake:
                 decided.set_exception(CapacityClosed("the worker stopped before the run started"))
             else:
                 await self._runtime.execute(run_id, resume=resume, on_claim=decided.set_result,
-                                            traceparent=traceparent)
+                                            traceparent=traceparent, slot=seat)
         except asyncio.CancelledError:
             if not decided.done():
                 # Stopped before the claim was decided: the message is sent again (a claimed run refuses it).
@@ -465,7 +575,7 @@ class Intake:
             self._tasks.discard(task)
             if not decided.done():
                 decided.set_result(False)
-            self._slots.release()
+            seat.leave()
 
     # -- starting and stopping the process (worker/process.py) --
 
@@ -498,8 +608,18 @@ class Intake:
 
     @property
     def in_flight(self) -> int:
-        """Runs whose segment is in flight here (or whose claim is being decided)."""
+        """Runs whose segment is in flight here (or whose claim is being decided), their slot lent or not."""
         return self._slots.in_flight
+
+    @property
+    def running(self) -> int:
+        """Runs in flight holding a slot: at most ``concurrency`` (but for a run cut off while it waited)."""
+        return self._slots.running
+
+    @property
+    def lent(self) -> int:
+        """Runs in flight waiting for an agent run they called, their slot lent (``runbrake_slots_lent``)."""
+        return self._slots.lent
 
     def wait_idle(self, timeout: float, *, unless: threading.Event | None = None) -> bool:
         """Block until every segment in flight ended, at most ``timeout`` seconds or until ``unless`` is set

@@ -152,6 +152,54 @@ def _shared_call_tool_adapters() -> None:
 _shared_call_tool_adapters()
 
 
+class _Request:
+    """One ``tools/call`` made in a task of the connection's own, so that a call cut off is recorded before the SDK
+    tells the server: cancelling the request's task only schedules it, and the cut-off call's task goes on to its
+    step's append first (docs/cancellation.md, "Cancellation: the interrupt")."""
+
+    def __init__(self, pending: set[_Request]) -> None:
+        self.done = anyio.Event()
+        self.started = False
+        """The request's task ran: its request may have reached the server (cancelled before, it never went out)."""
+        self._scope = anyio.CancelScope()
+        self._pending = pending
+        """Its connection's requests whose task has not ended (``McpConnection._told`` waits for them)."""
+        self._result: CallToolResult | None = None
+        self._error: BaseException | None = None
+
+    def spawn(self, tasks: TaskGroup, client: Client, tool: str, arguments: dict[str, Any],
+              meta: RequestParamsMeta | None) -> None:
+        """Start the request in ``tasks``, the connection's task group."""
+        self._pending.add(self)
+        tasks.start_soon(self._make, client, tool, arguments, meta)
+
+    async def _make(self, client: Client, tool: str, arguments: dict[str, Any], meta: RequestParamsMeta | None) -> None:
+        """The request's task: never raises but for its group's cancellation (its caller reads what it came to)."""
+        try:
+            with self._scope:
+                self.started = True
+                self._result = await client.call_tool(tool, arguments, meta=meta)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller (McpConnection.call), which translates it
+            self._error = exc
+        except BaseException:  # the connection's task group is cancelled: the client is gone
+            self._error = anyio.ClosedResourceError()
+            raise
+        finally:
+            self.done.set()
+            self._pending.discard(self)
+
+    def abandon(self) -> None:
+        """Cut the request off unless it is done (its task tells the server); from the caller's task."""
+        if not self.done.is_set():
+            self._scope.cancel()
+
+    def answer(self) -> CallToolResult | None:
+        """What the request came to: the server's result, None when it was cut off, or what the SDK raised."""
+        if self._error is not None and self.done.is_set():
+            raise self._error
+        return self._result
+
+
 class McpConnection:
     """One open MCP client for one server, for one segment of a run.
 
@@ -168,6 +216,8 @@ class McpConnection:
         self._closing = anyio.Event()
         self._progress = ProgressRoutes()
         self._tasks: TaskGroup | None = None
+        self._requests: set[_Request] = set()
+        """The requests whose task has not ended: cut-off ones still telling their server (``_Request``)."""
         self.session: SessionHttp | None = None
         """The HTTP transport's MCP session (worker/mcp_session.py); None over stdio."""
         self.task_support: dict[str, str] = {}
@@ -211,6 +261,7 @@ class McpConnection:
                 ) from fault
             yield connection
         finally:
+            await connection._told()
             connection._closing.set()
             if connection._client is None:
                 # Still connecting (the block never ran: the caller was cancelled meanwhile),
@@ -315,22 +366,28 @@ class McpConnection:
                 itself is being cancelled) propagates unchanged.
         """
         client = self._live_client(f"call to {tool}", tool=tool)
+        request = _Request(self._requests)
         result: CallToolResult | None = None
-        sent = False
         try:
             # The interrupt scope is the outer one: when the deadline and the interrupt both
             # fire, the interrupt catches the cancellation and the call counts as cancelled.
-            # Cancelling the scope makes the SDK tell the server: notifications/cancelled,
-            # or on 2026-07-28 HTTP, closing the request's stream (docs/pitfalls.md,
-            # "Pitfalls: mcp 2.x cancellation").
             with interrupt, anyio.move_on_after(timeout_s), self._progress_meta(progress) as meta:
                 # A scope cancelled before this point (a cancel that came while the call waited for a
                 # max_concurrency slot) raises here: the request was never sent, the server did nothing.
                 # Past it, the request may reach the server (docs/cancellation.md, "Side effects of a
                 # cut-off call"): a cut-off call's side effects are unknown from here on.
                 await anyio.lowlevel.checkpoint()
-                sent = True
-                result = await client.call_tool(tool, dict(arguments), meta=meta)
+                assert self._tasks is not None  # open() made it before the client
+                request.spawn(self._tasks, client, tool, dict(arguments), meta)
+                await request.done.wait()
+        finally:
+            # Cut off (or timed out): the request's own task is cancelled, and the SDK tells the server from
+            # there (notifications/cancelled, or on 2026-07-28 HTTP, closing the request's stream: docs/pitfalls.md,
+            # "Pitfalls: mcp 2.x cancellation") while this task goes on to record the call; the connection's close
+            # waits for it.
+            request.abandon()
+        try:
+            result = request.answer()
         except _Claimed as claimed:
             return TaskStarted(claimed.task)
         except Exception as exc:
@@ -347,12 +404,20 @@ class McpConnection:
             # answer is reported as it is, not as a cancellation.
             return result
         if interrupt.cancelled_caught:
-            raise ToolCallCancelled(server=self.server, tool=tool, sent=sent)
+            raise ToolCallCancelled(server=self.server, tool=tool, sent=request.started)
         # No result, no exception, not interrupted: only the deadline's scope swallows a
         # cancellation here, an outer one propagates through both scopes.
         raise ToolTransportError(
             f"call to {self.server}.{tool} timed out after {timeout_s:g} s", server=self.server, tool=tool
         )
+
+    async def _told(self) -> None:
+        """Wait, shielded, for the requests cut off to have told their server, before the client closes: a
+        session closed first would take their notifications/cancelled with it. The SDK bounds each such write
+        (5 s)."""
+        with anyio.CancelScope(shield=True):
+            for request in list(self._requests):
+                await request.done.wait()
 
     @property
     def offers_tasks(self) -> bool:

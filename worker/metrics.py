@@ -78,6 +78,12 @@ RUNS_IN_FLIGHT = Gauge(
     "runbrake_runs_in_flight", "Runs this worker process is executing (its registry of active runs).",
     registry=REGISTRY,
 )
+SLOTS_LENT = Gauge(
+    "runbrake_slots_lent",
+    "Runs of this worker process waiting for an agent run they called, their --concurrency slot lent to another run "
+    "(worker/intake.py, Slots); they are counted in runbrake_runs_in_flight too.",
+    registry=REGISTRY,
+)
 CANCEL_LISTENER_CONNECTED = Gauge(
     "runbrake_cancel_listener_connected", "1 while this process's cancel listener is bound and consuming, else 0.",
     registry=REGISTRY,

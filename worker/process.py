@@ -100,9 +100,10 @@ def run_worker_process(
     watch = LoopWatch(running_loop, concurrency=concurrency, max_lag_ms=settings.admit_max_lag_ms,
                       max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs,
                       max_cpu_pct=settings.admit_max_cpu_pct,
-                      in_flight=lambda: intake.in_flight)  # the intake, built next, asks the watch
+                      in_flight=lambda: intake.running)  # the intake, built next, asks the watch
     intake = Intake(runtime, concurrency=concurrency, watch=watch)
     metrics.SATURATION.set_function(watch.saturation)
+    metrics.SLOTS_LENT.set_function(lambda: intake.lent)
     declare_run_actor(broker, intake, settings)
     queues = {topology.run_queue}
     if include_noop:

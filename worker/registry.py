@@ -10,6 +10,7 @@ hops onto the run's loop with ``call_soon_threadsafe`` and cancels the scope the
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -118,7 +119,10 @@ class RunHandle:
         for scope in finishing:
             self.timers[scope] = cut_off_after(scope, self.graces[scope])
         if cut or finishing:
-            log.info("call_interrupted", run_id=self.run_id, reason=reason, calls=len(cut), finishing=len(finishing))
+            # Logged once the runs cut off with it ran to their steps' appends: a tree's cancel cuts off dozens of
+            # runs in one callback, and rendering their lines first would delay every step (bench/agent_tree.py).
+            self.loop.call_soon(functools.partial(log.info, "call_interrupted", run_id=self.run_id, reason=reason,
+                                                  calls=len(cut), finishing=len(finishing)))
 
 
 class ActiveRuns:
@@ -191,6 +195,26 @@ class ActiveRuns:
             handle.interrupt_requested = True
         return _on_loop(handle, handle._interrupt_on_loop, lost)
 
+    def interrupt_tree(self, run_ids: list[str]) -> list[str]:
+        """:meth:`interrupt` for the runs of one cancel wake-up (a run and the runs below it, each verified):
+        one hop onto each loop for them all, not one each (worker/cancel_listener.py). From any thread; the runs
+        interrupted, in ``run_ids``' order."""
+        with self._lock:
+            handles = [h for i in run_ids if (h := self._runs.get(i)) is not None and not h.interrupt_requested]
+            for handle in handles:
+                handle.interrupt_requested = True
+        by_loop: dict[asyncio.AbstractEventLoop, list[RunHandle]] = {}
+        for handle in handles:
+            by_loop.setdefault(handle.loop, []).append(handle)
+        reached: set[str] = set()
+        for loop, on_loop in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_interrupt_each, on_loop)
+            except RuntimeError:
+                continue  # the loop closed, and its runs with it
+            reached.update(h.run_id for h in on_loop)
+        return [i for i in run_ids if i in reached]
+
     def steer(self, run_id: str, steer: SteerRequest) -> bool:
         """Deliver a steer read from Redis to the run's loop (:meth:`RunHandle.steer_reached`). From any thread;
         False when this process does not execute the run. Unlike :meth:`interrupt`, not once per run: a run may
@@ -207,6 +231,11 @@ class ActiveRuns:
             self._handing_over = True
             handles = list(self._runs.values())
         return sum(_on_loop(handle, handle._hand_over_on_loop) for handle in handles)
+
+
+def _interrupt_each(handles: list[RunHandle]) -> None:
+    for handle in handles:
+        handle._interrupt_on_loop(False)
 
 
 def cut_off_after(scope: anyio.CancelScope, grace_s: float) -> asyncio.TimerHandle:

@@ -46,7 +46,7 @@ from runbrake.shared.spec import RunSpec
 from runbrake.shared.status import RunStatus, TerminationReason
 from runbrake.shared.steps import RunStep, StepKind
 from runbrake.worker import mcp_tasks, metrics
-from runbrake.worker.agents import AgentCalls, Caller, ChildRuns, count_above
+from runbrake.worker.agents import AgentCalls, Caller, ChildRuns, Slot
 from runbrake.worker.budget import BudgetGuard
 from runbrake.worker.conversation import Message, ModelSettings, ToolCall
 from runbrake.worker.deltas import DeltaPublisher, StreamedText
@@ -121,17 +121,17 @@ class RunHooks:
             step = self._budget.priced(step)
         step = self._subscribers.before_step(self._handle.run_id, step)
         token = uuid.uuid4().hex
+        # A model step below the first run of a tree counts against every run above it in the same round trip.
+        above = () if self._tree is None else self._tree.ancestors
         appended = await durably(
             lambda: self._store.append_step(self._handle.run_id, step, token=token, owner=self._handle.owner,
-                                            sent=sent),
+                                            sent=sent, above=above),
             within_s=self._lease_s, what="append_step")
         self._probed = True
         self._marked_model = None if sent is None else sent.model
         if sent is not None:
             self._marked.update(sent.calls)
         await self._subscribers.step(self._handle.run_id, appended.step)
-        if self._tree is not None:
-            await count_above(self._store, self._tree, appended.step)
         if appended.cancelled or self._handle.cancel_seen:
             raise CancelRequested(self._handle.run_id)
         if self._budget is not None:
@@ -417,22 +417,25 @@ class Runtime:
 
     async def execute(
         self, run_id: str, *, resume: bool = False, on_claim: Callable[[bool], object] | None = None,
-        traceparent: str | None = None,
+        traceparent: str | None = None, slot: Slot | None = None,
     ) -> RunOutcome:
         """Claim and run one segment of a run. Never raises for the run's own failures.
 
         ``on_claim(won)`` is called as soon as the claim is decided, before the segment runs: the consumer
         thread that took the message waits only for that (worker/intake.py). With tracing on, the segment is
-        a span (``runbrake.run.segment``), a child of ``traceparent`` (the run message's) when given.
+        a span (``runbrake.run.segment``), a child of ``traceparent`` (the run message's) when given. ``slot``:
+        the segment's slot (worker/intake.py, ``Seat``), which its agent calls lend while they wait; None: nothing
+        is lent.
         """
         segment = "resume" if resume else "start"
         with tracing.current().span("runbrake.run.segment", {"runbrake.run_id": run_id, "runbrake.segment": segment},
                                     parent=traceparent, kind="consumer") as span:
-            outcome = await self._execute(run_id, resume=resume, on_claim=on_claim)
+            outcome = await self._execute(run_id, resume=resume, on_claim=on_claim, slot=slot)
             span.set({"runbrake.segment.outcome": outcome.value})
             return outcome
 
-    async def _execute(self, run_id: str, *, resume: bool, on_claim: Callable[[bool], object] | None) -> RunOutcome:
+    async def _execute(self, run_id: str, *, resume: bool, on_claim: Callable[[bool], object] | None,
+                       slot: Slot | None) -> RunOutcome:
         with structlog.contextvars.bound_contextvars(run_id=run_id, segment="resume" if resume else "start"):
             owner = new_owner()
             # Tried again with the same owner while Redis cannot be reached: a claim that landed but whose
@@ -466,7 +469,7 @@ class Runtime:
                 # What the submitter wrote is theirs: the segment's writes do not cut a value found in it, so a
                 # guess echoed back is no oracle (shared/redaction.py, docs/security.md "What redaction promises").
                 with redaction.submitted(redaction.Submitted.of_json(claim.request_json or "")):
-                    outcome = await self._ladder(run_id, owner, handle, claim, resume=resume)
+                    outcome = await self._ladder(run_id, owner, handle, claim, resume=resume, slot=slot)
             finally:
                 self.registry.unregister(handle)
             log.info("run_segment_ended", outcome=outcome.value)  # the one line a segment's end costs
@@ -489,7 +492,8 @@ class Runtime:
         cancelled = await mcp_tasks.cancel_left(admitted.servers, tasks)
         log.info("mcp_tasks_left_cancelled", tasks=len(tasks), cancelled=cancelled)
 
-    async def _ladder(self, run_id: str, owner: str, handle: RunHandle, claim: Claim, *, resume: bool) -> RunOutcome:
+    async def _ladder(self, run_id: str, owner: str, handle: RunHandle, claim: Claim, *, resume: bool,
+                      slot: Slot | None = None) -> RunOutcome:
         budget: BudgetGuard | None = None
         try:
             # Checked again here: a producer can be bypassed by publishing to the queue directly.
@@ -505,7 +509,7 @@ class Runtime:
                                             tree_brake=self._children.budget_brake if spec.agents else None)
             hooks = RunHooks(self._store, handle, max_steps=spec.max_steps, lease_s=self._settings.lease_s,
                              subscribers=self.subscribers, budget=budget, tree=claim.tree)
-            caller = Caller(run_id, handle, claim.tenant, claim.tree, budget) if spec.agents else None
+            caller = Caller(run_id, handle, claim.tenant, claim.tree, budget, slot) if spec.agents else None
             state = self._initial_state(spec, claim.pending, resume=resume)
             if resume:
                 # The approval step was recorded by whoever approved (runbrake.shared.operations); probe here.
