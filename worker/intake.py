@@ -67,18 +67,18 @@ WORKER_TIMEOUT_MS = 200
 """How often idle Dramatiq threads wake up; 200 ms makes a stop take a fraction of a second."""
 
 
-GC_THRESHOLDS = (50_000, 20, 100)
-"""Python's defaults are (700, 10, 10). Thousands of runs in flight keep millions of objects alive, and
-each progress notification allocates dozens more (two tasks with their scopes and events): with the
-defaults the collector took two thirds of the loop's time at 2,000 runs in flight (py-spy --native:
-``gc_collect_main``)."""
+GC_THRESHOLDS = (2_000, 10, 100)
+"""Python's defaults are (700, 10, 10). A young collection walks the young objects and reads every object they
+point at, most of them old and spread over a heap of hundreds of megabytes: about 2 µs an object at 1,000 runs
+held, so its pause grows with the first threshold (108 ms at 50,000, the threshold before; docs/benchmarks.md,
+"Saturation: the collector's pause"), while the collector's time per allocation does not depend on it. 2,000
+bounds a young collection to a few milliseconds. The oldest generation's automatic collections hardly come:
+:class:`Collector` collects everything not frozen every second."""
 
 
 def tune_gc() -> None:
     """Freeze what the process built to start (imports, settings, threads) out of the collector's sight,
-    and collect young objects every 50,000 allocations instead of 700 (:data:`GC_THRESHOLDS`): most of
-    a run's churn dies young either way, and full collections, which walk every run's objects, come far
-    less often. Called once, before the process takes runs."""
+    and set the collector's thresholds (:data:`GC_THRESHOLDS`). Called once, before the process takes runs."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -114,30 +114,29 @@ grown this many times over the fewest seen since the last thaw."""
 
 
 class Collector(Periodic):
-    """Every ``RUNBRAKE_GC_INTERVAL_S`` (0: never; Python's thresholds alone), a collection of what the process
-    allocated since the last one, and the survivors frozen.
+    """Every ``RUNBRAKE_GC_INTERVAL_S`` (1 s; 0: never, Python's thresholds alone), a collection of what the
+    process allocated since the last one, and the survivors frozen.
 
-    With :data:`GC_THRESHOLDS` a young collection comes only after 50,000 more objects than were freed, and
-    the older generations' after 20 and 100 of those: on a worker at 5 runs a second, minutes apart, and
-    hours for the oldest. A run's cycles (its anyio cancel scopes, its exceptions with their tracebacks and
-    frames: about 600 objects a second there) that were alive at a young collection then wait in an older
-    generation, and the worker's RSS rose with them for the whole 30-minute soak
-    (docs/benchmarks.md, "Soak: the RSS growth"). A collection on a timer bounds how long garbage waits,
-    whatever the allocation rate.
+    A collection on a timer bounds how long garbage waits, whatever the allocation rate: a run's cycles (its
+    anyio cancel scopes, its exceptions with their tracebacks and frames) that were alive at a young collection
+    otherwise wait in an older generation, and a worker's RSS rose with them for a whole 30-minute soak
+    (docs/benchmarks.md, "Soak: the RSS growth").
 
     A full collection walks every object not frozen: with the runs it holds alive it took 0.45-1.03 s to
     find 140-185 objects of garbage at 500-650 runs held (docs/benchmarks.md, "Saturation: the collector's
     pause"), the interpreter held all along. So after each collection the survivors are frozen
-    (``gc.freeze``), and the next walks only what came since. A cycle frozen while alive is not found once it
-    dies (a run's, as it ends): the frozen heap grows with them. The interpreter's allocated blocks per run in
-    flight (``sys.getallocatedblocks``: live objects and the garbage frozen cycles keep) stay level while runs
-    come and go with nothing leaked, and grow with the garbage; once they have grown :data:`THAW_GROWTH` times
-    over the fewest seen since the last thaw, the heap is thawed for one whole collection (logged
-    ``gc_thawed``). Blocks, not the frozen objects: ``gc.get_freeze_count`` walks the frozen list with the
-    interpreter held, about 0.1 µs an object, 0.2 s at the 2 million objects of 1,000 runs held, where the
-    blocks are counted pool by pool (0.5 ms for 4.6 million); and not the RSS, which freed memory reused hides.
-    Garbage stays below the live heap's size, and the long pause comes once the garbage has grown that large (or
-    as runs end, when the process holds fewer), not every interval and not while the runs held grow."""
+    (``gc.freeze``), and the next walks only what came since: the objects of the runs taken since, which at
+    about 1,000 runs held and 10 s apart took 108-198 ms, and a tenth of that a second apart. A cycle frozen
+    while alive is not found once it dies (a run's, as it ends): the frozen heap grows with them. The
+    interpreter's allocated blocks per run in flight (``sys.getallocatedblocks``: live objects and the garbage
+    frozen cycles keep) stay level while runs come and go with nothing leaked, and grow with the garbage; once
+    they have grown :data:`THAW_GROWTH` times over the fewest seen since the last thaw, the heap is thawed for
+    one whole collection (logged ``gc_thawed``). Blocks, not the frozen objects: ``gc.get_freeze_count`` walks
+    the frozen list with the interpreter held, about 0.1 µs an object, 0.2 s at the 2 million objects of 1,000
+    runs held, where the blocks are counted pool by pool (0.5 ms for 4.6 million); and not the RSS, which freed
+    memory reused hides. Garbage stays below the live heap's size, and the long pause comes once the garbage has
+    grown that large (or as runs end, when the process holds fewer), not every interval and not while the runs
+    held grow."""
 
     def __init__(self, interval_s: float, *, in_flight: Callable[[], int]) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
