@@ -69,11 +69,12 @@ WORKER_TIMEOUT_MS = 200
 
 GC_THRESHOLDS = (2_000, 10, 100)
 """Python's defaults are (700, 10, 10). A young collection walks the young objects and reads every object they
-point at, most of them old and spread over a heap of hundreds of megabytes: about 2 µs an object at 1,000 runs
-held, so its pause grows with the first threshold (108 ms at 50,000, the threshold before; docs/benchmarks.md,
-"Saturation: the collector's pause"), while the collector's time per allocation does not depend on it. 2,000
-bounds a young collection to a few milliseconds. The oldest generation's automatic collections hardly come:
-:class:`Collector` collects everything not frozen every second."""
+point at, most of them old and spread over a heap of hundreds of megabytes: about 2 µs an object at a few hundred
+runs held (loaded), so its pause grows with the first threshold (up to 108 ms at 50,000, the threshold before;
+docs/benchmarks.md, "Saturation: the collector's pause"), while the collector's time per allocation hardly
+depends on it. 50,000 was set when the automatic full collections walked every run's objects (two thirds of the
+loop at 2,000 runs in flight with the defaults); :class:`Collector` now freezes what survives and collects what
+is not frozen every second, so the oldest generation's automatic collections hardly come and are short."""
 
 
 def tune_gc() -> None:
@@ -126,7 +127,7 @@ class Collector(Periodic):
     find 140-185 objects of garbage at 500-650 runs held (docs/benchmarks.md, "Saturation: the collector's
     pause"), the interpreter held all along. So after each collection the survivors are frozen
     (``gc.freeze``), and the next walks only what came since: the objects of the runs taken since, which at
-    about 1,000 runs held and 10 s apart took 108-198 ms, and a tenth of that a second apart. A cycle frozen
+    about 1,000 runs held and 10 s apart took 108-198 ms; a second apart, fewer. A cycle frozen
     while alive is not found once it dies (a run's, as it ends): the frozen heap grows with them. The
     interpreter's allocated blocks per run in flight (``sys.getallocatedblocks``: live objects and the garbage
     frozen cycles keep) stay level while runs come and go with nothing leaked, and grow with the garbage; once

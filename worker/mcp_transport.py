@@ -272,6 +272,7 @@ class McpConnection:
                     )
                     cursor = page.next_cursor
                     if cursor is None:
+                        self._progress.drop_tools()
                         return tools
             except Exception as exc:
                 if not is_transport_fault(exc):
