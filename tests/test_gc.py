@@ -99,15 +99,36 @@ def test_more_runs_held_do_not_thaw_the_frozen_heap_but_garbage_as_large_as_it_d
     holder[0].other.other = holder[0]
     weakref.finalize(holder[0], freed.set)
     runs.append(run_heap(20_000))
-    collector.tick()  # one run's heap and the cycle frozen while alive: the objects per run seen
+    collector.tick()  # one run's heap and the cycle frozen while alive
+    collector.tick()  # the runs in flight did not grow since: the objects per run seen
     holder.clear()  # the cycle dies frozen: only a thaw frees it
     for _ in range(3):  # the runs held grow eightfold: each run's heap is frozen, as many per run as before
         runs.extend(run_heap(20_000) for _ in range(len(runs)))
+        collector.tick()
         collector.tick()
     assert not freed.is_set(), "the runs' growth thawed the frozen heap"
     del runs[len(runs) // 4:]  # three runs in four end: their cycles are frozen garbage now
     collector.tick()  # per run in flight the frozen heap grew fourfold: this one thaws it and collects it all
     assert freed.is_set()
+
+
+@pytest.mark.usefixtures("tuned_gc")
+def test_runs_just_taken_set_no_measure_the_heap_is_thawed_against() -> None:
+    runs: list[list[Node]] = []
+    collector = Collector(1, in_flight=lambda: len(runs))
+    freed = threading.Event()
+    holder = [Node()]
+    holder[0].other = Node()
+    holder[0].other.other = holder[0]
+    weakref.finalize(holder[0], freed.set)
+    collector.tick()  # the boot heap, and the cycle frozen while alive
+    holder.clear()  # the cycle dies frozen: only a thaw frees it
+    runs.extend([] for _ in range(10))  # ten runs just taken, nothing built yet: per run, next to nothing
+    collector.tick()
+    for run in runs:  # they build their heaps: per run, far more than just read
+        run.extend(run_heap(20_000))
+    collector.tick()  # the runs in flight did not grow: judged against the fewest seen, which is this
+    assert not freed.is_set(), "the runs' building thawed the frozen heap"
 
 
 @pytest.mark.usefixtures("tuned_gc")

@@ -132,7 +132,8 @@ class Collector(Periodic):
     interpreter's allocated blocks per run in flight (``sys.getallocatedblocks``: live objects and the garbage
     frozen cycles keep) stay level while runs come and go with nothing leaked, and grow with the garbage; once
     they have grown :data:`THAW_GROWTH` times over the fewest seen since the last thaw, the heap is thawed for
-    one whole collection (logged ``gc_thawed``). Blocks, not the frozen objects: ``gc.get_freeze_count`` walks
+    one whole collection (logged ``gc_thawed``); both read only at a tick when the runs in flight have not grown
+    since the last. Blocks, not the frozen objects: ``gc.get_freeze_count`` walks
     the frozen list with the interpreter held, about 0.1 µs an object, 0.2 s at the 2 million objects of 1,000
     runs held, where the blocks are counted pool by pool (0.5 ms for 4.6 million); and not the RSS, which freed
     memory reused hides. Garbage stays below the live heap's size, and the long pause comes once the garbage has
@@ -145,7 +146,10 @@ class Collector(Periodic):
         self._boot: int | None = None
         """The allocated blocks at the first tick (the process built to start): no run's."""
         self._fewest: float | None = None
-        """The fewest allocated blocks per run in flight seen since the last thaw (None: no run seen yet)."""
+        """The fewest allocated blocks per run in flight seen since the last thaw at a tick when the runs in flight had
+        not grown (None: none seen yet)."""
+        self._runs_last = 0
+        """The runs in flight at the last tick."""
 
     def _per_run(self) -> float | None:
         """Allocated blocks, the boot's aside, per run in flight; None with no run in flight."""
@@ -155,14 +159,19 @@ class Collector(Periodic):
     def tick(self) -> None:
         if self._boot is None:
             self._boot = sys.getallocatedblocks()
+        # Runs taken since the last tick have built little yet: blocks per run read then are too few, and a thaw
+        # judged against them came as the runs were taken, with nothing to find (docs/benchmarks.md, "Saturation:
+        # the collector's pause"). Garbage comes as runs end, when the runs in flight do not grow.
+        runs = self._in_flight()
+        settled, self._runs_last = runs <= self._runs_last, runs
         per_run = self._per_run()
-        if per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
+        if settled and per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
             self.thaw()
             return
         gc.collect()
         gc.freeze()
         per_run = self._per_run()
-        if per_run is not None:
+        if settled and per_run is not None:
             self._fewest = per_run if self._fewest is None else min(self._fewest, per_run)
 
     def thaw(self) -> None:

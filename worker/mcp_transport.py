@@ -92,7 +92,7 @@ _shared_tools: dict[tuple[str, str, str], ToolInfo] = {}
 def _shared(where: str, tool: ToolInfo) -> ToolInfo:
     """``tool`` as the process last kept it when that is equal (its description and input schema alike),
     else ``tool``, kept from now on: every run still lists its servers' tools at its start and sees what they
-    answered, but runs that got the same keep one copy, not one each (about 36 KiB a run of the npm reference
+    answered, but runs that got the same keep one copy, not one each (about 4 KiB a run of the npm reference
     server's: docs/benchmarks.md, "Saturation: memory per run"). Nothing changes a ``ToolInfo`` or its schema
     once made (the providers copy the schema into each request)."""
     key = (tool.server, where, tool.name)
