@@ -132,6 +132,27 @@ def test_runs_just_taken_set_no_measure_the_heap_is_thawed_against() -> None:
 
 
 @pytest.mark.usefixtures("tuned_gc")
+def test_the_garbage_of_the_process_start_is_not_counted_as_its_boot_heap() -> None:
+    runs: list[list[Node]] = []
+    collector = Collector(1, in_flight=lambda: len(runs))
+    freed = threading.Event()
+    holder = [Node()]
+    holder[0].other = Node()
+    holder[0].other.other = holder[0]
+    weakref.finalize(holder[0], freed.set)
+    run_heap(60_000)  # the start's garbage: cycles no collection has found yet, more than a run's heap
+    collector.tick()  # the boot heap, and the cycle frozen while alive
+    holder.clear()  # the cycle dies frozen: only a thaw frees it
+    runs.append(run_heap(20_000))
+    collector.tick()
+    collector.tick()  # the runs in flight did not grow: one run's heap per run, the fewest seen
+    runs.extend(run_heap(20_000) for _ in range(3))
+    collector.tick()
+    collector.tick()  # four runs, as many blocks per run as one
+    assert not freed.is_set(), "more runs held thawed the frozen heap"
+
+
+@pytest.mark.usefixtures("tuned_gc")
 def test_an_interval_of_zero_turns_the_collector_off() -> None:
     collector = Collector(0, in_flight=lambda: 0)
     collector.start()

@@ -144,7 +144,10 @@ class Collector(Periodic):
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
         self._in_flight = in_flight
         self._boot: int | None = None
-        """The allocated blocks at the first tick (the process built to start): no run's."""
+        """The fewest allocated blocks after a collection with no run in flight (the process built to start): no
+        run's. Read before the collection, the start's garbage made it too large, the blocks per run read too few
+        while the process held few runs, and taking more runs thawed the heap (docs/benchmarks.md, "Saturation:
+        the collector's pause")."""
         self._fewest: float | None = None
         """The fewest allocated blocks per run in flight seen since the last thaw at a tick when the runs in flight had
         not grown (None: none seen yet)."""
@@ -157,8 +160,6 @@ class Collector(Periodic):
         return max(sys.getallocatedblocks() - (self._boot or 0), 0) / runs if runs else None
 
     def tick(self) -> None:
-        if self._boot is None:
-            self._boot = sys.getallocatedblocks()
         # Runs taken since the last tick have built little yet: blocks per run read then are too few, and a thaw
         # judged against them came as the runs were taken, with nothing to find (docs/benchmarks.md, "Saturation:
         # the collector's pause"). Garbage comes as runs end, when the runs in flight do not grow.
@@ -170,6 +171,9 @@ class Collector(Periodic):
             return
         gc.collect()
         gc.freeze()
+        if runs == 0:  # after the collection: the garbage of the process's start is no part of it
+            blocks = sys.getallocatedblocks()
+            self._boot = blocks if self._boot is None else min(self._boot, blocks)
         per_run = self._per_run()
         if settled and per_run is not None:
             self._fewest = per_run if self._fewest is None else min(self._fewest, per_run)
