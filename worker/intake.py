@@ -69,7 +69,7 @@ WORKER_TIMEOUT_MS = 200
 
 GC_THRESHOLDS = (2_000, 10, 100)
 """Python's defaults are (700, 10, 10). A young collection walks the young objects and reads every object they
-point at, most of them old and spread over a heap of hundreds of megabytes: about 2 µs an object at a few hundred
+point at, most of them old and spread over a heap of hundreds of megabytes: about 1-2 µs an object at a few hundred
 runs held (loaded), so its pause grows with the first threshold (up to 108 ms at 50,000, the threshold before;
 docs/benchmarks.md, "Saturation: the collector's pause"), while the collector's time per allocation hardly
 depends on it. 50,000 was set when the automatic full collections walked every run's objects (two thirds of the
