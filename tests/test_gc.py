@@ -88,16 +88,22 @@ def run_heap(objects: int) -> list[Node]:
     return heap
 
 
+def held_cycle(freed: threading.Event) -> list[Node]:
+    """A two-object cycle kept alive by the list returned (cleared, it is garbage); ``freed`` is set when collected."""
+    holder = [Node()]
+    holder[0].other = Node()
+    holder[0].other.other = holder[0]
+    weakref.finalize(holder[0], freed.set)
+    return holder
+
+
 @pytest.mark.usefixtures("tuned_gc")
 def test_more_runs_held_do_not_thaw_the_frozen_heap_but_garbage_as_large_as_it_does() -> None:
     runs: list[list[Node]] = []
     collector = Collector(1, in_flight=lambda: len(runs))
     collector.tick()  # the boot heap
     freed = threading.Event()
-    holder = [Node()]
-    holder[0].other = Node()
-    holder[0].other.other = holder[0]
-    weakref.finalize(holder[0], freed.set)
+    holder = held_cycle(freed)
     runs.append(run_heap(20_000))
     collector.tick()  # one run's heap and the cycle frozen while alive
     collector.tick()  # the runs in flight did not grow since: the objects per run seen
@@ -117,10 +123,7 @@ def test_runs_just_taken_set_no_measure_the_heap_is_thawed_against() -> None:
     runs: list[list[Node]] = []
     collector = Collector(1, in_flight=lambda: len(runs))
     freed = threading.Event()
-    holder = [Node()]
-    holder[0].other = Node()
-    holder[0].other.other = holder[0]
-    weakref.finalize(holder[0], freed.set)
+    holder = held_cycle(freed)
     collector.tick()  # the boot heap, and the cycle frozen while alive
     holder.clear()  # the cycle dies frozen: only a thaw frees it
     runs.extend([] for _ in range(10))  # ten runs just taken, nothing built yet: per run, next to nothing
@@ -133,14 +136,11 @@ def test_runs_just_taken_set_no_measure_the_heap_is_thawed_against() -> None:
 
 @pytest.mark.usefixtures("tuned_gc")
 def test_the_garbage_of_the_process_start_is_not_counted_as_its_boot_heap() -> None:
+    freed = threading.Event()
+    holder = held_cycle(freed)
+    run_heap(60_000)  # the start's garbage: cycles no collection has found yet, more than a run's heap
     runs: list[list[Node]] = []
     collector = Collector(1, in_flight=lambda: len(runs))
-    freed = threading.Event()
-    holder = [Node()]
-    holder[0].other = Node()
-    holder[0].other.other = holder[0]
-    weakref.finalize(holder[0], freed.set)
-    run_heap(60_000)  # the start's garbage: cycles no collection has found yet, more than a run's heap
     collector.tick()  # the boot heap, and the cycle frozen while alive
     holder.clear()  # the cycle dies frozen: only a thaw frees it
     runs.append(run_heap(20_000))
