@@ -161,7 +161,7 @@ def test_an_interval_of_zero_turns_the_collector_off() -> None:
     assert collector.health().detail == "off"
 
 
-def test_a_worker_collects_every_second_by_default_and_the_setting_is_read() -> None:
-    assert Settings.from_env({}).gc_interval_s == 1.0
+def test_a_worker_collects_twice_a_second_by_default_and_the_setting_is_read() -> None:
+    assert Settings.from_env({}).gc_interval_s == 0.5
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "0"}).gc_interval_s == 0.0
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "2.5"}).gc_interval_s == 2.5

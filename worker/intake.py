@@ -74,7 +74,7 @@ runs held (loaded), so its pause grows with the first threshold (up to 108 ms at
 docs/benchmarks.md, "Saturation: the collector's pause"), while the collector's time per allocation hardly
 depends on it. 50,000 was set when the automatic full collections walked every run's objects (two thirds of the
 loop at 2,000 runs in flight with the defaults); :class:`Collector` now freezes what survives and collects what
-is not frozen every second, so the oldest generation's automatic collections hardly come and are short."""
+is not frozen twice a second, so the oldest generation's automatic collections hardly come and are short."""
 
 
 def tune_gc() -> None:
@@ -115,7 +115,7 @@ grown this many times over the fewest seen since the last thaw."""
 
 
 class Collector(Periodic):
-    """Every ``RUNBRAKE_GC_INTERVAL_S`` (1 s; 0: never, Python's thresholds alone), a collection of what the
+    """Every ``RUNBRAKE_GC_INTERVAL_S`` (0.5 s; 0: never, Python's thresholds alone), a collection of what the
     process allocated since the last one, and the survivors frozen.
 
     A collection on a timer bounds how long garbage waits, whatever the allocation rate: a run's cycles (its
@@ -127,7 +127,8 @@ class Collector(Periodic):
     find 140-185 objects of garbage at 500-650 runs held (docs/benchmarks.md, "Saturation: the collector's
     pause"), the interpreter held all along. So after each collection the survivors are frozen
     (``gc.freeze``), and the next walks only what came since: the objects of the runs taken since, which at
-    about 1,000 runs held and 10 s apart took 108-198 ms; a second apart, fewer. A cycle frozen
+    about 1,000 runs held and 10 s apart took 108-198 ms; 1 s apart 34-38 ms and 0.5 s apart 15 ms on average at
+    300-450 runs held (loaded). A cycle frozen
     while alive is not found once it dies (a run's, as it ends): the frozen heap grows with them. The
     interpreter's allocated blocks per run in flight (``sys.getallocatedblocks``: live objects and the garbage
     frozen cycles keep) stay level while runs come and go with nothing leaked, and grow with the garbage; once
