@@ -97,11 +97,25 @@ def metric(port: int, name: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-def full_collections(port: int) -> dict[str, float | None]:
-    """The worker's full garbage collections so far: how many, and their mean pause in ms."""
-    count = metric(port, 'runbrake_gc_pause_seconds_count{generation="2"}')
-    total = metric(port, 'runbrake_gc_pause_seconds_sum{generation="2"}')
-    return {"count": count, "mean_ms": round(1000 * total / count, 1) if count and total is not None else None}
+PAUSE_BOUNDS_S = (0.01, 0.025, 0.1)
+"""The pauses counted apart in :func:`collections`: longer than each (buckets of ``runbrake_gc_pause_seconds``)."""
+
+
+def collections(port: int) -> dict[str, dict[str, float | None]]:
+    """The worker's garbage collections so far, by generation: how many, their mean pause and the longest bucket
+    (ms), and how many paused longer than each of :data:`PAUSE_BOUNDS_S` (``over_10ms``…)."""
+    found: dict[str, dict[str, float | None]] = {}
+    for generation in ("0", "1", "2"):
+        label = f'generation="{generation}"'
+        count = metric(port, f"runbrake_gc_pause_seconds_count{{{label}}}")
+        total = metric(port, f"runbrake_gc_pause_seconds_sum{{{label}}}")
+        row: dict[str, float | None] = {
+            "count": count, "mean_ms": round(1000 * total / count, 1) if count and total is not None else None}
+        for bound in PAUSE_BOUNDS_S:
+            within = metric(port, f'runbrake_gc_pause_seconds_bucket{{{label},le="{bound}"}}')
+            row[f"over_{bound * 1000:g}ms"] = None if count is None or within is None else count - within
+        found[generation] = row
+    return found
 
 
 def listening_pids(port: int) -> list[int]:
@@ -144,7 +158,7 @@ class Load:
         self._dump_heap(worker)
         hold = self._hold(worker)
         cancel = self._cancels(held, worker)
-        collections = full_collections(self.metrics_port)
+        collections_ = collections(self.metrics_port)
         broken = self._broken(held, set(cancel.pop("cancelled")), worker)
         worker.log.read_new()
         lapsed = sum(1 for e in worker.log.entries if e.get("event") == "lease_not_renewed")
@@ -155,7 +169,7 @@ class Load:
             "offered": self.offered, "held": len(held), "calls_broken": broken, "leases_lapsed": lapsed,
             "handed_back": handed_back, "cancel": cancel,
             "kib_per_run_held": round((rss_kib - idle_kib) / max(len(held), 1), 1),
-            "rss_mib": round(rss_kib / 1024, 1), **hold, "full_collections": collections, "worker_exit": code,
+            "rss_mib": round(rss_kib / 1024, 1), **hold, "collections": collections_, "worker_exit": code,
         }
 
     def _start_worker(self) -> Worker:
@@ -288,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"loop lag p50 {row['loop_lag_ms'].get('p50', '-')} ms, "
                   f"{row['kib_per_run_held']} KiB a run, CPU worker {row['worker_cpu_pct']} % server "
                   f"{row['server_cpu_pct']} % redis {row['redis_cpu_pct']} % rabbitmq {row['rabbitmq_cpu_pct']} %, "
-                  f"collections (generation 2) {row['full_collections']}",
+                  f"collections by generation {row['collections']}",
                   flush=True)
         path = bench.write_results({"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
                                                               for k, v in vars(args).items()}, "loads": rows})

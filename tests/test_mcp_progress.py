@@ -8,6 +8,7 @@ server is not asked for progress, or whose progress never arrives, or arrives at
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import anyio
@@ -16,6 +17,7 @@ from mcp.shared.message import SessionMessage
 from mcp_types import JSONRPCNotification, JSONRPCResponse
 
 from runbrake.shared import RunStore
+from runbrake.shared.errors import ToolCallCancelled
 from runbrake.shared.messaging.producer import Producer
 from runbrake.worker.mcp_progress import ProgressRoutes
 from runbrake.worker.mcp_transport import McpConnection
@@ -117,6 +119,40 @@ async def test_a_progress_callback_that_blocks_never_holds_up_its_call_or_a_canc
     assert not finished.is_error
     assert type(cancelled.value).__name__ == "ToolCallCancelled"
     assert calls >= 1
+
+
+def _listings_kept() -> int:
+    """The ``tools/list`` answers alive in this process, as the SDK's JSON-RPC layer got them."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, JSONRPCResponse) and "tools" in o.result)
+
+
+@pytest.mark.anyio
+async def test_a_connection_in_a_call_keeps_no_copy_of_the_tools_answer_it_listed(toolbox: Toolbox) -> None:
+    """The SDK's dispatcher keeps the last answer it got until the next message; in a call whose messages are
+    only progress, taken out before it, that was the whole ``tools/list`` answer for as long as the call."""
+    started = anyio.Event()
+
+    async def callback(progress: float, total: float | None, message: str | None) -> None:
+        started.set()
+
+    before = _listings_kept()
+    async with McpConnection.open(toolbox.spec) as connection:
+        tools = await connection.list_tools()
+        async with anyio.create_task_group() as group:
+            async def in_a_call() -> None:
+                with pytest.raises(ToolCallCancelled):
+                    await connection.call("slow", {"seconds": 60}, timeout_s=BOUND_S * 2, interrupt=interrupt,
+                                          progress=callback)
+            interrupt = anyio.CancelScope()
+            group.start_soon(in_a_call)
+            with anyio.fail_after(BOUND_S):
+                await started.wait()  # the call is in flight, its progress coming
+            kept = _listings_kept()
+            interrupt.cancel()
+
+    assert {tool.name for tool in tools} >= {"slow"}
+    assert kept == before
 
 
 @pytest.mark.parametrize(("setting", "asked"), [("always", True), ("off", False)])

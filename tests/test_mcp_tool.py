@@ -9,6 +9,7 @@ processes; the events file they write is how a test sees the server side.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ from runbrake.shared.tool_result import ToolResult
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_tool import execute, not_connected
 from runbrake.worker.mcp_transport import McpConnection
+from tests.hostile_http import HostileServer, Reply, Request, Whole, mcp_responder
 from tests.mcp_helpers import (
     Toolbox,
     free_port,
@@ -89,6 +91,36 @@ async def test_discovery_lists_every_tool_of_the_server_with_its_input_schema(to
     assert get_sum.model_name == "toolbox__get-sum"
     assert get_sum.description == "Add two integers."
     assert get_sum.input_schema["required"] == ["a", "b"]
+
+
+async def test_runs_that_list_the_same_tools_keep_one_copy_and_a_changed_listing_is_seen(toolbox: Toolbox) -> None:
+    """Each connection (a run's, at its start) lists the server's tools itself; what it got is kept once per
+    process where it equals what another got (docs/benchmarks.md, "Saturation: memory per run")."""
+    with anyio.fail_after(BOUND_S):
+        async with McpConnection.open(toolbox.spec) as first, McpConnection.open(toolbox.spec) as second:
+            tools = await first.list_tools()
+            again = await second.list_tools()
+    assert again == tools
+    assert all(a is b for a, b in zip(again, tools, strict=True)), "the second run's listing is a copy of its own"
+
+    description = ["answers"]
+
+    def respond(request: Request) -> Reply:
+        message = request.json() if request.method == "POST" else {}
+        if message.get("method") != "tools/list":
+            return mcp_responder(lambda _: Whole(500), tool="t")(request)
+        result = {"tools": [{"name": "t", "description": description[0], "inputSchema": {"type": "object"}}]}
+        return Whole(200, {"content-type": "application/json"},
+                     json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": result}).encode())
+
+    with HostileServer(respond) as server, anyio.fail_after(BOUND_S):
+        spec = HttpServerSpec(name="changing", url=f"{server.url}/mcp")
+        async with McpConnection.open(spec) as connection:
+            [before] = await connection.list_tools()
+        description[0] = "answers otherwise"  # the server's listing changed between two runs' starts
+        async with McpConnection.open(spec) as connection:
+            [after] = await connection.list_tools()
+    assert (before.description, after.description) == ("answers", "answers otherwise")
 
 
 async def test_a_successful_call_is_ok_and_carries_the_text_and_the_structured_result(toolbox: Toolbox) -> None:

@@ -68,18 +68,19 @@ WORKER_TIMEOUT_MS = 200
 """How often idle Dramatiq threads wake up; 200 ms makes a stop take a fraction of a second."""
 
 
-GC_THRESHOLDS = (50_000, 20, 100)
-"""Python's defaults are (700, 10, 10). Thousands of runs in flight keep millions of objects alive, and
-each progress notification allocates dozens more (two tasks with their scopes and events): with the
-defaults the collector took two thirds of the loop's time at 2,000 runs in flight (py-spy --native:
-``gc_collect_main``)."""
+GC_THRESHOLDS = (2_000, 10, 100)
+"""Python's defaults are (700, 10, 10). A young collection walks the young objects and reads every object they
+point at, most of them old and spread over a heap of hundreds of megabytes: about 1-2 µs an object at a few hundred
+runs held (loaded), so its pause grows with the first threshold (up to 108 ms at 50,000, the threshold before;
+docs/benchmarks.md, "Saturation: the collector's pause"), while the collector's time per allocation hardly
+depends on it. 50,000 was set when the automatic full collections walked every run's objects (two thirds of the
+loop at 2,000 runs in flight with the defaults); :class:`Collector` now freezes what survives and collects what
+is not frozen twice a second, so the oldest generation's automatic collections hardly come and are short."""
 
 
 def tune_gc() -> None:
     """Freeze what the process built to start (imports, settings, threads) out of the collector's sight,
-    and collect young objects every 50,000 allocations instead of 700 (:data:`GC_THRESHOLDS`): most of
-    a run's churn dies young either way, and full collections, which walk every run's objects, come far
-    less often. Called once, before the process takes runs."""
+    and set the collector's thresholds (:data:`GC_THRESHOLDS`). Called once, before the process takes runs."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -115,38 +116,45 @@ grown this many times over the fewest seen since the last thaw."""
 
 
 class Collector(Periodic):
-    """Every ``RUNBRAKE_GC_INTERVAL_S`` (0: never; Python's thresholds alone), a collection of what the process
-    allocated since the last one, and the survivors frozen.
+    """Every ``RUNBRAKE_GC_INTERVAL_S`` (0.5 s; 0: never, Python's thresholds alone), a collection of what the
+    process allocated since the last one, and the survivors frozen.
 
-    With :data:`GC_THRESHOLDS` a young collection comes only after 50,000 more objects than were freed, and
-    the older generations' after 20 and 100 of those: on a worker at 5 runs a second, minutes apart, and
-    hours for the oldest. A run's cycles (its anyio cancel scopes, its exceptions with their tracebacks and
-    frames: about 600 objects a second there) that were alive at a young collection then wait in an older
-    generation, and the worker's RSS rose with them for the whole 30-minute soak
-    (docs/benchmarks.md, "Soak: the RSS growth"). A collection on a timer bounds how long garbage waits,
-    whatever the allocation rate.
+    A collection on a timer bounds how long garbage waits, whatever the allocation rate: a run's cycles (its
+    anyio cancel scopes, its exceptions with their tracebacks and frames) that were alive at a young collection
+    otherwise wait in an older generation, and a worker's RSS rose with them for a whole 30-minute soak
+    (docs/benchmarks.md, "Soak: the RSS growth").
 
     A full collection walks every object not frozen: with the runs it holds alive it took 0.45-1.03 s to
     find 140-185 objects of garbage at 500-650 runs held (docs/benchmarks.md, "Saturation: the collector's
     pause"), the interpreter held all along. So after each collection the survivors are frozen
-    (``gc.freeze``), and the next walks only what came since. A cycle frozen while alive is not found once it
-    dies (a run's, as it ends): the frozen heap grows with them. The interpreter's allocated blocks per run in
-    flight (``sys.getallocatedblocks``: live objects and the garbage frozen cycles keep) stay level while runs
-    come and go with nothing leaked, and grow with the garbage; once they have grown :data:`THAW_GROWTH` times
-    over the fewest seen since the last thaw, the heap is thawed for one whole collection (logged
-    ``gc_thawed``). Blocks, not the frozen objects: ``gc.get_freeze_count`` walks the frozen list with the
-    interpreter held, about 0.1 µs an object, 0.2 s at the 2 million objects of 1,000 runs held, where the
-    blocks are counted pool by pool (0.5 ms for 4.6 million); and not the RSS, which freed memory reused hides.
-    Garbage stays below the live heap's size, and the long pause comes once the garbage has grown that large (or
-    as runs end, when the process holds fewer), not every interval and not while the runs held grow."""
+    (``gc.freeze``), and the next walks only what came since: the objects of the runs taken since, which at
+    about 1,000 runs held and 10 s apart took 108-198 ms; 1 s apart 34-38 ms and 0.5 s apart 15 ms on average at
+    300-450 runs held (loaded). A cycle frozen
+    while alive is not found once it dies (a run's, as it ends): the frozen heap grows with them. The
+    interpreter's allocated blocks per run in flight (``sys.getallocatedblocks``: live objects and the garbage
+    frozen cycles keep) stay level while runs come and go with nothing leaked, and grow with the garbage; once
+    they have grown :data:`THAW_GROWTH` times over the fewest seen since the last thaw, the heap is thawed for
+    one whole collection (logged ``gc_thawed``); both read only at a tick when the runs in flight have not grown
+    since the last. Blocks, not the frozen objects: ``gc.get_freeze_count`` walks
+    the frozen list with the interpreter held, about 0.1 µs an object, 0.2 s at the 2 million objects of 1,000
+    runs held, where the blocks are counted pool by pool (0.5 ms for 4.6 million); and not the RSS, which freed
+    memory reused hides. Garbage stays below the live heap's size, and the long pause comes once the garbage has
+    grown that large (or as runs end, when the process holds fewer), not every interval and not while the runs
+    held grow."""
 
     def __init__(self, interval_s: float, *, in_flight: Callable[[], int]) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
         self._in_flight = in_flight
         self._boot: int | None = None
-        """The allocated blocks at the first tick (the process built to start): no run's."""
+        """The fewest allocated blocks after a collection with no run in flight (the process built to start): no
+        run's. Read before the collection, the start's garbage made it too large, the blocks per run read too few
+        while the process held few runs, and taking more runs thawed the heap (docs/benchmarks.md, "Saturation:
+        the collector's pause")."""
         self._fewest: float | None = None
-        """The fewest allocated blocks per run in flight seen since the last thaw (None: no run seen yet)."""
+        """The fewest allocated blocks per run in flight seen since the last thaw at a tick when the runs in flight had
+        not grown (None: none seen yet)."""
+        self._runs_last = 0
+        """The runs in flight at the last tick."""
 
     def _per_run(self) -> float | None:
         """Allocated blocks, the boot's aside, per run in flight; None with no run in flight."""
@@ -154,16 +162,22 @@ class Collector(Periodic):
         return max(sys.getallocatedblocks() - (self._boot or 0), 0) / runs if runs else None
 
     def tick(self) -> None:
-        if self._boot is None:
-            self._boot = sys.getallocatedblocks()
+        # Runs taken since the last tick have built little yet: blocks per run read then are too few, and a thaw
+        # judged against them came as the runs were taken, with nothing to find (docs/benchmarks.md, "Saturation:
+        # the collector's pause"). Garbage comes as runs end, when the runs in flight do not grow.
+        runs = self._in_flight()
+        settled, self._runs_last = runs <= self._runs_last, runs
         per_run = self._per_run()
-        if per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
+        if settled and per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
             self.thaw()
             return
         gc.collect()
         gc.freeze()
+        if runs == 0:  # after the collection: the garbage of the process's start is no part of it
+            blocks = sys.getallocatedblocks()
+            self._boot = blocks if self._boot is None else min(self._boot, blocks)
         per_run = self._per_run()
-        if per_run is not None:
+        if settled and per_run is not None:
             self._fewest = per_run if self._fewest is None else min(self._fewest, per_run)
 
     def thaw(self) -> None:

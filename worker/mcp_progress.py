@@ -19,7 +19,10 @@ The SDK has no supported hook that takes a progress notification inline (its
 
 What it relies on in the SDK is only public: the ``Transport`` protocol (an async context manager of a
 read and a write stream), ``SessionMessage`` and the JSON-RPC types, and ``Client.call_tool(meta=…)``.
-tests/test_mcp_progress.py fails when any of these changes under it.
+tests/test_mcp_progress.py fails when any of these changes under it. One thing it does because of how the SDK is
+built, not what it promises: the SDK's dispatcher keeps the last message it read until the next one, so the tap
+empties a ``tools/list`` answer once it has been read (:meth:`ProgressRoutes.drop_tools`); were that no longer
+so, emptying it would change nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from mcp.client import Transport
 from mcp.client._transport import TransportStreams
 from mcp.shared.dispatcher import ProgressFnT
 from mcp.shared.message import SessionMessage
-from mcp_types import JSONRPCNotification, RequestParamsMeta
+from mcp_types import JSONRPCNotification, JSONRPCResponse, RequestParamsMeta
 
 __all__ = ["ProgressRoutes", "ProgressTap"]
 
@@ -89,6 +92,23 @@ class ProgressRoutes:
 
     def __init__(self) -> None:
         self._routes: dict[str, _Route] = {}
+        self._last_answer: JSONRPCResponse | None = None
+        """The last answer the tap passed on: the SDK's dispatcher keeps it as its loop's variable until the next
+        message comes, and a run in a long call gets none but its progress, taken out here (:meth:`drop_tools`)."""
+
+    def passed(self, item: SessionMessage | Exception) -> None:
+        """The tap passed ``item`` on to the SDK."""
+        if isinstance(item, SessionMessage) and isinstance(item.message, JSONRPCResponse):
+            self._last_answer = item.message
+
+    def drop_tools(self) -> None:
+        """Empty the last answer passed on if it is a ``tools/list`` answer, once its caller has what it answered
+        (the SDK validated it into a result of its own): the dispatcher would otherwise keep the whole listing
+        for as long as the run's first call lasts, about 40 KiB a run of the npm reference server's
+        (docs/benchmarks.md, "Saturation: memory per run")."""
+        answer, self._last_answer = self._last_answer, None
+        if answer is not None and "tools" in answer.result:
+            answer.result = {}
 
     @contextmanager
     def route(self, callback: ProgressFnT, tasks: TaskGroup) -> Iterator[RequestParamsMeta]:
@@ -151,6 +171,7 @@ class _TappedReadStream:
         while True:
             item: SessionMessage | Exception = await self._inner.receive()
             if not self._routes.take(item):
+                self._routes.passed(item)
                 return item
 
     async def aclose(self) -> None:

@@ -82,6 +82,30 @@ _TRANSPORT_FAULTS: Final = (
 )
 """What a dead, broken or misbehaving server makes the SDK raise; anything else is a bug and propagates."""
 
+_SHARED_TOOLS_MAX: Final = 4_096
+"""The most tools :func:`_shared` keeps; past it the table starts again from nothing."""
+
+_shared_tools: dict[tuple[str, str, str], ToolInfo] = {}
+"""Per worker process: the last listing of each tool of each server (by name and where it is), as
+:func:`_shared` hands it to every run that lists the same."""
+
+
+def _shared(where: str, tool: ToolInfo) -> ToolInfo:
+    """``tool`` as the process last kept it when that is equal (its description and input schema alike),
+    else ``tool``, kept from now on: every run still lists its servers' tools at its start and sees what they
+    answered, but runs that got the same keep one copy, not one each (about 4 KiB a run of the npm reference
+    server's: docs/benchmarks.md, "Saturation: memory per run"). Nothing changes a ``ToolInfo`` or its schema
+    once made (the providers copy the schema into each request)."""
+    key = (tool.server, where, tool.name)
+    kept = _shared_tools.get(key)
+    if kept == tool:
+        return kept
+    if len(_shared_tools) >= _SHARED_TOOLS_MAX:
+        _shared_tools.clear()
+    _shared_tools[key] = tool
+    return tool
+
+
 TASKS_EXTENSION: Final = "io.modelcontextprotocol/tasks"
 """The identifier of the MCP tasks extension of protocol 2026-07-28 (SEP-2663)."""
 
@@ -312,17 +336,19 @@ class McpConnection:
                     page = await client.list_tools(cursor=cursor)
                     self.task_support.update((tool.name, tool.execution.task_support) for tool in page.tools
                                              if tool.execution is not None and tool.execution.task_support)
+                    where = self.spec.where()
                     tools.extend(
-                        ToolInfo(
+                        _shared(where, ToolInfo(
                             server=self.server,
                             name=tool.name,
                             description=tool.description or "",
                             input_schema=tool.input_schema,
-                        )
+                        ))
                         for tool in page.tools
                     )
                     cursor = page.next_cursor
                     if cursor is None:
+                        self._progress.drop_tools()
                         return tools
             except Exception as exc:
                 if not is_transport_fault(exc):
