@@ -907,12 +907,9 @@ def append_step(keys: Keys, run_id: str, step: RunStep, *, token: str = "", owne
     cost = _cost(usage)
     if not above or not (sum(tokens) or cost):
         return append
-    # Each ancestor's run is a key of its own slot: its own script, pipelined with the append (add_below).
-    counted = tuple(ScriptCall(_scripts.ADD_BELOW, (keys.run(ancestor),),
-                               (sum(tokens), cost, Ident(keys.tree_wakes), Ident(ancestor), Ident(run_id),
-                                Ident(token)))
-                    for ancestor in above)
-    return dataclasses.replace(append, calls=(*append.calls, *counted))
+    # Each ancestor's run is a key of its own slot: its own script, pipelined with the append.
+    counted = add_below(keys, above, sum(tokens), float(cost) if cost else 0.0, once=(run_id, token))
+    return dataclasses.replace(append, calls=(*append.calls, *counted.calls))
 
 
 def _tokens(usage: object, kind: str) -> int:
@@ -979,13 +976,17 @@ def below_use(keys: Keys, run_id: str) -> Op[tuple[int, float]]:
               (Command(("HMGET", keys.run(run_id), "below_tokens", "below_cost_usd")),), parse)
 
 
-def add_below(keys: Keys, ancestors: Sequence[str], tokens: int, cost_usd: float) -> Op[None]:
+def add_below(keys: Keys, ancestors: Sequence[str], tokens: int, cost_usd: float, *,
+              once: tuple[str, str] | None = None) -> Op[None]:
     """Count a child run's model step against every run above it (docs/usage.md, "Agent trees"): each
     ancestor's ``below_tokens`` and ``below_cost_usd``, which its budget reads (:func:`budget_use`). Each is a
-    key of its own slot, so no script spans them; an ancestor that no longer exists is left alone."""
-    cost = repr(cost_usd) if cost_usd else ""
+    key of its own slot, so no script spans them; an ancestor that no longer exists is left alone. ``once``: the
+    run below and its append's token, counted once however often they are sent (:func:`append_step`)."""
+    cost = Ident(repr(float(cost_usd))) if cost_usd else Ident("")
+    marks = () if once is None else (Ident(once[0]), Ident(once[1]))
     return Op("count a child's use above it", tuple(
-        ScriptCall(_scripts.ADD_BELOW, (keys.run(run_id),), (tokens, cost, Ident(keys.tree_wakes), Ident(run_id)))
+        ScriptCall(_scripts.ADD_BELOW, (keys.run(run_id),),
+                   (tokens, cost, Ident(keys.tree_wakes), Ident(run_id), *marks))
         for run_id in ancestors),
         lambda _answers: None)
 
