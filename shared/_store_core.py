@@ -754,6 +754,19 @@ def cancel(keys: Keys, run_id: str, *, reason: str, requested_by: str,
     ))
 
 
+def cancel_reading_children(keys: Keys, run_id: str, *, reason: str, requested_by: str) -> Op[tuple[Transition,
+                                                                                                  list[str]]]:
+    """:func:`cancel`, and the runs one level below ``run_id`` in its agent tree read in the same round trip: a run
+    that started no agent costs its cancel one round trip, not two (docs/usage.md, "Agent trees")."""
+    fence = cancel(keys, run_id, reason=reason, requested_by=requested_by)
+    below = children(keys, [run_id])
+
+    def parse(answers: list[Any]) -> tuple[Transition, list[str]]:
+        return fence.parse(answers[:1]), next_level(below.parse(answers[1:]))
+
+    return Op(fence.what, fence.calls + below.calls, parse, durable=True)
+
+
 @dataclass(frozen=True, slots=True)
 class Steered:
     """What a steer request came to: stored (``won``), or refused with the status found; ``pending`` when a

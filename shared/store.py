@@ -276,10 +276,14 @@ class RunStore:
         return self.execute(core.cancel(self.keys, run_id, reason=reason, requested_by=requested_by,
                                         termination=termination))
 
-    def cancel_below(self, run_id: str, *, reason: str, requested_by: str) -> list[str]:
+    def cancel_reading_children(self, run_id: str, *, reason: str, requested_by: str) -> tuple[Transition, list[str]]:
+        """:meth:`cancel`, and the runs one level below ``run_id`` read in the same round trip."""
+        return self.execute(core.cancel_reading_children(self.keys, run_id, reason=reason, requested_by=requested_by))
+
+    def cancel_below(self, run_id: str, *, reason: str, requested_by: str, first: list[str] | None = None) -> list[str]:
         """Fence every unfinished run below ``run_id`` in its agent tree, each with ``reason``; answers the runs
-        this cancelled (docs/usage.md, "Agent trees")."""
-        below = self.descendants(run_id)
+        this cancelled (docs/usage.md, "Agent trees"). ``first``: the level below ``run_id``, read already."""
+        below = self.descendants(run_id, first=first)
         if not below:
             return []
         fences = self.execute(core.cancel_all(self.keys, below, reason=reason, requested_by=requested_by))
@@ -398,11 +402,11 @@ class RunStore:
         records = self.execute(core.summaries(self.keys, self.execute(core.thread_ids(self.keys, root, count=limit))))
         return core.in_thread(records, root, limit=limit, status=status, labels=labels)
 
-    def descendants(self, run_id: str, *, limit: int = 10_000) -> list[str]:
+    def descendants(self, run_id: str, *, limit: int = 10_000, first: list[str] | None = None) -> list[str]:
         """Every run below ``run_id`` in its agent tree, level by level, at most ``limit`` (one round trip a
-        level; docs/usage.md, "Agent trees")."""
-        found: list[str] = []
-        level = [run_id]
+        level; docs/usage.md, "Agent trees"). ``first``: the level below ``run_id``, read already."""
+        found = [] if first is None else first[:limit]
+        level = [run_id] if first is None else found
         while level and len(found) < limit:
             level = core.next_level(self.execute(core.children(self.keys, level)))
             found += level

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from runbrake.shared.errors import CancelRequested, ToolCallCancelled, ToolTrans
 from runbrake.shared.outcome import ToolOutcome
 from runbrake.shared.spec import HttpServerSpec, McpServerSpec, StdioServerSpec
 from runbrake.shared.tool_result import ToolResult
+from runbrake.worker import mcp_transport
 from runbrake.worker.conversation import ToolCall
 from runbrake.worker.mcp_tool import execute, not_connected
 from runbrake.worker.mcp_transport import McpConnection
@@ -121,6 +123,32 @@ async def test_runs_that_list_the_same_tools_keep_one_copy_and_a_changed_listing
         async with McpConnection.open(spec) as connection:
             [after] = await connection.list_tools()
     assert (before.description, after.description) == ("answers", "answers otherwise")
+
+
+async def test_connections_to_one_server_share_a_few_http_clients_and_a_client_emptied_is_closed(
+        toolbox_http: Toolbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpcore's pool walks all its connections on every request: each client is lent to a few connections at
+    once, the first with room taken, and one other than the first is closed when its last connection closes
+    (worker/mcp_transport.py, ``ClientShare``)."""
+    monkeypatch.setattr(mcp_transport, "SESSIONS_PER_CLIENT", 2)
+    with anyio.fail_after(BOUND_S):
+        async with AsyncExitStack() as stack:
+            connections = [await stack.enter_async_context(McpConnection.open(toolbox_http.spec)) for _ in range(3)]
+            for connection in connections:
+                assert (await _execute(connection, "echo", {"text": "hi"})).outcome is ToolOutcome.OK
+            first, second, third = (c.session.http_client if c.session else None for c in connections)
+            assert first is not None
+            assert third is not None
+            assert second is first
+            assert third is not first, "a third connection shares a client already lent to two"
+            await stack.aclose()  # the third closes first
+        assert third.is_closed, "the emptied second client stays open"
+        assert not first.is_closed
+        async with McpConnection.open(toolbox_http.spec) as again:
+            assert again.session is not None
+            assert again.session.http_client is first
+            assert (await _execute(again, "echo", {"text": "again"})).outcome is ToolOutcome.OK
+        assert again.session.http_client is None, "a closed connection still holds its client"
 
 
 async def test_a_successful_call_is_ok_and_carries_the_text_and_the_structured_result(toolbox: Toolbox) -> None:

@@ -30,6 +30,8 @@ from runbrake.shared import (
     ToolResult,
     Transition,
 )
+from runbrake.shared import _store_core as core
+from runbrake.shared.messaging.cancel import cancel_run
 from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
@@ -620,6 +622,33 @@ def test_cancel_writes_the_status_and_the_cancel_key_in_one_script(store: RunSto
     in_script = [e["command"] for e in seen if e["client_type"] == "lua"]
     assert any(c.upper().startswith("SET ") and store.cancel_key(run_id) in c for c in in_script), in_script
     assert any(c.upper().startswith("HSET ") and "cancelled" in c for c in in_script), in_script
+
+
+def test_a_cancel_reads_the_level_below_in_its_fence_round_trip_and_fences_the_tree(
+        store: RunStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cancel_run`` costs a run that started no agent one round trip; a run with children fences each level below
+    it after (shared/messaging/cancel.py)."""
+    lone, caller, child, grandchild = (run_in(store, RUNNING) for _ in range(4))
+    store.execute(core.add_child(store.keys, caller, "call-1", child))
+    store.execute(core.add_child(store.keys, child, "call-1", grandchild))
+    ops: list[str] = []
+    execute = store.execute
+
+    def counted(op: core.Op[Any]) -> Any:
+        ops.append(op.what)
+        return execute(op)
+
+    monkeypatch.setattr(store, "execute", counted)
+    assert cancel_run(store, None, lone, reason="stop", requested_by="ops").won
+    assert ops == [f"cancel run {lone}"]
+
+    assert cancel_run(store, None, caller, reason="stop", requested_by="ops").won
+    # The levels below the child and the grandchild; the child itself came with the fence.
+    assert ops[1:] == [f"cancel run {caller}", "read children", "read children", "cancel 2 runs"], ops
+    for below in (child, grandchild):
+        cancel = store.get(below).cancel
+        assert cancel is not None
+        assert cancel.reason == f"stop (cancelled with run {caller})"
 
 
 def test_the_cancel_key_lives_exactly_as_long_as_its_run(store: RunStore) -> None:

@@ -18,6 +18,8 @@ pins in deploy/constraints.txt hold them still, and tests/test_mcp_tasks.py brea
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Final
 
@@ -39,11 +41,15 @@ _END_WITHIN_S: Final = 5.0
 
 
 class SessionHttp:
-    """A ``Transport``: one streamable HTTP connection to ``url`` over ``http_client`` (left open)."""
+    """A ``Transport``: one streamable HTTP connection to ``url`` over an HTTP client ``lend`` lends it while it is
+    open (worker/mcp_transport.py, ``ClientShare``)."""
 
-    def __init__(self, url: str, http_client: httpx2.AsyncClient, *, max_sse_event_size: int) -> None:
+    def __init__(self, url: str, lend: Callable[[], AbstractAsyncContextManager[httpx2.AsyncClient]], *,
+                 max_sse_event_size: int) -> None:
         self.url = url
-        self.http_client = http_client
+        self._lend = lend
+        self.http_client: httpx2.AsyncClient | None = None
+        """The client lent, while the connection is open."""
         self._transport = StreamableHTTPTransport(url, max_sse_event_size=max_sse_event_size)
         self._stack = contextlib.AsyncExitStack()
         self._kept: set[str] = set()
@@ -67,6 +73,7 @@ class SessionHttp:
     async def __aenter__(self) -> TransportStreams:
         # As the SDK's streamable_http_client does (mcp/client/streamable_http.py), entered by hand.
         stack = self._stack
+        http_client = self.http_client = await stack.enter_async_context(self._lend())
         stack.push_async_callback(resync_tracer)
         read_writer, read_stream = create_context_streams[SessionMessage | Exception](0)
         write_stream, write_reader = create_context_streams[SessionMessage](0)
@@ -76,29 +83,34 @@ class SessionHttp:
         stack.callback(group.cancel_scope.cancel)
 
         def start_get_stream() -> None:
-            group.start_soon(self._transport.handle_get_stream, self.http_client, read_writer)
+            group.start_soon(self._transport.handle_get_stream, http_client, read_writer)
 
-        group.start_soon(self._transport.post_writer, self.http_client, write_reader, read_writer, write_stream,
+        group.start_soon(self._transport.post_writer, http_client, write_reader, read_writer, write_stream,
                          start_get_stream, group)
         return read_stream, write_stream
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool | None:
         try:
-            if self.session_id and self.session_id not in self._kept:
-                await self._transport.terminate_session(self.http_client)
-            for session_id in sorted(self._adopted - self._kept - {self.session_id}):
-                await self._end(session_id)
+            client = self.http_client
+            if client is not None:  # None: the connection never opened
+                if self.session_id and self.session_id not in self._kept:
+                    await self._transport.terminate_session(client)
+                for session_id in sorted(self._adopted - self._kept - {self.session_id}):
+                    await self._end(client, session_id)
         finally:
-            await self._stack.aclose()
+            try:
+                await self._stack.aclose()
+            finally:
+                self.http_client = None
         return None
 
-    async def _end(self, session_id: str) -> None:
+    async def _end(self, client: httpx2.AsyncClient, session_id: str) -> None:
         """``DELETE`` the adopted ``session_id``, within :data:`_END_WITHIN_S`; a failure is logged, not raised (the
         server ends it at its own timeout)."""
         with anyio.move_on_after(_END_WITHIN_S) as late:
             try:
-                response = await self.http_client.delete(self.url, headers={"mcp-session-id": session_id})
+                response = await client.delete(self.url, headers={"mcp-session-id": session_id})
             except httpx2.HTTPError as exc:
                 log.info("mcp_session_end_failed", session_id=session_id, error=str(exc))
                 return

@@ -130,8 +130,9 @@ class TaskRpc:
 
     def __init__(self, connection: McpConnection, session_id: str, protocol: str) -> None:
         session = connection.session
-        if session is None:
-            raise ValueError(f"MCP server {connection.server!r} is not over HTTP: its tasks cannot be polled")
+        if session is None or session.http_client is None:
+            raise ValueError(f"MCP server {connection.server!r} is not over HTTP or not connected: its tasks cannot "
+                             "be polled")
         self._server = connection.server
         self._url = session.url
         self._http = session.http_client

@@ -508,13 +508,13 @@ def _target(spec: McpServerSpec, progress: ProgressRoutes) -> tuple[Transport, S
 
 
 def http_target(spec: HttpServerSpec) -> SessionHttp:
-    """The ``http`` transport: streamable HTTP over this loop's shared client of the server's URL."""
+    """The ``http`` transport: streamable HTTP over a client this loop's clients of the server's URL lend it."""
     # Catalog headers are expanded here, in the worker, when it connects (docs/security.md).
     headers = {
         name: expand(value, os.environ, where=f"mcp_servers.{spec.name}.headers.{name}")
         for name, value in spec.headers.items()
     }
-    return SessionHttp(spec.url, _http_client(spec.url, headers), max_sse_event_size=MAX_MESSAGE_BYTES)
+    return SessionHttp(spec.url, _http_clients_of(spec.url, headers).lend, max_sse_event_size=MAX_MESSAGE_BYTES)
 
 
 def stdio_target(spec: StdioServerSpec) -> StdioServerParameters:
@@ -529,13 +529,13 @@ def stdio_target(spec: StdioServerSpec) -> StdioServerParameters:
     return StdioServerParameters(command=spec.command, args=list(spec.args), env=get_default_environment() | env)
 
 
-_http_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], httpx2.AsyncClient]] = (
+_http_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], ClientShare]] = (
     weakref.WeakKeyDictionary())
 
 
-def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
-    """The HTTP client (and connection pool) of one server URL and header set, shared by every run on this
-    event loop; the SDK leaves a client it was given open.
+def _http_clients_of(url: str, headers: dict[str, str]) -> ClientShare:
+    """The HTTP clients (connection pools) of one server URL and header set, shared by every run on this event
+    loop (:class:`ClientShare`); the SDK leaves a client it was given open.
 
     A client per segment cost each run in flight its own pool and transport, and a connect per segment;
     shared, a run costs just the connections its streams hold (docs/leases.md, "Capacity: runs in flight"). No cap
@@ -544,17 +544,56 @@ def _http_client(url: str, headers: dict[str, str]) -> httpx2.AsyncClient:
     (bench/throughput.py profile): one context per process. A JSON answer is read within
     :data:`MAX_MESSAGE_BYTES` (worker/bounded_bodies.py); an event stream's events are, by the SDK.
     """
-    clients = _http_clients.setdefault(asyncio.get_running_loop(), {})
+    shares = _http_clients.setdefault(asyncio.get_running_loop(), {})
     key = (url, json.dumps(headers, sort_keys=True))
-    client = clients.get(key)
-    if client is None:
-        client = clients[key] = httpx2.AsyncClient(
-            verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers,
+    share = shares.get(key)
+    if share is None:
+        share = shares[key] = ClientShare(functools.partial(
+            httpx2.AsyncClient, verify=_ssl_context(), timeout=httpx2.Timeout(30.0, read=300.0), headers=headers,
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=_KEEPALIVE_CONNECTIONS),
             event_hooks={"request": [_carry_traceparent] if tracing.current().enabled else [],
                          "response": [_BOUNDED]},
-        )
-    return client
+        ))
+    return share
+
+
+SESSIONS_PER_CLIENT: Final = 16
+"""MCP connections one HTTP client serves at once. httpcore's pool walks every connection it holds, and every
+request waiting, whenever a request comes or a response closes: each connection in flight holds two (its
+``GET`` event stream, its call's ``POST`` stream), so one client for a whole server cost each request a walk of
+two thousand at a thousand calls held (9 % of the loop at 520; docs/benchmarks.md, "Saturation: where the loop's
+time went")."""
+
+
+class ClientShare:
+    """The HTTP clients of one server on one loop, each lent to at most :data:`SESSIONS_PER_CLIENT` connections at
+    once: a connection takes the first with room (:meth:`lend`), so the fewest clients serve and the others
+    empty; a client other than the first is closed when its last connection gives it back."""
+
+    def __init__(self, make: Callable[[], httpx2.AsyncClient]) -> None:
+        self._make = make
+        self._lent: dict[httpx2.AsyncClient, int] = {}
+        """Each client, oldest first, and the connections it is lent to."""
+
+    @asynccontextmanager
+    async def lend(self) -> AsyncIterator[httpx2.AsyncClient]:
+        """A client for one connection's life."""
+        client = next((c for c, lent in self._lent.items() if lent < SESSIONS_PER_CLIENT), None)
+        if client is None:
+            client = self._make()
+        self._lent[client] = self._lent.get(client, 0) + 1
+        try:
+            yield client
+        finally:
+            self._lent[client] -= 1
+            if not self._lent[client] and client is not next(iter(self._lent)):
+                del self._lent[client]
+                with anyio.CancelScope(shield=True):  # its idle connections' sockets, closed whatever cut us off
+                    await client.aclose()
+
+    def clients(self) -> int:
+        """Clients open."""
+        return len(self._lent)
 
 
 _BOUNDED: Final = bound_bodies(MAX_MESSAGE_BYTES, what="the MCP server's answer", event_streams=False)
@@ -570,10 +609,10 @@ async def _carry_traceparent(request: httpx2.Request) -> None:
 
 
 _KEEPALIVE_CONNECTIONS: Final = 16
-"""Idle connections kept per server for the next segments' connects. Not more: the pool looks at every idle
-connection's socket (a ``select`` each, ``is_socket_readable``) whenever a request is assigned or a response
-closed, two passes or more a request, so a pool left with 64 idle after a burst would spend more on each request
-than the connect it saves."""
+"""Idle connections each HTTP client (:class:`ClientShare`) keeps for the next segments' connects. Not more: the
+pool looks at every idle connection's socket (a ``select`` each, ``is_socket_readable``) whenever a request is
+assigned or a response closed, two passes or more a request, so a pool left with 64 idle after a burst would spend
+more on each request than the connect it saves."""
 
 
 @functools.cache

@@ -36,9 +36,11 @@ log = structlog.get_logger(__name__)
 
 FLUSH_INTERVAL_S: Final = 1.0
 """How often the reports held are written: a run's progress is at most this old, and written at most this often."""
-BATCH_RUNS: Final = 100
+BATCH_RUNS: Final = 25
 """The most runs' reports one round trip writes: a flush of thousands is several round trips, and the loop runs
-other callbacks (a cancel's) between them instead of encoding every report at once."""
+other callbacks (a cancel's) between them instead of encoding every report at once. Encoding and sending a report
+costs the loop about 70 µs (docs/benchmarks.md, "Saturation: where the loop's time went"): 100 a round trip held
+it 7 ms at a time, 25 under 2."""
 MAX_MESSAGE_CHARS: Final = 500
 HISTORY_REPORTS: Final = 50
 """The reports of a call its step keeps (the latest ones)."""

@@ -138,11 +138,12 @@ def _cancel_run(
     store: RunStore, publisher: CancelPublisher | None, run_id: str, *, reason: str, requested_by: str
 ) -> CancelResult:
     with redaction.submitted(redaction.Submitted(reason, requested_by)):  # the caller's words, kept as written
-        fence = store.cancel(run_id, reason=reason, requested_by=requested_by)
+        fence, first = store.cancel_reading_children(run_id, reason=reason, requested_by=requested_by)
         # Every unfinished run below it in its agent tree is fenced too, naming the run the cancel came from
-        # (docs/usage.md, "Agent trees"); a run that started no agent has no children: one read.
+        # (docs/usage.md, "Agent trees"); the level below was read with the fence: a run that started no agent
+        # costs one round trip.
         below = store.cancel_below(run_id, reason=f"{reason} (cancelled with run {run_id})",
-                                   requested_by=requested_by) if fence.won else []
+                                   requested_by=requested_by, first=first) if fence.won and first else []
     result = CancelResult(run_id=run_id, won=fence.won, found=fence.found, exists=fence.exists)
     if not fence.won:
         return result
