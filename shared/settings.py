@@ -240,10 +240,9 @@ class Settings:
     collector's sight, and the whole heap is collected once the frozen part has doubled. With fewer than 32 runs
     in flight nothing is frozen (the heap in sight is small). Without it the cycles its runs leave
     (cancel scopes, exceptions) waited in older generations: its RSS rose 9.5 % over a 30-minute soak
-    (docs/benchmarks.md, "Soak: the RSS growth"). A shorter interval makes each collection shorter (it walks
-    what came since the last): at about 1,000 runs held, 10 s apart paused the process 108-198 ms, and at 300-450
-    runs held (loaded) 1 s apart 34-38 ms and 0.5 s apart 15 ms on average (docs/benchmarks.md, "Saturation: the
-    collector's pause")."""
+    (docs/benchmarks.md, "Soak: the RSS growth"). A shorter interval makes each collection shorter (it walks what came since the last): at
+    about 1,000 runs held, 10 s apart paused the process 108-198 ms, and at 300-450 runs held (loaded) 1 s apart
+    34-38 ms and 0.5 s apart 15 ms on average (docs/benchmarks.md, "Saturation: the collector's pause")."""
     admit_max_lag_ms: Annotated[float, _number(float, 0, 10_000.0)] = 50.0
     """The event loop's lag past which a worker process takes no new run, in milliseconds (0: not watched).
     The lag is how late a callback scheduled on the loop from another thread runs, the 90th percentile of
