@@ -237,10 +237,10 @@ class Settings:
     gc_interval_s: Annotated[float, _number(float, 0, 3600.0)] = 0.5
     """How often a worker process collects the garbage among the objects it allocated since the last time, in
     seconds (0: never; Python's allocation thresholds alone); the survivors are then frozen out of the
-    collector's sight, and the whole heap is collected once the frozen part has doubled. With fewer than 32 runs
-    in flight nothing is frozen (the heap in sight is small). Without it the cycles its runs leave
-    (cancel scopes, exceptions) waited in older generations: its RSS rose 9.5 % over a 30-minute soak
-    (docs/benchmarks.md, "Soak: the RSS growth"). A shorter interval makes each collection shorter (it walks what came since the last): at
+    collector's sight, and the whole heap is collected once the frozen part has doubled. The worker's
+    thresholds make collections of older objects hours apart, and the cycles its runs leave (cancel scopes,
+    exceptions) waited that long: its RSS rose 9.5 % over a 30-minute soak (docs/benchmarks.md, "Soak: the
+    RSS growth"). A shorter interval makes each collection shorter (it walks what came since the last): at
     about 1,000 runs held, 10 s apart paused the process 108-198 ms, and at 300-450 runs held (loaded) 1 s apart
     34-38 ms and 0.5 s apart 15 ms on average (docs/benchmarks.md, "Saturation: the collector's pause")."""
     admit_max_lag_ms: Annotated[float, _number(float, 0, 10_000.0)] = 50.0

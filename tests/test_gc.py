@@ -53,7 +53,7 @@ def test_a_cycle_the_thresholds_leave_alone_is_freed_by_the_collector_within_its
     cycle(freed)
     kept = [[] for _ in range(500)]  # allocations well under the 2,000 of a young collection
     assert not freed.is_set()  # nothing collects it yet: without the collector it would wait
-    collector = Collector(0.05, min_runs=0, in_flight=lambda: 0)
+    collector = Collector(0.05, in_flight=lambda: 0)
     collector.start()
     try:
         poll_until(freed.is_set, timeout=30, failure=lambda: "the collector did not free the cycle")
@@ -67,7 +67,7 @@ def test_a_cycle_the_thresholds_leave_alone_is_freed_by_the_collector_within_its
 
 @pytest.mark.usefixtures("tuned_gc")
 def test_what_survives_a_collection_is_frozen_so_the_next_walks_only_what_came_since() -> None:
-    collector = Collector(1, min_runs=0, in_flight=lambda: 1)  # ticked here, not started
+    collector = Collector(1, in_flight=lambda: 1)  # ticked here, not started
     collector.tick()
     before = gc.get_freeze_count()
     kept = [Node() for _ in range(1_000)]
@@ -100,7 +100,7 @@ def held_cycle(freed: threading.Event) -> list[Node]:
 @pytest.mark.usefixtures("tuned_gc")
 def test_more_runs_held_do_not_thaw_the_frozen_heap_but_garbage_as_large_as_it_does() -> None:
     runs: list[list[Node]] = []
-    collector = Collector(1, min_runs=0, in_flight=lambda: len(runs))
+    collector = Collector(1, in_flight=lambda: len(runs))
     collector.tick()  # the boot heap
     freed = threading.Event()
     holder = held_cycle(freed)
@@ -121,7 +121,7 @@ def test_more_runs_held_do_not_thaw_the_frozen_heap_but_garbage_as_large_as_it_d
 @pytest.mark.usefixtures("tuned_gc")
 def test_runs_just_taken_set_no_measure_the_heap_is_thawed_against() -> None:
     runs: list[list[Node]] = []
-    collector = Collector(1, min_runs=0, in_flight=lambda: len(runs))
+    collector = Collector(1, in_flight=lambda: len(runs))
     freed = threading.Event()
     holder = held_cycle(freed)
     collector.tick()  # the boot heap, and the cycle frozen while alive
@@ -140,7 +140,7 @@ def test_the_garbage_of_the_process_start_is_not_counted_as_its_boot_heap() -> N
     holder = held_cycle(freed)
     run_heap(60_000)  # the start's garbage: cycles no collection has found yet, more than a run's heap
     runs: list[list[Node]] = []
-    collector = Collector(1, min_runs=0, in_flight=lambda: len(runs))
+    collector = Collector(1, in_flight=lambda: len(runs))
     collector.tick()  # the boot heap, and the cycle frozen while alive
     holder.clear()  # the cycle dies frozen: only a thaw frees it
     runs.append(run_heap(20_000))
@@ -165,27 +165,3 @@ def test_a_worker_collects_twice_a_second_by_default_and_the_setting_is_read() -
     assert Settings.from_env({}).gc_interval_s == 0.5
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "0"}).gc_interval_s == 0.0
     assert Settings.from_env({"RUNBRAKE_GC_INTERVAL_S": "2.5"}).gc_interval_s == 2.5
-
-
-@pytest.mark.usefixtures("tuned_gc")
-def test_below_its_floor_of_runs_the_collector_freezes_nothing_and_thaws_once_what_it_froze() -> None:
-    """Few runs in flight: the timer collects all in sight and freezes nothing (worker/intake.py, ``MIN_RUNS``); the
-    short runs' cycles it froze alive made the heap thaw every few seconds (docs/benchmarks.md, "Overhead against a
-    hand-written peer")."""
-    runs: list[list[Node]] = [run_heap(1_000) for _ in range(4)]
-    collector = Collector(1, min_runs=4, in_flight=lambda: len(runs))
-    freed = threading.Event()
-    holder = held_cycle(freed)
-    collector.tick()  # four runs: what survives is frozen, the cycle with it
-    holder.clear()  # the cycle dies frozen: only a thaw frees it
-    del runs[1:]  # one run left: below the floor
-    collector.tick()
-    assert freed.is_set(), "what the collector froze was not thawed once the runs fell below its floor"
-    frozen = gc.get_freeze_count()
-    runs[0].extend(run_heap(1_000))
-    again = threading.Event()
-    cycle(again)
-    collector.tick()
-    assert again.is_set(), "a cycle that died below the floor waits for Python's thresholds"
-    collector.tick()
-    assert gc.get_freeze_count() == frozen, "below its floor the collector froze what came since"

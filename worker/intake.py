@@ -110,11 +110,6 @@ class _CollectionTimer:
                      collected=info["collected"])
 
 
-MIN_RUNS = 32
-"""With fewer runs in flight the timer's collection freezes nothing (:meth:`Collector.tick`): the heap in sight is
-small, so walking it all is brief, while freezing what survived caught short runs' cycles alive, and the heap
-thawed every few seconds: 1.2-1.9 ms of CPU a run at 8 runs in flight, 0.1-0.2 ms without (bench/overhead.py;
-docs/benchmarks.md, "Overhead against a hand-written peer")."""
 THAW_GROWTH = 2.0
 """The frozen heap thaws for one whole collection once the interpreter's allocated blocks per run in flight have
 grown this many times over the fewest seen since the last thaw."""
@@ -122,9 +117,7 @@ grown this many times over the fewest seen since the last thaw."""
 
 class Collector(Periodic):
     """Every ``RUNBRAKE_GC_INTERVAL_S`` (0.5 s; 0: never, Python's thresholds alone), a collection of what the
-    process allocated since the last one, and the survivors frozen; while fewer than ``min_runs``
-    (:data:`MIN_RUNS`) runs are in flight, a collection of all in sight, nothing frozen, and what was frozen thawed
-    once.
+    process allocated since the last one, and the survivors frozen.
 
     A collection on a timer bounds how long garbage waits, whatever the allocation rate: a run's cycles (its
     anyio cancel scopes, its exceptions with their tracebacks and frames) that were alive at a young collection
@@ -149,12 +142,9 @@ class Collector(Periodic):
     grown that large (or as runs end, when the process holds fewer), not every interval and not while the runs
     held grow."""
 
-    def __init__(self, interval_s: float, *, in_flight: Callable[[], int], min_runs: int = MIN_RUNS) -> None:
+    def __init__(self, interval_s: float, *, in_flight: Callable[[], int]) -> None:
         super().__init__("runbrake-gc", interval_s=interval_s, enabled=interval_s > 0)
         self._in_flight = in_flight
-        self._min_runs = min_runs
-        self._frozen = False
-        """Whether a collection of this collector froze anything since its last thaw."""
         self._boot: int | None = None
         """The fewest allocated blocks after a collection with no run in flight (the process built to start): no
         run's. Read before the collection, the start's garbage made it too large, the blocks per run read too few
@@ -177,36 +167,18 @@ class Collector(Periodic):
         # the collector's pause"). Garbage comes as runs end, when the runs in flight do not grow.
         runs = self._in_flight()
         settled, self._runs_last = runs <= self._runs_last, runs
-        if runs < self._min_runs:
-            self._few(runs)
-            return
         per_run = self._per_run()
         if settled and per_run is not None and self._fewest is not None and per_run > THAW_GROWTH * self._fewest:
             self.thaw()
             return
         gc.collect()
         gc.freeze()
-        self._frozen = True
-        if runs == 0:
-            self._note_boot()
+        if runs == 0:  # after the collection: the garbage of the process's start is no part of it
+            blocks = sys.getallocatedblocks()
+            self._boot = blocks if self._boot is None else min(self._boot, blocks)
         per_run = self._per_run()
         if settled and per_run is not None:
             self._fewest = per_run if self._fewest is None else min(self._fewest, per_run)
-
-    def _few(self, runs: int) -> None:
-        """Fewer runs in flight than ``min_runs``: a collection of everything in sight, which is small, and nothing
-        frozen; what this collector froze while the process held more is thawed once."""
-        if self._frozen:
-            self.thaw()
-        else:
-            gc.collect()
-        if runs == 0:
-            self._note_boot()
-
-    def _note_boot(self) -> None:
-        """After a collection with no run in flight: the garbage of the process's start is no part of its boot heap."""
-        blocks = sys.getallocatedblocks()
-        self._boot = blocks if self._boot is None else min(self._boot, blocks)
 
     def thaw(self) -> None:
         """One whole collection, every object in sight, then the survivors frozen again."""
@@ -215,7 +187,6 @@ class Collector(Periodic):
         gc.unfreeze()
         collected = gc.collect()
         gc.freeze()
-        self._frozen = False
         self._fewest = self._per_run()
         log.info("gc_thawed", blocks_before=blocks, collected=collected, blocks_after=sys.getallocatedblocks(),
                  runs_in_flight=self._in_flight(), pause_ms=round((time.perf_counter() - started) * 1000, 1))
