@@ -256,6 +256,11 @@ class Settings:
     lag stays near zero until the loop is nearly always busy and then grows fast; the CPU grows in proportion
     to the runs held, so this bound refuses the run that would cost the held runs their prompt cancels before
     the lag shows (docs/leases.md, "Capacity: runs in flight")."""
+    admit_max_pause_ms: Annotated[float, _number(float, 0, 10_000.0)] = 15.0
+    """The collector's pause past which a worker process takes no new run, in milliseconds (0: not watched): the
+    longest collection of the last 5 s. A collection holds every thread of the process, and a cancel that comes
+    meanwhile waits for it: the slowest cancels amid hundreds of runs held each met one, and the collections'
+    pauses grow with the runs held (docs/benchmarks.md, "Saturation: where a cancel's time went")."""
     admit_max_rss_mb: Annotated[int, _integer(0, 1_048_576)] = 0
     """The resident memory past which a worker process takes no new run, in MiB (0: not watched). Set it
     below the container's memory limit: a process that stops taking runs is not OOM-killed with all of them."""

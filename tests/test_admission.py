@@ -14,7 +14,7 @@ from runbrake.shared import RunStatus, RunStore, ToolOutcome
 from runbrake.shared.messaging.cancel import CancelPublisher
 from runbrake.shared.messaging.producer import Producer
 from runbrake.shared.operations import cancel
-from runbrake.worker.saturation import FIRST_RATE, ROUND, LoopWatch, Ramp
+from runbrake.worker.saturation import FIRST_RATE, PAUSE_WINDOW_S, ROUND, LoopWatch, Pauses, Ramp
 from tests.mcp_helpers import Toolbox, read_events, wait_for_event
 from tests.polling import poll_until
 from tests.worker_helpers import WorkerProcess, call, has_step, spec, wait_for_run
@@ -38,7 +38,9 @@ BOUNDS = {
     # 1 MiB: every process is past it.
     "memory": ({"RUNBRAKE_ADMIT_MAX_RSS_MB": "1", "RUNBRAKE_ADMIT_MAX_CPU_PCT": "0"}, "resident memory"),
     # 0.1 % of a core: a process with runs in flight uses more, whatever the machine, so one run more is past it.
-    "cpu": ({"RUNBRAKE_ADMIT_MAX_CPU_PCT": "0.1"}, "projected with one run more"),
+    "cpu": ({"RUNBRAKE_ADMIT_MAX_CPU_PCT": "0.1", "RUNBRAKE_ADMIT_MAX_PAUSE_MS": "0"}, "projected with one run more"),
+    # 1 µs: the collector's timer collects twice a second, and every collection takes longer.
+    "pause": ({"RUNBRAKE_ADMIT_MAX_PAUSE_MS": "0.001", "RUNBRAKE_ADMIT_MAX_CPU_PCT": "0"}, "a collection paused"),
 }
 
 
@@ -172,7 +174,26 @@ def test_a_run_that_would_take_the_process_past_its_cpu_bound_is_refused_before_
         spinner.join(10)
 
 
-def _watch(loop: asyncio.AbstractEventLoop, *, max_lag_ms: float, max_cpu_pct: float, in_flight: int) -> LoopWatch:
+def test_a_collection_that_paused_the_process_past_its_bound_closes_the_gate(loop: asyncio.AbstractEventLoop) -> None:
+    """A cancel that comes during a collection waits for it (docs/benchmarks.md, "Saturation: where a cancel's time
+    went"): past ``RUNBRAKE_ADMIT_MAX_PAUSE_MS`` within the last seconds no run is taken."""
+    pauses = Pauses()
+    watch = _watch(loop, max_lag_ms=10_000, max_cpu_pct=0, in_flight=20, max_pause_ms=15, pauses=pauses)
+    pauses.note(0.010)
+    watch.tick()
+    assert watch.admits(20), f"a pause under the bound refused a run: {watch.refusal()!r}"
+    pauses.note(0.040)
+    watch.tick()
+    assert not watch.admits(20)
+    assert watch.refusal() == f"a collection paused the process 40.0 ms within {PAUSE_WINDOW_S:g} s, over 15 ms"
+    assert watch.saturation() > 1.0
+    assert watch.admits(1), "below the floor a run is always admitted"
+    assert pauses.longest(window_s=0.0) == 0.0, "a pause outside the window still counts"
+
+
+def _watch(loop: asyncio.AbstractEventLoop, *, max_lag_ms: float, max_cpu_pct: float, in_flight: int,
+           max_pause_ms: float = 0.0, pauses: Pauses | None = None) -> LoopWatch:
     """A watch of ``loop`` (a floor of 2 runs, no RSS bound) for a process with ``in_flight`` runs."""
     return LoopWatch(lambda: loop, concurrency=100, max_lag_ms=max_lag_ms, max_rss_mb=0, min_runs=2,
-                     max_cpu_pct=max_cpu_pct, in_flight=lambda: in_flight)
+                     max_cpu_pct=max_cpu_pct, in_flight=lambda: in_flight, max_pause_ms=max_pause_ms,
+                     pauses=pauses or Pauses())

@@ -49,7 +49,7 @@ from runbrake.shared.errors import RunbrakeError
 from runbrake.worker import metrics
 from runbrake.worker.parts import Periodic
 from runbrake.worker.runtime import Runtime
-from runbrake.worker.saturation import LoopWatch
+from runbrake.worker.saturation import PAUSES, LoopWatch
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +104,7 @@ class _CollectionTimer:
             self._started = time.perf_counter()
             return
         pause = time.perf_counter() - self._started
+        PAUSES.note(pause)
         metrics.GC_PAUSE.labels(generation=str(info["generation"])).observe(pause)
         if pause >= LONG_PAUSE_S:
             log.info("gc_long_pause", generation=info["generation"], pause_ms=round(pause * 1000, 1),

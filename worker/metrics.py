@@ -97,8 +97,8 @@ EVENT_LOOP_LAG = Gauge(
 SATURATION = Gauge(
     "runbrake_worker_saturation",
     "How saturated this process is, 1.0 at a bound: the largest of its runs in flight against --concurrency, its "
-    "event loop's lag against RUNBRAKE_ADMIT_MAX_LAG_MS, its CPU against RUNBRAKE_ADMIT_MAX_CPU_PCT and its RSS "
-    "against RUNBRAKE_ADMIT_MAX_RSS_MB.",
+    "event loop's lag against RUNBRAKE_ADMIT_MAX_LAG_MS, its CPU against RUNBRAKE_ADMIT_MAX_CPU_PCT, its RSS "
+    "against RUNBRAKE_ADMIT_MAX_RSS_MB and its longest collection of the last 5 s against RUNBRAKE_ADMIT_MAX_PAUSE_MS.",
     registry=REGISTRY,
 )
 ADMISSION_RATE = Gauge(

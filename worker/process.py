@@ -99,7 +99,7 @@ def run_worker_process(
     topology = Topology.of(settings)
     watch = LoopWatch(running_loop, concurrency=concurrency, max_lag_ms=settings.admit_max_lag_ms,
                       max_rss_mb=settings.admit_max_rss_mb, min_runs=settings.admit_min_runs,
-                      max_cpu_pct=settings.admit_max_cpu_pct,
+                      max_cpu_pct=settings.admit_max_cpu_pct, max_pause_ms=settings.admit_max_pause_ms,
                       in_flight=lambda: intake.running)  # the intake, built next, asks the watch
     intake = Intake(runtime, concurrency=concurrency, watch=watch)
     metrics.SATURATION.set_function(watch.saturation)

@@ -20,6 +20,10 @@ it grows in proportion to the runs held) is projected to one run more, and a run
 ``RUNBRAKE_ADMIT_MAX_CPU_PCT`` is refused. And new runs are taken at a **rate** (:class:`Ramp`) that grows like
 TCP's slow start while the loop answers promptly and is halved, with a second without admissions, as soon as the
 lag rises past a quarter of its bound, before it reaches it.
+
+A collection holds every thread of the process, the cancel listener's with the loop's, and its pause grows with the
+runs held: while one of the last :data:`PAUSE_WINDOW_S` passed ``RUNBRAKE_ADMIT_MAX_PAUSE_MS`` (:class:`Pauses`,
+noted by worker/intake.py) no run is taken either.
 """
 
 from __future__ import annotations
@@ -78,6 +82,31 @@ def cpu_demand_s() -> float:
     except OSError:
         return time.process_time()
     return total_ns / 1e9 if total_ns else time.process_time()
+
+
+PAUSE_WINDOW_S: Final = 5.0
+"""The collections whose longest pause admission judges: those of the last 5 s (ten of the timer's)."""
+
+
+class Pauses:
+    """The collector's recent pauses (worker/intake.py notes each one, from whichever thread collected), for
+    admission: a collection holds every thread of the process, the cancel listener's and the loop's."""
+
+    def __init__(self) -> None:
+        self._pauses: collections.deque[tuple[float, float]] = collections.deque(maxlen=1_000)
+        """(when it ended, monotonic; how long it held the process, s)."""
+
+    def note(self, pause_s: float) -> None:
+        self._pauses.append((time.monotonic(), pause_s))
+
+    def longest(self, window_s: float = PAUSE_WINDOW_S) -> float:
+        """The longest pause of the last ``window_s`` seconds, 0 without one."""
+        since = time.monotonic() - window_s
+        return max((pause for ended, pause in list(self._pauses) if ended >= since), default=0.0)
+
+
+PAUSES: Final = Pauses()
+"""This process's collections' pauses."""
 
 
 ROUND: Final = 10
@@ -139,8 +168,8 @@ class LoopWatch(Periodic):
 
     def __init__(self, loop_getter: Callable[[], asyncio.AbstractEventLoop | None], *, concurrency: int,
                  max_lag_ms: float, max_rss_mb: int, min_runs: int, max_cpu_pct: float,
-                 in_flight: Callable[[], int]) -> None:
-        self.watching = max_lag_ms > 0 or max_rss_mb > 0 or max_cpu_pct > 0
+                 in_flight: Callable[[], int], max_pause_ms: float = 0.0, pauses: Pauses = PAUSES) -> None:
+        self.watching = max_lag_ms > 0 or max_rss_mb > 0 or max_cpu_pct > 0 or max_pause_ms > 0
         """False: no bound is set, this thread never runs, and every run is admitted."""
         super().__init__("runbrake-loop-watch", interval_s=INTERVAL_S, enabled=self.watching)
         self._loop_getter = loop_getter
@@ -149,6 +178,10 @@ class LoopWatch(Periodic):
         self.max_lag_s = max_lag_ms / 1000
         self.max_rss = max_rss_mb * 1024 * 1024
         self.max_cpu = max_cpu_pct / 100
+        self.max_pause_s = max_pause_ms / 1000
+        self._pauses = pauses
+        self._pause_s = 0.0
+        """The longest collection's pause of the last :data:`PAUSE_WINDOW_S`, as last judged."""
         self.min_runs = min_runs
         self._lags: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._pending: float | None = None
@@ -204,13 +237,17 @@ class LoopWatch(Periodic):
             lags = sorted(self._lags)
         lag = lags[int(0.9 * (len(lags) - 1))] if lags else 0.0
         rss = resident_bytes() if self.max_rss else 0
+        pause = self._pauses.longest() if self.max_pause_s else 0.0
         reason = None
         if self.max_lag_s and lag > self.max_lag_s:
             reason = f"event loop lag {lag * 1000:.1f} ms over {self.max_lag_s * 1000:g} ms"
         elif self.max_rss and rss > self.max_rss:
             reason = f"resident memory {rss / 2**20:.0f} MiB over {self.max_rss / 2**20:g} MiB"
+        elif self.max_pause_s and pause > self.max_pause_s:
+            reason = (f"a collection paused the process {pause * 1000:.1f} ms within {PAUSE_WINDOW_S:g} s, over "
+                      f"{self.max_pause_s * 1000:g} ms")
         with self._lock:
-            self._lag_s, self._rss = lag, rss
+            self._lag_s, self._rss, self._pause_s = lag, rss, pause
             opened, closed = self._closed_by is not None and reason is None, self._closed_by is None and reason
             self._closed_by = reason
         metrics.EVENT_LOOP_LAG.set(lag)
@@ -263,11 +300,14 @@ class LoopWatch(Periodic):
 
     def saturation(self) -> float:
         """How saturated the process is: 1.0 at a bound, the largest of its runs against ``--concurrency``,
-        the loop's lag against its bound, its CPU and RSS against theirs (``runbrake_worker_saturation``)."""
+        the loop's lag against its bound, its CPU, RSS and collections' pauses against theirs
+        (``runbrake_worker_saturation``)."""
         in_flight = self._in_flight()
         with self._lock:
-            lag, rss, cpu = self._lag_s, self._rss, self._cpu
+            lag, rss, cpu, pause = self._lag_s, self._rss, self._cpu, self._pause_s
         parts = [in_flight / self.concurrency]
+        if self.max_pause_s:
+            parts.append(pause / self.max_pause_s)
         if self.max_lag_s:
             parts.append(lag / self.max_lag_s)
         if self.max_rss:
