@@ -42,7 +42,9 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
     structlog.configure(
         processors=[*shared_processors, structlog.processors.StackInfoRenderer(), *exceptions, *redact, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write a line, its newline with it: print() writes them apart, and with PYTHONUNBUFFERED (most
+        # containers) the processes of one supervisor, sharing its stderr, put their lines into each other's.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     handler = _StructlogOutput()
@@ -110,7 +112,7 @@ class _StructlogOutput(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__()
-        self._output = structlog.PrintLogger(file=sys.stderr)
+        self._output = structlog.WriteLogger(file=sys.stderr)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

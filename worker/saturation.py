@@ -252,7 +252,7 @@ class LoopWatch(Periodic):
             self._closed_by = reason
         metrics.EVENT_LOOP_LAG.set(lag)
         if closed:
-            log.warning("admission_paused", reason=reason)
+            log.info("admission_paused", reason=reason)  # the bound doing its work, as at every saturation
         elif opened:
             log.info("admission_resumed", lag_ms=round(lag * 1000, 1))
 
