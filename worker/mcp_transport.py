@@ -591,10 +591,6 @@ class ClientShare:
                 with anyio.CancelScope(shield=True):  # its idle connections' sockets, closed whatever cut us off
                     await client.aclose()
 
-    def clients(self) -> int:
-        """Clients open."""
-        return len(self._lent)
-
 
 _BOUNDED: Final = bound_bodies(MAX_MESSAGE_BYTES, what="the MCP server's answer", event_streams=False)
 
